@@ -1,0 +1,69 @@
+"""Tiny random Hugging Face checkpoints, built and saved by `transformers`, for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+TEXT = (
+    "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+    "You are all resolved rather to die than to famish? Resolved. resolved. "
+    "First, you know Caius Marcius is chief enemy to the people. We know't, we know't. "
+    "Café naïve 你好 🙂 — numbers 12345 and    spaces.\n\n"
+)
+
+# architecture name -> (transformers config class name, extra config fields)
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-untied": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+
+
+def train_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    return tok
+
+
+def build_checkpoint(out: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 384, **overrides: Any) -> Path:
+    """Save a tiny random model of `arch` (a key of ARCHS) with a tiny BPE tokenizer to `out`."""
+    import transformers
+
+    config_cls_name, extra = ARCHS[arch]
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    fields.update(extra)
+    fields.update(overrides)
+    config = getattr(transformers, config_cls_name)(**fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init is tiny; widen it so that logits differ visibly
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok = train_tiny_tokenizer(vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "chat_template": '
+        '"{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}<|im_end|>\\n{% endfor %}'
+        '{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"}'
+    )
+    return out

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import build_checkpoint  # noqa: E402
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def shared_data(relative: str) -> Path:
+    """A path under ../shared/data, or skip the test with the reason when it is absent."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared test data (../shared/data beside the checkout) is needed")
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = build_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")

@@ -1,0 +1,80 @@
+"""weft's model against the `transformers` reference on the same tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from weft import LLM, SamplingParams
+
+ARCHS = ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3"]
+PROMPTS = [
+    [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
+    [11, 12, 13],
+    [200, 201, 202, 203, 204, 205, 206, 207, 208, 209],
+    [3],
+]
+
+
+def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:  # [V]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def weft_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    vocab = llm.config.model.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=vocab)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        position = out.outputs[0].logprobs[0]
+        row = torch.full((vocab,), float("nan"))
+        for token_id, lp in position.items():
+            row[token_id] = lp.logprob
+        result.append(row)
+    return result
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # Relative tolerance 1e-4 on values of order 1-10, plus a small absolute floor.
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers_batched(checkpoint_factory, arch):
+    path = checkpoint_factory(arch)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), show_progress=False)
+    for actual, prompt in zip(weft_logprobs(llm, PROMPTS), PROMPTS, strict=True):
+        assert_close(actual, reference_logprobs(reference, prompt))
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    long_prompt = [(i * 37) % 380 + 3 for i in range(70)]
+    # A 16-token budget forces the 70-token prompt through 5 chunks; blocks of 8 make prefix hits likely.
+    llm = LLM(str(path), show_progress=False, max_num_batched_tokens=16, block_size=8)
+    (first,) = weft_logprobs(llm, [long_prompt])
+    assert_close(first, reference_logprobs(reference, long_prompt))
+    extended = [*long_prompt[:64], 5, 6, 7]
+    (second,) = weft_logprobs(llm, [extended])
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 64
+    assert_close(second, reference_logprobs(reference, extended))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
+    path = checkpoint_factory(arch)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    for out, prompt in zip(outputs, PROMPTS[:3], strict=True):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64,
+                                          min_new_tokens=64, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == expected

@@ -1,0 +1,218 @@
+"""Train weft's bundled default model: a small Llama on Tiny Shakespeare, on CPU.
+
+Steps, in order:
+  1. read the corpus and split it: the first 90% trains, the last 10% validates;
+  2. train a byte-level BPE tokenizer (the `tokenizers` library) on the training text;
+  3. train a small `LlamaForCausalLM` (Hugging Face `transformers`) with AdamW and a cosine
+     schedule, seeded, evaluating on the held-out text as it goes;
+  4. save a standard checkpoint directory in float16 (config.json, model.safetensors,
+     tokenizer.json, tokenizer_config.json with a chat template, generation_config.json)
+     and a `training.json` report (validation loss and perplexity, time, sizes).
+
+Reproduce the shipped model (about 25 minutes on 2 CPU cores):
+
+    python tools/train_default_model.py --out weft/default_model
+
+`transformers` is needed here (it is a test/dev dependency of weft), never at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpora" / "tinyshakespeare.txt"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    seq_len: int = 256
+    batch_size: int = 24
+    max_steps: int = 1200
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_batches: int = 20
+
+
+def train_tokenizer(text: str, vocab_size: int):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    return tok
+
+
+def build_model(cfg: TrainConfig):  # -> transformers.LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batches(data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
+    return torch.stack([data[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # [B, S+1]
+
+
+def next_token_loss(model, rows: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=rows[:, :-1]).logits  # [B, S, V]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, cfg: TrainConfig) -> float:
+    """Mean next-token loss over non-overlapping windows of the held-out text."""
+    model.eval()
+    num_windows = min(cfg.eval_batches * cfg.batch_size, (data.numel() - 1) // cfg.seq_len)
+    windows = data[: num_windows * cfg.seq_len + 1]
+    total, count = 0.0, 0
+    for i in range(0, num_windows, cfg.batch_size):
+        idx = torch.arange(i, min(i + cfg.batch_size, num_windows))
+        rows = torch.stack([windows[j * cfg.seq_len : (j + 1) * cfg.seq_len + 1] for j in idx.tolist()])
+        total += next_token_loss(model, rows).item() * rows.shape[0]
+        count += rows.shape[0]
+    model.train()
+    return total / count
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def save(model, tok, out: Path, report: dict) -> None:
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0).save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": 1024,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("weft/default_model"))
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    args = parser.parse_args()
+    cfg = TrainConfig(max_steps=args.max_steps)
+    torch.manual_seed(cfg.seed)
+    started = time.perf_counter()
+
+    text = args.corpus.read_text(encoding="utf-8")
+    split = int(len(text) * 0.9)
+    tok = train_tokenizer(text[:split], cfg.vocab_size)
+    cfg.vocab_size = tok.get_vocab_size()
+    train_ids = torch.tensor(tok.encode(text[:split]).ids, dtype=torch.long)
+    val_ids = torch.tensor(tok.encode(text[split:]).ids, dtype=torch.long)
+    print(f"corpus {len(text):,} chars; train {train_ids.numel():,} tokens, val {val_ids.numel():,} tokens")
+
+    model = build_model(cfg)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.2f}M parameters")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    untrained_val_loss = evaluate(model, val_ids, cfg)
+    print(f"untrained val loss {untrained_val_loss:.3f}")
+    history = []
+    for step in range(cfg.max_steps):
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        rows = batches(train_ids, cfg, gen)
+        loss = next_token_loss(model, rows)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
+            val_loss = evaluate(model, val_ids, cfg)
+            history.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val_loss})
+            elapsed = time.perf_counter() - started
+            print(f"step {step + 1}/{cfg.max_steps} train {loss.item():.3f} val {val_loss:.3f} ({elapsed:.0f}s)", flush=True)
+
+    val_loss = history[-1]["val_loss"]
+    report = {
+        "config": asdict(cfg),
+        "corpus": args.corpus.name,
+        "num_parameters": num_params,
+        "train_tokens": train_ids.numel(),
+        "val_tokens": val_ids.numel(),
+        "untrained_val_loss": untrained_val_loss,
+        "val_loss": val_loss,
+        "val_perplexity": math.exp(val_loss),
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "torch_threads": torch.get_num_threads(),
+        "history": history,
+    }
+    save(model, tok, args.out, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""weft: a text-generation engine for causal language models.
+
+    from weft import LLM, SamplingParams
+    llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
+    print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
+"""
+
+from weft.llm import LLM, default_model_path
+from weft.outputs import CompletionOutput, Logprob, RequestOutput
+from weft.params import LogprobsMode, OutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "LogprobsMode",
+    "OutputKind",
+    "RequestOutput",
+    "SamplingParams",
+    "default_model_path",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,197 @@
+"""Frozen configuration objects. This is the one module that reads configuration files.
+
+Each component receives only its own sub-config: the scheduler a `SchedulerConfig`, the KV cache a
+`CacheConfig`, the model a `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration file or option that weft cannot use; the message names the file or option."""
+
+
+class RopeType(StrEnum):
+    DEFAULT = "default"
+    LINEAR = "linear"
+    LLAMA3 = "llama3"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: RopeType = RopeType.DEFAULT
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        try:
+            return _model_config_from_dict(raw)
+        except KeyError as exc:
+            raise ConfigError(f"{source}: missing required field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_file(cls, path: Path) -> ModelConfig:
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ValueError("no 'architectures' entry, so the model class is unknown")
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    return ModelConfig(
+        architecture=str(architectures[0]),
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+    )
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    """Rope settings from either layout: `rope_theta` + `rope_scaling` (transformers 4) or
+    `rope_parameters` (transformers 5)."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = str(merged.get("rope_type", merged.get("type", "default")))
+    try:
+        rope_type = RopeType(kind)
+    except ValueError:
+        supported = ", ".join(t.value for t in RopeType)
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {supported})") from None
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` token slots in every layer."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: torch.device
+    dtype: torch.dtype
+    seed: int = 0
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`None`/"auto" means float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def read_optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path) if path.is_file() else {}

@@ -1,0 +1,1 @@
+"""The engine core: scheduler, KV-cache manager, model runner and the step loop."""

@@ -1,0 +1,202 @@
+"""Paged KV-cache bookkeeping: which block holds which tokens of which request.
+
+The KV tensors themselves live in the model runner; this module only hands out block ids.
+
+- Blocks have reference counts. A block with no references sits in the free queue, oldest first,
+  and is reused from the front (LRU).
+- A *full* block is identified by the hash chain of its tokens (`hash((parent_hash, tokens))`),
+  so identical prefixes are stored once: across requests (prefix caching), across the samples of
+  one prompt and across beams. A freed block keeps its hash until it is reused, so a later request
+  with the same prefix can revive it.
+- Forking a request shares all of its blocks. Only full blocks are ever shared for writing-free
+  reads; before a request writes into a block that others also reference, it gets a private copy
+  (copy-on-write), recorded as a (src, dst) pair for the runner to copy before the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from weft.config import CacheConfig
+from weft.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to rule out hash collisions
+
+
+class BlockPool:
+    """All blocks, the LRU free queue and the hash -> block map of cached full blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self) -> Block:
+        """Take the least recently freed block, evicting its cached contents."""
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_cnt = 1
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Add a reference, taking the block out of the free queue if it was there."""
+        if block.ref_cnt == 0:
+            del self.free_queue[block.block_id]
+        block.ref_cnt += 1
+
+    def release(self, block: Block) -> None:
+        assert block.ref_cnt > 0, f"block {block.block_id} released more often than referenced"
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already cached, or an identical block was computed by another request
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """Prefix-cache hits for a new request: its first `len(blocks)` blocks are already computed."""
+
+    blocks: list[Block]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+class KVCacheManager:
+    """The scheduler's narrow interface to KV memory."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_blocks)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_num_hashed: dict[str, int] = {}
+        self.req_last_hash: dict[str, int | None] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, copy-on-write
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of `request`, in full blocks, leaving at least one token to compute
+        (the last token must run through the model to produce logits)."""
+        if not self.enable_caching:
+            return ComputedBlocks([])
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash((parent, tokens))
+            block = self.pool.lookup(parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `request` (after any prefix-cache hits in
+        `computed`). Returns the request's block table, or None (changing nothing) if there are
+        not enough free blocks."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        hits = computed.blocks if computed else []
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(hits))
+        write_idx = num_computed // self.block_size
+        needs_copy = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks + int(needs_copy) + num_revived > self.pool.num_free:
+            return None
+        for block in hits:
+            self.pool.touch(block)
+        blocks = blocks + hits + [self.pool.allocate() for _ in range(num_new_blocks)]
+        if needs_copy:
+            blocks[write_idx] = self._copy_on_write(blocks[write_idx])
+        self.req_blocks[request.request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def _copy_on_write(self, shared: Block) -> Block:
+        private = self.pool.allocate()
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.pool.release(shared)
+        return private
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register every block that is now full of computed tokens under its hash chain."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self.req_num_hashed.get(rid, 0)
+        parent = self.req_last_hash.get(rid)
+        for i in range(start, num_full):
+            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash((parent, tokens))
+            self.pool.register(blocks[i], parent, tokens)
+        if num_full > start:
+            self.req_num_hashed[rid] = num_full
+            self.req_last_hash[rid] = parent
+
+    def fork(self, parent_id: str, child: Request) -> list[int]:
+        """Give `child` all of the parent's blocks, shared; the first write copies (copy-on-write)."""
+        blocks = list(self.req_blocks[parent_id])
+        for block in blocks:
+            self.pool.touch(block)
+        self.req_blocks[child.request_id] = blocks
+        self.req_num_hashed[child.request_id] = self.req_num_hashed.get(parent_id, 0)
+        self.req_last_hash[child.request_id] = self.req_last_hash.get(parent_id)
+        return [b.block_id for b in blocks]
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first, so that the tail is evicted first."""
+        for block in reversed(self.req_blocks.pop(request_id, [])):
+            self.pool.release(block)
+        self.req_num_hashed.pop(request_id, None)
+        self.req_last_hash.pop(request_id, None)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

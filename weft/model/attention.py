@@ -1,0 +1,112 @@
+"""Attention over a paged KV cache, for a batch of sequences of different lengths.
+
+Each layer's cache is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`. A step's
+tokens (prompts, prompt chunks and single decode tokens, mixed) are written at their slots, then each
+sequence attends over the blocks of its block table. The metadata is built once per step and shared
+by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block_id * block_size + offset) per token
+    block_table: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    query_scatter_idx: torch.Tensor | None  # [T] int64, token -> row in [B * max_q]; None if all q_len 1
+    attn_mask: torch.Tensor | None  # [B, 1, max_q, kv_len] bool, True = attend; None if not needed
+    max_query_len: int
+    kv_len: int  # keys gathered per sequence (max context length in the batch)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_table.shape[0])
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for one step, plus the positions of all tokens ([T] int64).
+
+    `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
+    `query_lens[i]` of them.
+    """
+    num_seqs = len(query_lens)
+    max_q, kv_len = max(query_lens), max(context_lens)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
+    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)  # [B]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
+    starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
+    offset_in_query = torch.arange(int(q_lens.sum())) - starts[seq_idx]  # [T]
+    positions = (ctx_lens - q_lens)[seq_idx] + offset_in_query  # [T]
+
+    max_blocks = max(len(t) for t in block_tables)
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    for i, blocks in enumerate(block_tables):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+    slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
+
+    scatter_idx, mask = None, None
+    if max_q > 1:
+        scatter_idx = seq_idx * max_q + offset_in_query
+    if num_seqs > 1 or max_q > 1:
+        q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+        k_pos = torch.arange(kv_len)  # [kv_len]
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
+        mask = mask.unsqueeze(1)  # [B, 1, max_q, kv_len]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_table=table.to(device),
+        query_scatter_idx=None if scatter_idx is None else scatter_idx.to(device),
+        attn_mask=None if mask is None else mask.to(device),
+        max_query_len=max_q,
+        kv_len=kv_len,
+    )
+    return meta, positions.to(device)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H * D]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    # [B, max_blocks * block_size, KVH, D] -> [B, KVH, kv_len, D]
+    keys = k_cache[meta.block_table].flatten(1, 2)[:, : meta.kv_len].transpose(1, 2)
+    values = v_cache[meta.block_table].flatten(1, 2)[:, : meta.kv_len].transpose(1, 2)
+    if meta.query_scatter_idx is None:
+        queries = q.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+        queries.index_copy_(0, meta.query_scatter_idx, q)
+        queries = queries.view(num_seqs, max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [B, H, max_q, D]
+        keys,
+        values,
+        attn_mask=meta.attn_mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [B, H, max_q, D]
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads * head_dim)
+    if meta.query_scatter_idx is not None:
+        out = out.index_select(0, meta.query_scatter_idx)
+    return out  # [T, H * D]

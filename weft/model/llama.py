@@ -1,0 +1,119 @@
+"""The Llama family of decoders (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2, Qwen3) over a paged
+KV cache. The families differ only in small switches, gathered in `DecoderSpec`:
+
+- Qwen2 has biases on the q/k/v projections;
+- Qwen3 normalises q and k per head (RMSNorm over head_dim) before the rotary embedding;
+- Llama checkpoints with `attention_bias` have biases on q/k/v and o.
+
+Projections are fused: q, k and v into one [hidden, (H + 2 * KVH) * D] matrix, gate and up into
+one [hidden, 2 * intermediate] matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weft.config import ModelConfig
+from weft.model.attention import AttentionMetadata, paged_attention
+from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, KVH, D]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o = Linear(self.q_size, config.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, spec)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        x = x + self.attn(self.input_norm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        # With tied embeddings the loader fills lm_head with a transposed copy of the embedding:
+        # the lookup wants [V, hidden] rows, the projection a contiguous [hidden, V] matrix.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
+        x = self.embed(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,164 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a weft model.
+
+Steps:
+  1. read config.json and resolve the architecture;
+  2. list the safetensors files (one file, or many named by model.safetensors.index.json);
+  3. read every tensor, with a progress bar, checking names and shapes against the config;
+  4. fuse and transpose into weft's layout (q/k/v fused, gate/up fused, [in, out] matrices);
+  5. move to the target device and dtype.
+
+Every error names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from weft.config import ConfigError, ModelConfig
+from weft.model.llama import LlamaForCausalLM
+from weft.model.registry import resolve_architecture
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded; the message names the file and the problem."""
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights found (is this a checkpoint directory?)")
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
+    return files
+
+
+def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """Yield (name, file, tensor) for every tensor in `files`."""
+    handles = []
+    total = 0
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+        handles.append((path, handle))
+        total += len(list(handle.keys()))
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False) as bar:
+        for path, handle in handles:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except (SafetensorError, OSError) as exc:
+                    raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from None
+                bar.update(1)
+                yield name, path, tensor
+
+
+class _Weights:
+    """The checkpoint's tensors by Hugging Face name, remembering which file each came from."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.files: dict[str, Path] = {}
+
+    def add(self, name: str, path: Path, tensor: torch.Tensor) -> None:
+        self.tensors[name] = tensor
+        self.files[name] = path
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}, which the config requires")
+        tensor = self.tensors.pop(name)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{self.files[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"but config.json implies {shape}"
+            )
+        return tensor
+
+
+def load_model(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    show_progress: bool = True,
+) -> LlamaForCausalLM:
+    arch = resolve_architecture(config)
+    weights = _Weights()
+    for name, path, tensor in read_tensors(safetensors_files(model_dir), show_progress):
+        weights.add(name, path, tensor)
+    with torch.device("meta"):
+        model = arch.model_class(config, arch.spec, max_positions)
+    state = _convert(weights, model, config)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope)  # rebuilt off meta
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _convert(weights: _Weights, model: LlamaForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names and layout -> weft's, checking every shape."""
+    h, d = config.hidden_size, config.head_dim
+    q_out, kv_out, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
+    state: dict[str, torch.Tensor] = {}
+    embed = weights.take("model.embed_tokens.weight", (config.vocab_size, h))
+    state["embed.weight"] = embed
+    for i, layer in enumerate(model.layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [weights.take(src + f"self_attn.{p}_proj.weight", (n, h)) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        state[dst + "attn.qkv.weight"] = torch.cat(qkv).t().contiguous()
+        if layer.attn.qkv.bias is not None:
+            biases = [weights.take(src + f"self_attn.{p}_proj.bias", (n,)) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+            state[dst + "attn.qkv.bias"] = torch.cat(biases)
+        state[dst + "attn.o.weight"] = weights.take(src + "self_attn.o_proj.weight", (h, q_out)).t().contiguous()
+        if layer.attn.o.bias is not None:
+            state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))
+        if layer.attn.q_norm is not None:
+            state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (d,))
+            state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (d,))
+        gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
+        up = weights.take(src + "mlp.up_proj.weight", (inter, h))
+        state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up]).t().contiguous()
+        state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter)).t().contiguous()
+        state[dst + "input_norm.weight"] = weights.take(src + "input_layernorm.weight", (h,))
+        state[dst + "post_attn_norm.weight"] = weights.take(src + "post_attention_layernorm.weight", (h,))
+    state["norm.weight"] = weights.take("model.norm.weight", (h,))
+    if config.tie_word_embeddings or "lm_head.weight" not in weights.tensors:
+        if not config.tie_word_embeddings:
+            raise CheckpointError("checkpoint has no 'lm_head.weight' and config.json does not tie embeddings")
+        weights.tensors.pop("lm_head.weight", None)
+        state["lm_head.weight"] = embed.t().contiguous()
+    else:
+        state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h)).t().contiguous()
+    _check_leftovers(weights)
+    return state
+
+
+def _check_leftovers(weights: _Weights) -> None:
+    ignorable = ("rotary_emb.inv_freq",)
+    leftovers = [n for n in weights.tensors if not n.endswith(ignorable)]
+    if leftovers:
+        shown = ", ".join(sorted(leftovers)[:5])
+        raise CheckpointError(
+            f"{weights.files[leftovers[0]]}: {len(leftovers)} tensors that this architecture does not use "
+            f"(e.g. {shown}); is config.json for this checkpoint?"
+        )
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found; a checkpoint directory needs config.json")
+    return ModelConfig.from_file(path)

@@ -1,0 +1,86 @@
+"""What generation returns: per-token logprobs, completions and request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """The log-probability of one token, its rank in its distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# For one position: token id -> Logprob, the chosen token first, then the top-n alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobsTensors:
+    """Logprobs of a batch of sampled rows. Column 0 is the sampled token, columns 1..k the top-k."""
+
+    token_ids: torch.Tensor  # [B, k+1] int64
+    logprobs: torch.Tensor  # [B, k+1] float32
+    ranks: torch.Tensor  # [B] int64, rank of the sampled token (1 = argmax)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, one sampled token per row
+    logprobs: torch.Tensor | None  # [B] float32, the sampled token's logprob; None unless requested
+    top_logprobs: LogprobsTensors | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_queried_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "kv_blocks_total": self.kv_blocks_total,
+            "kv_blocks_used": self.kv_blocks_used,
+            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
+            "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            **self.extra,
+        }

@@ -1,0 +1,126 @@
+"""User-facing sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+# A third-party logits processor: (token ids so far, logits [V]) -> logits [V].
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+class OutputKind(StrEnum):
+    """What each `RequestOutput` of a request carries."""
+
+    CUMULATIVE = "cumulative"  # all text and tokens so far
+    DELTA = "delta"  # only what is new since the last output
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+class LogprobsMode(StrEnum):
+    """Which distribution `logprobs` report.
+
+    RAW: the model's own distribution, log_softmax of the logits as the model produced them.
+    PROCESSED: the distribution actually sampled from, after the grammar mask, logits processors,
+    penalties and temperature (and top-k/top-p/min-p filtering, which sets filtered tokens to -inf).
+    """
+
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Every field is checked here; a bad value raises `ValueError`
+    that names the field.
+
+    `temperature=0` is greedy decoding. `top_k=0` (or -1) and `top_p=1` disable those filters.
+    `seed` makes a request reproducible whatever else runs in the same batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    logits_processors: Sequence[LogitsProcessor] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (disabled) or a positive count")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"
+        )
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        self._normalize()
+
+    def _normalize(self) -> None:
+        stop = self.stop
+        stop_list = [stop] if isinstance(stop, str) else list(stop or [])
+        for s in stop_list:
+            _check(isinstance(s, str) and s != "", "stop", s, "entries must be non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop_list))
+        ids = tuple(int(t) for t in (self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        object.__setattr__(self, "logprobs_mode", LogprobsMode(self.logprobs_mode))
+        object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        for fn in self.logits_processors:
+            _check(callable(fn), "logits_processors", fn, "entries must be callables (token_ids, logits) -> logits")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        assert isinstance(self.stop, tuple)
+        return self.stop
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")

@@ -1,0 +1,176 @@
+"""The batch sampler: one vectorized pass over all rows, each with its own parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weft.outputs import LogprobsTensors, SamplerOutput
+from weft.params import LogitsProcessor, LogprobsMode
+from weft.request import Request
+from weft.sample import ops
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    prompt_ids: torch.Tensor  # [B, Lp] int64, padded with V
+    output_ids: torch.Tensor  # [B, Lo] int64, padded with V
+    repetition: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors, with flags for the fast paths."""
+
+    temperature: torch.Tensor  # [B] float32, 1 for greedy rows (they take the argmax)
+    is_greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # [B] float32; None when no row uses it
+    min_p: torch.Tensor | None  # [B] float32; None when no row uses it
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, index of the token being sampled
+    penalties: Penalties | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (row idx, token id) [N] int64 each: min_tokens
+    processors: list[tuple[int, Sequence[LogitsProcessor], list[int]]]  # (row, fns, output token ids)
+    all_greedy: bool
+    num_top_logprobs: int | None  # max top-n over rows; None when no row wants logprobs
+    processed_rows: torch.Tensor | None  # [B] bool, rows whose logprobs are PROCESSED
+
+    @classmethod
+    def build(cls, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [r.params for r in requests]
+        greedy = [p.is_greedy for p in params]
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        processed = [p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
+        return cls(
+            temperature=column([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                               torch.float32),
+            is_greedy=column(greedy, torch.bool),
+            top_k=column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
+            top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
+            seeds=column([r.seed for r in requests], torch.int64),
+            positions=column([r.num_tokens for r in requests], torch.int64),
+            penalties=_penalties(requests, vocab_size, device),
+            banned=_banned_until_min_tokens(requests, device),
+            processors=[(i, r.params.logits_processors, r.output_token_ids)
+                        for i, r in enumerate(requests) if r.params.logits_processors],
+            all_greedy=all(greedy),
+            num_top_logprobs=max(wanted) if wanted else None,
+            processed_rows=column(processed, torch.bool) if any(processed) and wanted else None,
+        )
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.device) -> Penalties | None:
+    if not any(r.params.needs_penalties for r in requests):
+        return None
+    active = [r.params.needs_penalties for r in requests]
+    return Penalties(
+        prompt_ids=_pad([r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
+                        vocab_size, device),
+        output_ids=_pad([r.output_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
+                        vocab_size, device),
+        repetition=torch.tensor([r.params.repetition_penalty for r in requests], device=device),
+        presence=torch.tensor([r.params.presence_penalty for r in requests], device=device),
+        frequency=torch.tensor([r.params.frequency_penalty for r in requests], device=device),
+    )
+
+
+def _banned_until_min_tokens(
+    requests: Sequence[Request], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """EOS and stop tokens may not end a request before it has `min_tokens` output tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens:
+            stop_ids = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else r.eos_token_ids)
+            rows.extend([i] * len(stop_ids))
+            tokens.extend(stop_ids)
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+
+
+class Sampler:
+    """Steps, in order:
+    1. raw logprobs, the model's own distribution (only when some row asks for logprobs);
+    2. ban EOS/stop tokens for rows below `min_tokens`;
+    3. third-party logits processors, on the rows that have them;
+    4. repetition, presence and frequency penalties;
+    5. temperature;
+    6. top-k, then top-p, then min-p filtering;
+    7. sample: argmax for greedy rows, Gumbel-max keyed by (seed, position) for the others;
+    8. gather the sampled token's logprob and rank, and the top-n alternatives.
+
+    The grammar bitmask (structured generation) is applied to the logits before the sampler runs,
+    after step 1's raw logprobs are taken by the caller when needed.
+    """
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
+                 raw_logprobs: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [B, V] float32 (modified in place). raw_logprobs: [B, V], if the caller took them
+        before masking; otherwise they are computed here from `logits`."""
+        if batch.num_top_logprobs is not None and raw_logprobs is None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if batch.banned is not None:
+            logits[batch.banned] = float("-inf")
+        for row, fns, token_ids in batch.processors:
+            for fn in fns:
+                logits[row] = fn(list(token_ids), logits[row])
+        if batch.penalties is not None:
+            p = batch.penalties
+            ops.apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.presence, p.frequency)
+        logits = self._filter(logits / batch.temperature[:, None], batch)
+        token_ids = self._sample(logits, batch)
+        return self._gather(logits, raw_logprobs, token_ids, batch)
+
+    def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.top_k is not None:
+            logits = ops.apply_top_k(logits, batch.top_k)
+        if batch.top_p is not None:
+            logits = ops.apply_top_p(logits, batch.top_p)
+        if batch.min_p is not None:
+            logits = ops.apply_min_p(logits, batch.min_p)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)  # [B]
+        if batch.all_greedy:
+            return greedy
+        sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
+        return torch.where(batch.is_greedy, greedy, sampled)
+
+    def _gather(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+                batch: SamplingBatch) -> SamplerOutput:
+        if batch.num_top_logprobs is None or raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
+        logprobs = raw_logprobs
+        if batch.processed_rows is not None:
+            processed = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
+        ids, values, ranks = ops.gather_logprobs(logprobs, token_ids, batch.num_top_logprobs)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=values[:, 0],
+            top_logprobs=LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks),
+        )

@@ -1,0 +1,175 @@
+"""Tokenizer wrapper, incremental detokenizer, stop strings and chat templates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from weft.config import ConfigError, read_optional_json
+
+Message = dict[str, Any]
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus what tokenizer_config.json says about special tokens and the
+    chat template."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = _chat_template(config)
+        self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: file not found; weft needs a fast tokenizer (tokenizer.json)")
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ConfigError(f"{path}: cannot be read as a tokenizer ({exc})") from None
+        return cls(tokenizer, read_optional_json(model_dir / "tokenizer_config.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        if self.chat_template is None:
+            raise ValueError(
+                "this model's tokenizer_config.json has no chat_template; use generate() with a plain "
+                "prompt, or pass chat_template= to chat()"
+            )
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
+        )
+
+
+def _chat_template(config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def render_chat_template(template: str, messages: list[Message], add_generation_prompt: bool = True,
+                         **context: Any) -> str:
+    """Render a Hugging Face chat template in a sandboxed jinja2 environment."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        compiled = env.from_string(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template failed: {exc}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, a few tokens at a time.
+
+    Decoding token by token breaks byte-level BPE and sentencepiece byte fallback (a character can
+    span several tokens) and sentencepiece's leading-space handling. So each update decodes a short
+    window twice, once up to the last emitted token and once up to the newest, and emits the
+    difference; while the newest text ends in an incomplete character (U+FFFD), it waits.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_ids)
+        self.read_offset = len(prompt_ids)
+        self.prefix_offset = max(len(prompt_ids) - 6, 0)
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        self.token_ids.extend(new_token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return full[len(prefix) :]
+
+
+@dataclass(frozen=True, slots=True)
+class StopMatch:
+    text: str  # the text up to the stop string (with it when included)
+    stop: str
+
+
+class StopStringMatcher:
+    """Finds the first stop string in growing text, also when it spans tokens."""
+
+    def __init__(self, stops: Sequence[str], include_in_output: bool) -> None:
+        self.stops = tuple(stops)
+        self.include = include_in_output
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+
+    def check(self, text: str, num_new_chars: int) -> StopMatch | None:
+        if not self.stops or num_new_chars == 0:
+            return None
+        start = max(0, len(text) - num_new_chars - self.holdback)
+        best: tuple[int, str] | None = None
+        for stop in self.stops:
+            idx = text.find(stop, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        return StopMatch(text[: idx + len(stop)] if self.include else text[:idx], stop)
