@@ -18,8 +18,18 @@ TEXT = (
 # architecture name -> (transformers config class name, extra config fields)
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
-    "llama3": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama3": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "llama-untied": ("LlamaConfig", {"tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
@@ -31,21 +41,35 @@ def train_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT] * 4, trainer)
     return tok
 
 
-def build_checkpoint(out: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 384, **overrides: Any) -> Path:
+def build_checkpoint(
+    out: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 384, **overrides: Any
+) -> Path:
     """Save a tiny random model of `arch` (a key of ARCHS) with a tiny BPE tokenizer to `out`."""
     import transformers
 
     config_cls_name, extra = ARCHS[arch]
     fields: dict[str, Any] = {
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
         "pad_token_id": 0,
     }
     fields.update(extra)

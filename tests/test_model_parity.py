@@ -75,6 +75,7 @@ def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     for out, prompt in zip(outputs, PROMPTS[:3], strict=True):
         with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64,
-                                          min_new_tokens=64, pad_token_id=0)[0, len(prompt):].tolist()
+            expected = reference.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0
+            )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == expected

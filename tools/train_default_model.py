@@ -150,7 +150,9 @@ def save(model, tok, out: Path, report: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("weft/default_model"))
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
@@ -194,7 +196,11 @@ def main() -> None:
             val_loss = evaluate(model, val_ids, cfg)
             history.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val_loss})
             elapsed = time.perf_counter() - started
-            print(f"step {step + 1}/{cfg.max_steps} train {loss.item():.3f} val {val_loss:.3f} ({elapsed:.0f}s)", flush=True)
+            print(
+                f"step {step + 1}/{cfg.max_steps} train {loss.item():.3f} val {val_loss:.3f} "
+                f"({elapsed:.0f}s)",
+                flush=True,
+            )
 
     val_loss = history[-1]["val_loss"]
     report = {

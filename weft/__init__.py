@@ -1,8 +1,8 @@
 """weft: a text-generation engine for causal language models.
 
-    from weft import LLM, SamplingParams
-    llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
-    print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
+from weft import LLM, SamplingParams
+llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
+print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
 """
 
 from weft.llm import LLM, default_model_path

@@ -6,7 +6,6 @@ import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -63,7 +62,8 @@ def _download(model_id: str) -> Path:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = "offline (HF_HUB_OFFLINE=1)" if offline else "unreachable or unknown"
         raise ConfigError(
-            f"{model_id!r} is not a local directory, and the Hugging Face hub is {hint} ({type(exc).__name__}); "
+            f"{model_id!r} is not a local directory, and the Hugging Face hub is {hint} "
+            f"({type(exc).__name__}); "
             "pass the path of a downloaded checkpoint directory instead"
         ) from None
 
@@ -100,20 +100,28 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.model_path)
         max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings)
         if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
-            raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                              f"({model_config.max_position_embeddings})")
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})"
+            )
         cache = CacheConfig(
             block_size=block_size,
-            num_blocks=num_kv_blocks or _default_num_blocks(model_config, block_size, torch_dtype, torch_device,
-                                                            max_len, max_num_seqs, kv_cache_memory_gb),
+            num_blocks=num_kv_blocks
+            or _default_num_blocks(
+                model_config, block_size, torch_dtype, torch_device, max_len, max_num_seqs, kv_cache_memory_gb
+            ),
             enable_prefix_caching=enable_prefix_caching,
         )
         if cache.num_blocks * block_size < max_len:
-            raise ConfigError(f"{cache.num_blocks} KV blocks of {block_size} tokens cannot hold one sequence of "
-                              f"max_model_len={max_len}; give more blocks or a smaller max_model_len")
+            raise ConfigError(
+                f"{cache.num_blocks} KV blocks of {block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_len}; give more blocks or a smaller max_model_len"
+            )
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(2048, block_size), max_len)
         self.config = EngineConfig(model_config, cache, scheduler, torch_device, torch_dtype, seed)
-        model_module = load_model(self.model_path, model_config, torch_dtype, torch_device, max_len, show_progress)
+        model_module = load_model(
+            self.model_path, model_config, torch_dtype, torch_device, max_len, show_progress
+        )
         self.engine = LLMEngine(self.config, model_module, self.tokenizer)
         self._ids = itertools.count()
 
@@ -131,7 +139,9 @@ class LLM:
         prompt order. Requests run batched; a list of params gives each prompt its own."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
-        request_ids = self._add_all(prompt_list, [p.replace(output_kind=OutputKind.FINAL_ONLY) for p in param_list])
+        request_ids = self._add_all(
+            prompt_list, [p.replace(output_kind=OutputKind.FINAL_ONLY) for p in param_list]
+        )
         return self._run_to_completion(request_ids, use_tqdm and len(prompt_list) > 1)
 
     def chat(
@@ -148,16 +158,21 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> list[int]:
+    def render_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
         from weft.tokenizer import render_chat_template
 
         if chat_template is None:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
         else:
-            text = render_chat_template(chat_template, messages, add_generation_prompt,
-                                        bos_token=self.tokenizer.bos_token or "",
-                                        eos_token=self.tokenizer.eos_token or "")
+            text = render_chat_template(
+                chat_template,
+                messages,
+                add_generation_prompt,
+                bos_token=self.tokenizer.bos_token or "",
+                eos_token=self.tokenizer.eos_token or "",
+            )
         # The template writes the special tokens (BOS included) itself.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -219,14 +234,18 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     return items  # type: ignore[return-value]
 
 
-def _as_param_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def _as_param_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     param_list = list(params)
     if len(param_list) != count:
-        raise ValueError(f"got {len(param_list)} SamplingParams for {count} prompts; give one, or one per prompt")
+        raise ValueError(
+            f"got {len(param_list)} SamplingParams for {count} prompts; give one, or one per prompt"
+        )
     return param_list
 
 
@@ -241,8 +260,15 @@ def _with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
     return replace(config, eos_token_ids=merged)
 
 
-def _default_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                        max_len: int, max_num_seqs: int, memory_gb: float | None) -> int:
+def _default_num_blocks(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    max_num_seqs: int,
+    memory_gb: float | None,
+) -> int:
     """As many blocks as `memory_gb` holds (default: 2 GiB on CPU, half the free memory on CUDA),
     but no more than every sequence at full length needs, and at least one full-length sequence."""
     per_block = ModelRunner.kv_bytes_per_block(config, block_size, dtype)

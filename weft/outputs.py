@@ -60,6 +60,7 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64, one sampled token per row
     logprobs: torch.Tensor | None  # [B] float32, the sampled token's logprob; None unless requested
     top_logprobs: LogprobsTensors | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why that row failed
 
 
 @dataclass(slots=True)

@@ -70,9 +70,17 @@ class SamplingParams:
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (disabled) or a positive count")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]"
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
         )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
@@ -100,7 +108,12 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         for fn in self.logits_processors:
-            _check(callable(fn), "logits_processors", fn, "entries must be callables (token_ids, logits) -> logits")
+            _check(
+                callable(fn),
+                "logits_processors",
+                fn,
+                "entries must be callables (token_ids, logits) -> logits",
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -87,7 +87,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def finish(self, reason: FinishReason, stop_reason: str | int | None = None, error: str | None = None) -> None:
+    def finish(
+        self, reason: FinishReason, stop_reason: str | int | None = None, error: str | None = None
+    ) -> None:
         self.status = FINISHED_STATUS[reason]
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -62,16 +62,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         if self.chat_template is None:
             raise ValueError(
                 "this model's tokenizer_config.json has no chat_template; use generate() with a plain "
                 "prompt, or pass chat_template= to chat()"
             )
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
         )
 
 
@@ -87,7 +92,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
@@ -95,8 +102,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def render_chat_template(template: str, messages: list[Message], add_generation_prompt: bool = True,
-                         **context: Any) -> str:
+def render_chat_template(
+    template: str, messages: list[Message], add_generation_prompt: bool = True, **context: Any
+) -> str:
     """Render a Hugging Face chat template in a sandboxed jinja2 environment."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]

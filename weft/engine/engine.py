@@ -66,8 +66,10 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= max_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; "
-                             "shorten the prompt or raise max_model_len")
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; "
+                "shorten the prompt or raise max_model_len"
+            )
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -75,8 +77,9 @@ class LLMEngine:
     def _new_sequence(self, state: RequestState, index: int, params: SamplingParams) -> Request:
         seed = self._seeds.getrandbits(62) if params.seed is None else params.seed + index
         request_id = state.request_id if state.num_samples == 1 else f"{state.request_id}#{index}"
-        request = Request(request_id, list(state.prompt_token_ids), params, self.eos_token_ids, seed,
-                          prompt=state.prompt)
+        request = Request(
+            request_id, list(state.prompt_token_ids), params, self.eos_token_ids, seed, prompt=state.prompt
+        )
         seq = SequenceOutput.create(request, index, self.tokenizer)
         state.sequences.append(seq)
         self.sequences[request_id] = seq
@@ -101,6 +104,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -109,16 +113,22 @@ class LLMEngine:
         sampling_requests = [s.request for s in sched.sampling]
         sampler_out = self._sample(logits, sampling_requests)
         token_ids = sampler_out.token_ids.tolist()
-        token_logprobs = _token_logprobs(sampler_out)
+        token_logprobs = dict(
+            zip([r.request_id for r in sampling_requests], _token_logprobs(sampler_out), strict=True)
+        )
+        failed = [sampling_requests[row] for row in sampler_out.errors]
+        for row, message in sampler_out.errors.items():
+            self.scheduler.finish(sampling_requests[row], FinishReason.ERROR, error=message)
         advanced = self.scheduler.update(sched, token_ids)
-        logprobs_of = dict(zip([r.request_id for r in sampling_requests], token_logprobs, strict=True))
-        touched: dict[str, RequestState] = {}
         for request in advanced:
-            self._process_token(request, logprobs_of.get(request.request_id))
-            touched[self.parent_of[request.request_id]] = self.states[self.parent_of[request.request_id]]
+            self._process_token(request, token_logprobs.get(request.request_id))
+        touched = {
+            self.parent_of[r.request_id]: self.states[self.parent_of[r.request_id]]
+            for r in [*failed, *advanced]
+        }
         for state in touched.values():
             self._fork_samples(state)
-        return self._emit(touched.values())
+        return self._emit(list(touched.values()))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         tokenizer_vocab = self.tokenizer.vocab_size

@@ -46,8 +46,9 @@ class SequenceOutput:
             logprobs=[] if params.logprobs is not None else None,
         )
 
-    def append(self, new_token_ids: list[int], token_logprobs: list[TokenLogprobs],
-               tokenizer: Tokenizer) -> StopMatch | None:
+    def append(
+        self, new_token_ids: list[int], token_logprobs: list[TokenLogprobs], tokenizer: Tokenizer
+    ) -> StopMatch | None:
         """Add newly generated tokens; returns the stop string match, if one completed."""
         before = len(self.text)
         self.text += self.detokenizer.update(new_token_ids)
@@ -68,9 +69,12 @@ class SequenceOutput:
             return
         num_top = self.request.params.logprobs or 0
         chosen_id, chosen_lp = item.token_ids[0], item.logprobs[0]
-        position: PositionLogprobs = {chosen_id: Logprob(chosen_lp, item.rank, tokenizer.decode([chosen_id], False))}
-        for rank, (tid, lp) in enumerate(zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top],
-                                             strict=True), start=1):
+        position: PositionLogprobs = {
+            chosen_id: Logprob(chosen_lp, item.rank, tokenizer.decode([chosen_id], False))
+        }
+        for rank, (tid, lp) in enumerate(
+            zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True), start=1
+        ):
             position.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid], False)))
         self.logprobs.append(position)
         self.cumulative_logprob += chosen_lp
@@ -80,7 +84,11 @@ class SequenceOutput:
         request = self.request
         finished = request.is_finished
         # While stop strings may still match, hold back text that could be the start of one.
-        visible = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self.stop_matcher.holdback)
+        visible = (
+            len(self.text)
+            if finished
+            else max(self.num_sent_chars, len(self.text) - self.stop_matcher.holdback)
+        )
         token_ids = request.output_token_ids
         logprobs = self.logprobs
         if kind == OutputKind.DELTA:

@@ -22,12 +22,23 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, cache_config: CacheConfig,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = cache_config.block_size
-        shape = (cache_config.num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = (
+            cache_config.num_blocks,
+            cache_config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
         # Zero-filled: slots never written are masked out, but 0 * garbage could still be NaN.
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -152,17 +152,23 @@ class Scheduler:
         tokens = iter(sampled_token_ids)
         for item in output.scheduled:
             request = item.request
-            if request.is_finished:  # aborted while the step ran
+            token = next(tokens) if item.samples else None
+            if request.is_finished:  # finished (aborted, failed) since it was scheduled
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(request)
-            if item.samples:
-                request.token_ids.append(next(tokens))
+            if token is not None:
+                request.token_ids.append(token)
                 advanced.append(request)
         return advanced
 
-    def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None,
-               error: str | None = None) -> None:
+    def finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+    ) -> None:
         """Finish `request` now and release its blocks."""
         if request.is_finished:
             return

@@ -71,6 +71,9 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the half-split ("rotate_half") layout used by Llama-family
     checkpoints on Hugging Face."""
 
+    cos: torch.Tensor  # [max_positions, D/2] float32
+    sin: torch.Tensor  # [max_positions, D/2] float32
+
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)  # [D/2]

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
-from weft.model.llama import LlamaForCausalLM
+from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
 
 
@@ -40,7 +40,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors weights found (is this a checkpoint directory?)")
+        raise CheckpointError(
+            f"{model_dir}: no *.safetensors weights found (is this a checkpoint directory?)"
+        )
     for path in files:
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
@@ -58,9 +60,11 @@ def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tupl
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
         handles.append((path, handle))
         total += len(list(handle.keys()))
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False) as bar:
+    with tqdm(
+        total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False
+    ) as bar:
         for path, handle in handles:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 try:
                     tensor = handle.get_tensor(name)
                 except (SafetensorError, OSError) as exc:
@@ -93,7 +97,11 @@ class _Weights:
 
 
 def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
     show_progress: bool = True,
 ) -> LlamaForCausalLM:
     arch = resolve_architecture(config)
@@ -102,42 +110,54 @@ def load_model(
         weights.add(name, path, tensor)
     with torch.device("meta"):
         model = arch.model_class(config, arch.spec, max_positions)
-    state = _convert(weights, model, config)
+    state = _convert(weights, arch.spec, config)
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope)  # rebuilt off meta
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _convert(weights: _Weights, model: LlamaForCausalLM, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face names and layout -> weft's, checking every shape."""
     h, d = config.hidden_size, config.head_dim
     q_out, kv_out, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
     state: dict[str, torch.Tensor] = {}
     embed = weights.take("model.embed_tokens.weight", (config.vocab_size, h))
     state["embed.weight"] = embed
-    for i, layer in enumerate(model.layers):
+    for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        qkv = [weights.take(src + f"self_attn.{p}_proj.weight", (n, h)) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        qkv = [
+            weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
+            for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
+        ]
         state[dst + "attn.qkv.weight"] = torch.cat(qkv).t().contiguous()
-        if layer.attn.qkv.bias is not None:
-            biases = [weights.take(src + f"self_attn.{p}_proj.bias", (n,)) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        if spec.qkv_bias:
+            biases = [
+                weights.take(src + f"self_attn.{p}_proj.bias", (n,))
+                for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
+            ]
             state[dst + "attn.qkv.bias"] = torch.cat(biases)
-        state[dst + "attn.o.weight"] = weights.take(src + "self_attn.o_proj.weight", (h, q_out)).t().contiguous()
-        if layer.attn.o.bias is not None:
+        state[dst + "attn.o.weight"] = (
+            weights.take(src + "self_attn.o_proj.weight", (h, q_out)).t().contiguous()
+        )
+        if spec.o_bias:
             state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))
-        if layer.attn.q_norm is not None:
+        if spec.qk_norm:
             state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (d,))
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (d,))
         gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
         up = weights.take(src + "mlp.up_proj.weight", (inter, h))
         state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up]).t().contiguous()
-        state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter)).t().contiguous()
+        state[dst + "mlp.down.weight"] = (
+            weights.take(src + "mlp.down_proj.weight", (h, inter)).t().contiguous()
+        )
         state[dst + "input_norm.weight"] = weights.take(src + "input_layernorm.weight", (h,))
         state[dst + "post_attn_norm.weight"] = weights.take(src + "post_attention_layernorm.weight", (h,))
     state["norm.weight"] = weights.take("model.norm.weight", (h,))
     if config.tie_word_embeddings or "lm_head.weight" not in weights.tensors:
         if not config.tie_word_embeddings:
-            raise CheckpointError("checkpoint has no 'lm_head.weight' and config.json does not tie embeddings")
+            raise CheckpointError(
+                "checkpoint has no 'lm_head.weight' and config.json does not tie embeddings"
+            )
         weights.tensors.pop("lm_head.weight", None)
         state["lm_head.weight"] = embed.t().contiguous()
     else:

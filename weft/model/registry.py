@@ -33,5 +33,7 @@ def resolve_architecture(config: ModelConfig) -> Architecture:
     if arch is _LLAMA and config.attention_bias:
         return _LLAMA_BIAS
     if config.attention_bias and not arch.spec.qkv_bias:
-        return Architecture(arch.model_class, DecoderSpec(qkv_bias=True, o_bias=True, qk_norm=arch.spec.qk_norm))
+        return Architecture(
+            arch.model_class, DecoderSpec(qkv_bias=True, o_bias=True, qk_norm=arch.spec.qk_norm)
+        )
     return arch

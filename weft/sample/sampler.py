@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,7 @@ class SamplingBatch:
         params = [r.params for r in requests]
         greedy = [p.is_greedy for p in params]
 
-        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         top_k = [p.top_k for p in params]
@@ -54,8 +54,9 @@ class SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         processed = [p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
         return cls(
-            temperature=column([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                               torch.float32),
+            temperature=column(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], torch.float32
+            ),
             is_greedy=column(greedy, torch.bool),
             top_k=column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
             top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
@@ -64,8 +65,11 @@ class SamplingBatch:
             positions=column([r.num_tokens for r in requests], torch.int64),
             penalties=_penalties(requests, vocab_size, device),
             banned=_banned_until_min_tokens(requests, device),
-            processors=[(i, r.params.logits_processors, r.output_token_ids)
-                        for i, r in enumerate(requests) if r.params.logits_processors],
+            processors=[
+                (i, r.params.logits_processors, r.output_token_ids)
+                for i, r in enumerate(requests)
+                if r.params.logits_processors
+            ],
             all_greedy=all(greedy),
             num_top_logprobs=max(wanted) if wanted else None,
             processed_rows=column(processed, torch.bool) if any(processed) and wanted else None,
@@ -85,10 +89,16 @@ def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.devic
         return None
     active = [r.params.needs_penalties for r in requests]
     return Penalties(
-        prompt_ids=_pad([r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
-                        vocab_size, device),
-        output_ids=_pad([r.output_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
-                        vocab_size, device),
+        prompt_ids=_pad(
+            [r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
+            vocab_size,
+            device,
+        ),
+        output_ids=_pad(
+            [r.output_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
+            vocab_size,
+            device,
+        ),
         repetition=torch.tensor([r.params.repetition_penalty for r in requests], device=device),
         presence=torch.tensor([r.params.presence_penalty for r in requests], device=device),
         frequency=torch.tensor([r.params.frequency_penalty for r in requests], device=device),
@@ -103,7 +113,9 @@ def _banned_until_min_tokens(
     tokens: list[int] = []
     for i, r in enumerate(requests):
         if r.num_output_tokens < r.params.min_tokens:
-            stop_ids = set(r.params.stop_token_ids or ()) | (set() if r.params.ignore_eos else r.eos_token_ids)
+            stop_ids = set(r.params.stop_token_ids or ()) | (
+                set() if r.params.ignore_eos else r.eos_token_ids
+            )
             rows.extend([i] * len(stop_ids))
             tokens.extend(stop_ids)
     if not rows:
@@ -126,23 +138,42 @@ class Sampler:
     after step 1's raw logprobs are taken by the caller when needed.
     """
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
-                 raw_logprobs: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, raw_logprobs: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place). raw_logprobs: [B, V], if the caller took them
         before masking; otherwise they are computed here from `logits`."""
         if batch.num_top_logprobs is not None and raw_logprobs is None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
-        for row, fns, token_ids in batch.processors:
-            for fn in fns:
-                logits[row] = fn(list(token_ids), logits[row])
+        errors = self._run_processors(logits, batch)
         if batch.penalties is not None:
             p = batch.penalties
             ops.apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.presence, p.frequency)
         logits = self._filter(logits / batch.temperature[:, None], batch)
         token_ids = self._sample(logits, batch)
-        return self._gather(logits, raw_logprobs, token_ids, batch)
+        out = self._gather(logits, raw_logprobs, token_ids, batch)
+        return replace(out, errors=errors) if errors else out
+
+    def _run_processors(self, logits: torch.Tensor, batch: SamplingBatch) -> dict[int, str]:
+        """Third-party processors, row by row (they are Python callables). One that raises or returns
+        a wrong shape fails its own row, which the engine finishes with an error; the batch goes on."""
+        errors: dict[int, str] = {}
+        for row, fns, token_ids in batch.processors:
+            try:
+                for fn in fns:
+                    result = fn(list(token_ids), logits[row])
+                    if not isinstance(result, torch.Tensor) or result.shape != logits[row].shape:
+                        raise TypeError(
+                            f"returned {type(result).__name__} instead of a tensor of shape "
+                            f"{tuple(logits[row].shape)}"
+                        )
+                    logits[row] = result
+            except Exception as exc:
+                errors[row] = f"logits processor {getattr(fn, '__name__', fn)!r} failed: {exc}"
+                logits[row] = 0.0  # sample something harmless; the row is finished with an error
+        return errors
 
     def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.top_k is not None:
@@ -160,8 +191,13 @@ class Sampler:
         sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
         return torch.where(batch.is_greedy, greedy, sampled)
 
-    def _gather(self, logits: torch.Tensor, raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
-                batch: SamplingBatch) -> SamplerOutput:
+    def _gather(
+        self,
+        logits: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        token_ids: torch.Tensor,
+        batch: SamplingBatch,
+    ) -> SamplerOutput:
         if batch.num_top_logprobs is None or raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
         logprobs = raw_logprobs

@@ -1,0 +1,61 @@
+"""The `weft` command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from weft.cli import build_parser, main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "weft", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_help_documents_every_command():
+    parser = build_parser()
+    text = parser.format_help()
+    assert "generate" in text and "bench" in text
+    result = run_cli("generate", "--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--seed", "--stream"):
+        assert flag in result.stdout
+    bench = run_cli("bench", "throughput", "--help")
+    for flag in ("--config", "--batch-sizes", "--prompt-len", "--output-len"):
+        assert flag in bench.stdout
+
+
+def test_generate_with_a_checkpoint(tiny_llama, capsys):
+    code = main(["generate", "--model", str(tiny_llama), "--max-tokens", "5", "--temperature", "0", "Hello"])
+    assert code == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_generate_stream_prints_the_same_text(tiny_llama, capsys):
+    main(["generate", "--model", str(tiny_llama), "--max-tokens", "8", "--temperature", "0", "Hello"])
+    plain = capsys.readouterr().out
+    main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--stream",
+            "Hello",
+        ]
+    )
+    assert capsys.readouterr().out == plain
+
+
+def test_bad_arguments_exit_with_a_message(tiny_llama, capsys):
+    code = main(["generate", "--model", str(tiny_llama), "--top-p", "0", "Hello"])
+    assert code == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", "/does/not/exist", "x"]) == 2

@@ -1,0 +1,208 @@
+"""The sampler against exact probabilities, with random logits and no model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from weft.params import SamplingParams
+from weft.request import Request
+from weft.sample import ops
+from weft.sample.sampler import Sampler, SamplingBatch
+
+VOCAB = 12
+NUM_DRAWS = 20000
+
+
+def make_requests(params: SamplingParams, count: int, prompt=(1, 2, 3), output=()) -> list[Request]:
+    requests = []
+    for i in range(count):
+        r = Request(f"r{i}", list(prompt), params, frozenset({0}), seed=i)
+        r.token_ids.extend(output)
+        requests.append(r)
+    return requests
+
+
+def sample_counts(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sample NUM_DRAWS times from one row (each draw a different seed); counts per token [V]."""
+    requests = make_requests(params, NUM_DRAWS)
+    batch = SamplingBatch.build(requests, VOCAB, torch.device("cpu"))
+    out = Sampler()(logits_row.expand(NUM_DRAWS, -1).clone(), batch)
+    return torch.bincount(out.token_ids, minlength=VOCAB).double()
+
+
+def assert_matches(counts: torch.Tensor, expected_probs: torch.Tensor) -> None:
+    """Pearson chi-square goodness of fit. The bound df + 6 * sqrt(2 df) is about 6 standard
+    deviations above the statistic's mean: a correct sampler fails it with probability < 1e-6,
+    while a wrong distribution at 20k draws exceeds it by orders of magnitude."""
+    expected = expected_probs.double() * counts.sum()
+    impossible = expected == 0
+    assert counts[impossible].sum() == 0, f"sampled tokens with probability 0: {counts[impossible]}"
+    support = ~impossible
+    chi2 = (((counts - expected) ** 2)[support] / expected[support]).sum().item()
+    df = int(support.sum()) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * max(df, 1)), f"chi2 {chi2:.1f} with {df} degrees of freedom"
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2, 0.1, -2.0, 1.2])
+
+
+def test_plain_sampling_matches_softmax(logits):
+    assert_matches(sample_counts(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
+
+
+def test_temperature(logits):
+    assert_matches(sample_counts(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+
+
+def test_top_k(logits):
+    probs = logits.softmax(-1)
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[logits.argsort(descending=True)[:3]] = True
+    expected = torch.where(keep, probs, 0.0)
+    assert_matches(sample_counts(logits, SamplingParams(top_k=3)), expected / expected.sum())
+
+
+def test_top_p(logits):
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    mass = 0.0
+    for idx in order.tolist():  # smallest set of most likely tokens reaching 0.7
+        keep[idx] = True
+        mass += probs[idx].item()
+        if mass >= 0.7:
+            break
+    expected = torch.where(keep, probs, 0.0)
+    assert_matches(sample_counts(logits, SamplingParams(top_p=0.7)), expected / expected.sum())
+
+
+def test_min_p(logits):
+    probs = logits.softmax(-1)
+    expected = torch.where(probs >= 0.2 * probs.max(), probs, 0.0)
+    assert_matches(sample_counts(logits, SamplingParams(min_p=0.2)), expected / expected.sum())
+
+
+def test_combined_filters_in_order(logits):
+    scaled = (logits / 0.8).softmax(-1)
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    keep[logits.argsort(descending=True)[:5]] = True  # top-k 5 first, then min-p within them
+    within = torch.where(keep, scaled, 0.0)
+    within = within / within.sum()
+    expected = torch.where(within >= 0.3 * within.max(), within, 0.0)
+    counts = sample_counts(logits, SamplingParams(temperature=0.8, top_k=5, min_p=0.3))
+    assert_matches(counts, expected / expected.sum())
+
+
+def test_statistical_test_can_fail(logits):
+    counts = sample_counts(logits, SamplingParams(temperature=1.0))
+    with pytest.raises(AssertionError):
+        assert_matches(counts, (logits / 0.9).softmax(-1))
+
+
+def test_greedy_takes_argmax(logits):
+    requests = make_requests(SamplingParams(temperature=0), 3)
+    out = Sampler()(logits.expand(3, -1).clone(), SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
+    assert out.token_ids.tolist() == [7, 7, 7]
+
+
+def test_top_k_keeps_whole_tie_at_cutoff():
+    row = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    filtered = ops.apply_top_k(row, torch.tensor([2]))
+    assert torch.isfinite(filtered).tolist() == [[True, False, True, True, False]]
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [
+        SamplingParams(temperature=t, top_p=p)
+        for t, p in [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.3, 1.0), (1.0, 0.5), (0.9, 1.0)]
+    ]
+    requests = [Request(f"r{i}", [1, 2], p, frozenset(), seed=100 + i) for i, p in enumerate(params)]
+    full = Sampler()(logits.clone(), SamplingBatch.build(requests, 50, torch.device("cpu"))).token_ids
+    for subset in ([0], [4, 1], [5, 3, 0], [1, 2, 3, 4]):
+        sub_requests = [requests[i] for i in subset]
+        out = Sampler()(logits[subset].clone(), SamplingBatch.build(sub_requests, 50, torch.device("cpu")))
+        assert out.token_ids.tolist() == full[subset].tolist()
+
+
+def test_keyed_noise_is_uniform_and_distinct():
+    u = ops.keyed_uniform(torch.tensor([1, 2]), torch.tensor([5, 5]), 100000)
+    assert u.min() > 0.0 and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert not torch.equal(u[0], u[1])
+    again = ops.keyed_uniform(torch.tensor([2]), torch.tensor([5]), 100000)
+    assert torch.equal(again[0], u[1])
+
+
+def test_penalties_exact_values():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0]])
+    prompt_ids = torch.tensor([[0, 5]])  # token 0 in the prompt (5 = padding)
+    output_ids = torch.tensor([[1, 3, 3]])  # token 1 once, token 3 twice
+    ops.apply_penalties(
+        logits, prompt_ids, output_ids, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25])
+    )
+    expected = [2.0 / 2, -1.0 * 2 - 0.25 - 0.5, 0.5, 1.0 / 2 - 0.5 - 0.5, 3.0]
+    torch.testing.assert_close(logits, torch.tensor([expected]))
+
+
+def test_penalties_applied_per_row_through_sampler():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 1.0
+    logits[:, 6] = 0.9
+    penalized = SamplingParams(temperature=0, presence_penalty=1.0)
+    plain = SamplingParams(temperature=0)
+    requests = make_requests(penalized, 1, output=(5,)) + make_requests(plain, 1, output=(5,))
+    out = Sampler()(logits, SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
+    assert out.token_ids.tolist() == [6, 5]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 5.0  # EOS is by far the most likely
+    logits[:, 4] = 4.0
+    early = make_requests(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4]), 1)
+    late = make_requests(SamplingParams(temperature=0, min_tokens=2), 1, output=(9, 9))
+    out = Sampler()(logits, SamplingBatch.build(early + late, VOCAB, torch.device("cpu")))
+    assert out.token_ids.tolist()[1] == 0
+    assert out.token_ids.tolist()[0] not in (0, 4)
+
+
+def test_logprobs_rank_and_top_n(logits):
+    requests = make_requests(SamplingParams(temperature=0, logprobs=3), 1)
+    out = Sampler()(logits[None].clone(), SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
+    expected = torch.log_softmax(logits, -1)
+    assert out.top_logprobs is not None
+    assert out.top_logprobs.token_ids[0].tolist() == [7, 7, 0, 1]
+    torch.testing.assert_close(out.top_logprobs.logprobs[0], expected[[7, 7, 0, 1]])
+    assert out.top_logprobs.ranks.tolist() == [1]
+
+
+def test_processed_logprobs_follow_temperature(logits):
+    params = SamplingParams(temperature=0.5, logprobs=0, logprobs_mode="processed", seed=3)
+    requests = make_requests(params, 1)
+    out = Sampler()(logits[None].clone(), SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
+    token = out.token_ids[0]
+    assert out.logprobs is not None
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(logits / 0.5, -1)[token])
+
+
+def test_logits_processor_sees_output_tokens(logits):
+    seen: list[list[int]] = []
+
+    def force_token_2(token_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        seen.append(token_ids)
+        row = torch.full_like(row, float("-inf"))
+        row[2] = 0.0
+        return row
+
+    requests = make_requests(SamplingParams(logits_processors=[force_token_2]), 1, output=(8, 9))
+    requests += make_requests(SamplingParams(temperature=0), 1)
+    out = Sampler()(logits.expand(2, -1).clone(), SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
+    assert out.token_ids.tolist() == [2, 7]
+    assert seen == [[8, 9]]

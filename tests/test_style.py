@@ -1,0 +1,58 @@
+"""Style rules that the suite enforces: ruff, mypy, and the one-way import direction."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "weft"
+
+# package -> packages it must never import (DESIGN: server -> engine -> {model, sample, structured} -> core)
+FORBIDDEN = {
+    "model": ["weft.engine", "weft.sample", "weft.structured", "weft.llm", "weft.server"],
+    "sample": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
+    "structured": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
+    "engine": ["weft.llm", "weft.server", "weft.cli"],
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("subpackage", sorted(FORBIDDEN))
+def test_imports_go_one_way(subpackage):
+    for path in (PACKAGE / subpackage).rglob("*.py"):
+        for module in imported_modules(path):
+            for banned in FORBIDDEN[subpackage]:
+                assert not module.startswith(banned), f"{path.relative_to(ROOT)} imports {module}"
+
+
+def _tool(name: str) -> list[str]:
+    if shutil.which(name) is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return [sys.executable, "-m", name]
+
+
+def test_ruff_clean():
+    result = subprocess.run([*_tool("ruff"), "check", "weft", "tests", "tools"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_clean():
+    result = subprocess.run([*_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

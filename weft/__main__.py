@@ -1,0 +1,3 @@
+from weft.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks run by `weft bench ...`: weft and its reference side by side in one run."""

@@ -1,0 +1,226 @@
+"""Prefill and decode throughput of weft against Hugging Face transformers generate().
+
+Steps, in order:
+  1. build a random-weight model of a real shape from a config.json (default: SmolLM2-135M's) and
+     save it once as a checkpoint, so that both engines load the very same weights;
+  2. measure the machine's plain memory-read bandwidth (a large tensor reduction);
+  3. for each batch size, after an untimed warm-up: prefill time (1 new token) and total time
+     (`--output-len` new tokens, EOS ignored) of the same random prompts in weft and in
+     transformers; decode tokens/s = batch * (output_len - 1) / (total - prefill);
+  4. print one table with the weft/transformers ratio per batch size, and weft's achieved
+     weight-read bandwidth at batch 1 (weight bytes / seconds per decode step).
+
+Prefix caching is off in the benchmark, so repeated prompts are computed again each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
+DEFAULT_TOKENIZER = SHARED / "tokenizers" / "smollm2" / "tokenizer.json"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape to build"
+    )
+    p.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated (default: 1,8,32,64)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+
+
+@dataclass(slots=True)
+class Timing:
+    prefill_s: float
+    total_s: float
+
+    def prefill_tps(self, batch: int, prompt_len: int) -> float:
+        return batch * prompt_len / self.prefill_s
+
+    def decode_tps(self, batch: int, output_len: int) -> float:
+        return batch * (output_len - 1) / max(self.total_s - self.prefill_s, 1e-9)
+
+
+def build_checkpoint(config_path: Path, dtype: torch.dtype, out: Path) -> Path:
+    import transformers
+
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no such config.json (pass --config)")
+    config = transformers.AutoConfig.from_pretrained(config_path.parent)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    if DEFAULT_TOKENIZER.is_file():
+        (out / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    else:  # any tokenizer will do: the benchmark feeds token ids
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(out / "tokenizer.json"))
+    return out
+
+
+def read_bandwidth_gbs() -> float:
+    """Plain memory-read bandwidth: GB/s of summing a 512 MiB float32 tensor (best of 5)."""
+    data = torch.ones(128 * 1024 * 1024)
+    best = min(_timed(lambda: data.sum()) for _ in range(5))
+    return data.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
+    from weft import SamplingParams
+
+    def run(num_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+        return _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+
+    return Timing(prefill_s=run(1), total_s=run(output_len))
+
+
+def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timing:
+    input_ids = torch.tensor(prompts)
+    mask = torch.ones_like(input_ids)
+
+    def run(num_tokens: int) -> float:
+        with torch.inference_mode():
+            return _timed(
+                lambda: model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=num_tokens,
+                    min_new_tokens=num_tokens,
+                    pad_token_id=0,
+                )
+            )
+
+    return Timing(prefill_s=run(1), total_s=run(output_len))
+
+
+def run(args: argparse.Namespace) -> int:
+    from weft import LLM
+    from weft.config import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    print(
+        f"weft bench throughput: {args.config} dtype={args.dtype} prompt={args.prompt_len} "
+        f"output={args.output_len} threads={torch.get_num_threads()}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        print("building a random-weight checkpoint ...", flush=True)
+        path = build_checkpoint(args.config, dtype, Path(tmp))
+        max_len = args.prompt_len + args.output_len + 8
+        llm = LLM(
+            str(path),
+            dtype=dtype,
+            max_model_len=max_len,
+            max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=max(2048, max(batch_sizes) * args.prompt_len),
+            enable_prefix_caching=False,
+            show_progress=False,
+        )
+        hf = None if args.no_transformers else _load_transformers(path, dtype)
+        results = _measure_all(llm, hf, batch_sizes, args)
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for p in llm.engine.runner.model.parameters()
+        if p is not llm.engine.runner.model.embed.weight
+    )
+    bandwidth = read_bandwidth_gbs()
+    _print_table(results, args, weight_bytes, bandwidth)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": str(args.config),
+                    "dtype": args.dtype,
+                    "results": results,
+                    "read_bandwidth_gbs": bandwidth,
+                    "weight_bytes": weight_bytes,
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+def _load_transformers(path: Path, dtype: torch.dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, float]]:
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(llm.config.model.vocab_size, llm.tokenizer.vocab_size)
+    warm = torch.randint(3, vocab, (1, 8), generator=gen).tolist()
+    time_weft(llm, warm, 4)
+    if hf is not None:
+        time_transformers(hf, warm, 4)
+    results = []
+    for batch in batch_sizes:
+        prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
+        print(f"  batch {batch}: weft ...", end="", flush=True)
+        w = time_weft(llm, prompts, args.output_len)
+        row = {
+            "batch": batch,
+            "weft_prefill_tps": w.prefill_tps(batch, args.prompt_len),
+            "weft_decode_tps": w.decode_tps(batch, args.output_len),
+            "weft_decode_step_s": 0.0,
+        }
+        row["weft_decode_step_s"] = batch / row["weft_decode_tps"]
+        if hf is not None:
+            print(" transformers ...", end="", flush=True)
+            h = time_transformers(hf, prompts, args.output_len)
+            row["hf_prefill_tps"] = h.prefill_tps(batch, args.prompt_len)
+            row["hf_decode_tps"] = h.decode_tps(batch, args.output_len)
+        print(" done", flush=True)
+        results.append(row)
+    return results
+
+
+def _print_table(
+    results: list[dict[str, float]], args: argparse.Namespace, weight_bytes: int, bandwidth: float
+) -> None:
+    print()
+    print(
+        "| batch | weft prefill tok/s | hf prefill tok/s | ratio "
+        "| weft decode tok/s | hf decode tok/s | ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        hf_p, hf_d = r.get("hf_prefill_tps"), r.get("hf_decode_tps")
+        p_ratio = f"{r['weft_prefill_tps'] / hf_p:.2f}x" if hf_p else "-"
+        d_ratio = f"{r['weft_decode_tps'] / hf_d:.2f}x" if hf_d else "-"
+        print(
+            f"| {r['batch']} | {r['weft_prefill_tps']:.0f} | {hf_p or 0:.0f} | {p_ratio} "
+            f"| {r['weft_decode_tps']:.1f} | {hf_d or 0:.1f} | {d_ratio} |"
+        )
+    batch1 = next((r for r in results if r["batch"] == 1), None)
+    if batch1 is not None:
+        achieved = weight_bytes / batch1["weft_decode_step_s"] / 1e9
+        print(
+            f"\nweft batch-1 decode streams {weight_bytes / 1e6:.0f} MB of weights per token: "
+            f"{achieved:.1f} GB/s achieved vs {bandwidth:.1f} GB/s plain memory read "
+            f"({100 * achieved / bandwidth:.0f}%)"
+        )

@@ -1,0 +1,116 @@
+"""The `weft` command line: `weft generate`, `weft bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EPILOG = """examples:
+  weft generate "ROMEO:"                          complete with the bundled model
+  weft generate --model ./my-checkpoint --temperature 0 --max-tokens 50 "Once upon a time"
+  weft generate --stream --seed 1 "JULIET:"       print tokens as they come
+  weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weft",
+        description="weft: text generation for causal language models.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate(
+        commands.add_parser(
+            "generate",
+            help="generate a completion for a prompt",
+            description="Generate a completion for PROMPT and print it.",
+        )
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="benchmarks against Hugging Face transformers",
+        description="Benchmarks that measure weft and transformers side by side.",
+    )
+    bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    from weft.bench import throughput
+
+    throughput.add_arguments(
+        bench_commands.add_parser(
+            "throughput",
+            help="prefill and decode tokens/s vs transformers generate()",
+            description=throughput.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    return parser
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory or model id (default: the bundled model)"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
+    p.add_argument(
+        "--min-p", type=float, default=0.0, help="minimum probability relative to the top (default: 0)"
+    )
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1, off")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("-n", type=int, default=1, help="number of completions of the prompt (default: 1)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from weft import LLM, SamplingParams
+
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    if args.stream and args.n == 1:
+        sys.stdout.write(args.prompt)
+        for output in llm.stream(args.prompt, params):
+            sys.stdout.write(output.outputs[0].text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    (result,) = llm.generate(args.prompt, params)
+    for completion in result.outputs:
+        if args.n > 1:
+            print(f"--- completion {completion.index} ({completion.finish_reason})")
+        print(args.prompt + completion.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        from weft.bench import throughput
+
+        return throughput.run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"weft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
