@@ -59,3 +59,29 @@ def test_bad_arguments_exit_with_a_message(tiny_llama, capsys):
     assert code == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     assert main(["generate", "--model", "/does/not/exist", "x"]) == 2
+
+
+def test_generate_with_constraints(tiny_llama, tmp_path, capsys):
+    model = ["generate", "--model", str(tiny_llama), "--seed", "1"]
+    assert main([*model, "--choice", "yes", "--choice", "no", "Is it?"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main([*model, "--regex", "[0-9]{4}", "Year:"]) == 0
+    assert len(capsys.readouterr().out.strip()) == 4
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        '{"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], '
+        '"additionalProperties": false}'
+    )
+    assert main([*model, "--json-schema", str(schema), "Out:"]) == 0
+    assert capsys.readouterr().out.strip() in ('{"n": 1}', '{"n": 2}')
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "A" | "B"')
+    assert main([*model, "--grammar", str(grammar), "Out:"]) == 0
+    assert capsys.readouterr().out.strip() in ("A", "B")
+
+
+def test_bad_constraint_is_reported(tiny_llama, capsys):
+    assert main(["generate", "--model", str(tiny_llama), "--regex", "[", "x"]) == 1
+    assert "invalid regex" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_llama), "--regex", "a", "--choice", "b", "x"]) == 2
+    assert "at most one output constraint" in capsys.readouterr().err

@@ -48,8 +48,9 @@ def _tool(name: str) -> list[str]:
 
 
 def test_ruff_clean():
-    result = subprocess.run([*_tool("ruff"), "check", "weft", "tests", "tools"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [*_tool("ruff"), "check", "weft", "tests", "tools"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

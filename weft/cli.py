@@ -10,6 +10,8 @@ EPILOG = """examples:
   weft generate "ROMEO:"                          complete with the bundled model
   weft generate --model ./my-checkpoint --temperature 0 --max-tokens 50 "Once upon a time"
   weft generate --stream --seed 1 "JULIET:"       print tokens as they come
+  weft generate --json-schema person.json "A person:"   output that matches a JSON Schema
+  weft generate --choice yes --choice no "Is it?"       one of the given strings
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
 """
 
@@ -65,6 +67,28 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=1, help="number of completions of the prompt (default: 1)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    constraint = p.add_argument_group("output constraints (at most one)")
+    constraint.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|JSON",
+        help="JSON Schema the output must match: a file or inline JSON",
+    )
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    constraint.add_argument(
+        "--regex", default=None, help="regular expression the output must match (Rust syntax)"
+    )
+    constraint.add_argument("--grammar", default=None, metavar="FILE", help="Lark or GBNF grammar file")
+    constraint.add_argument(
+        "--grammar-syntax",
+        default="auto",
+        choices=["auto", "lark", "gbnf"],
+        help="grammar syntax (default: auto, GBNF when the file uses '::=')",
+    )
+    constraint.add_argument("--choice", action="append", default=None, help="an allowed output (repeatable)")
+    constraint.add_argument(
+        "--no-fast-forward", action="store_true", help="sample every token, even those the grammar forces"
+    )
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
@@ -82,6 +106,13 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=args.stop,
+        json_schema=_read_json_or_file(args.json_schema),
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=_read_file(args.grammar),
+        grammar_syntax=args.grammar_syntax,
+        choice=args.choice,
+        fast_forward=not args.no_fast_forward,
     )
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     if args.stream and args.n == 1:
@@ -95,8 +126,28 @@ def run_generate(args: argparse.Namespace) -> int:
     for completion in result.outputs:
         if args.n > 1:
             print(f"--- completion {completion.index} ({completion.finish_reason})")
-        print(args.prompt + completion.text)
+        if completion.finish_reason == "error":
+            print(f"weft: error: {completion.error}", file=sys.stderr)
+            return 1
+        print(completion.text if params.structured else args.prompt + completion.text)
     return 0
+
+
+def _read_file(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _read_json_or_file(value: str | None) -> str | None:
+    """Inline JSON (starts with '{') or the path of a JSON file."""
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    return _read_file(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,6 +20,102 @@ class OutputKind(StrEnum):
     CUMULATIVE = "cumulative"  # all text and tokens so far
     DELTA = "delta"  # only what is new since the last output
     FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+class StructuredKind(StrEnum):
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    LARK = "lark"
+    GBNF = "gbnf"
+    CHOICE = "choice"
+
+
+class GrammarSyntax(StrEnum):
+    AUTO = "auto"  # GBNF when the text uses `::=`, otherwise Lark
+    LARK = "lark"
+    GBNF = "gbnf"
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredSpec:
+    """One output constraint, normalised: `value` is the schema as JSON text, the regex, the grammar
+    text, or the JSON list of choices. Hashable, so compiled grammars can be cached by it."""
+
+    kind: StructuredKind
+    value: str
+
+
+def structured_spec(
+    json_schema: Any = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    grammar_syntax: GrammarSyntax | str = GrammarSyntax.AUTO,
+    choice: Sequence[str] | None = None,
+) -> StructuredSpec | None:
+    """The one constraint among the given ones, or None. Raises ValueError when several are given."""
+    given = [
+        name
+        for name, value in (
+            ("json_schema", json_schema),
+            ("json_object", json_object or None),
+            ("regex", regex),
+            ("grammar", grammar),
+            ("choice", choice),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(f"SamplingParams takes at most one output constraint, got {', '.join(given)}")
+    if json_schema is not None:
+        return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema_text(json_schema))
+    if json_object:
+        return StructuredSpec(StructuredKind.JSON_SCHEMA, '{"type": "object"}')
+    if regex is not None:
+        _check(isinstance(regex, str) and regex != "", "regex", regex, "must be a non-empty string")
+        return StructuredSpec(StructuredKind.REGEX, regex)
+    if grammar is not None:
+        _check(
+            isinstance(grammar, str) and grammar.strip() != "",
+            "grammar",
+            grammar,
+            "must be a non-empty string",
+        )
+        return StructuredSpec(_grammar_kind(grammar, GrammarSyntax(grammar_syntax)), grammar)
+    if choice is not None:
+        options = list(choice)
+        _check(
+            bool(options) and all(isinstance(c, str) and c for c in options),
+            "choice",
+            choice,
+            "must be a non-empty list of non-empty strings",
+        )
+        return StructuredSpec(StructuredKind.CHOICE, json.dumps(options))
+    return None
+
+
+def _grammar_kind(grammar: str, syntax: GrammarSyntax) -> StructuredKind:
+    if syntax == GrammarSyntax.GBNF or (syntax == GrammarSyntax.AUTO and "::=" in grammar):
+        return StructuredKind.GBNF
+    return StructuredKind.LARK
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON Schema given as a dict, a JSON string or a Pydantic model class, as JSON text."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"SamplingParams.json_schema is not valid JSON: {exc}") from None
+    _check(
+        isinstance(schema, dict | bool),
+        "json_schema",
+        type(schema).__name__,
+        "must be a dict, a JSON string or a Pydantic model class",
+    )
+    return json.dumps(schema)  # key order kept: it is the order of the generated properties
 
 
 class LogprobsMode(StrEnum):
@@ -62,6 +159,14 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     output_kind: OutputKind = OutputKind.CUMULATIVE
     logits_processors: Sequence[LogitsProcessor] = field(default=())
+    json_schema: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    grammar_syntax: GrammarSyntax = GrammarSyntax.AUTO
+    choice: Sequence[str] | None = None
+    fast_forward: bool = True
+    structured: StructuredSpec | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", self.n, "must be >= 1")
@@ -114,6 +219,10 @@ class SamplingParams:
                 fn,
                 "entries must be callables (token_ids, logits) -> logits",
             )
+        spec = structured_spec(
+            self.json_schema, self.json_object, self.regex, self.grammar, self.grammar_syntax, self.choice
+        )
+        object.__setattr__(self, "structured", spec)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -129,7 +238,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def replace(self, **changes: Any) -> SamplingParams:
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values = {name: getattr(self, name) for name, f in self.__dataclass_fields__.items() if f.init}
         values.update(changes)
         return SamplingParams(**values)
 

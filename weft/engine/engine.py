@@ -1,13 +1,17 @@
 """The engine: add requests, abort them, and step.
 
 One `step()`:
-  1. schedule: pick this step's tokens (`Scheduler.schedule`);
-  2. run: the forward pass over them (`ModelRunner.execute`), logits for the sampling rows;
-  3. sample: one vectorized pass over those rows (`Sampler`), one host sync;
-  4. update: advance counters, append tokens (`Scheduler.update`);
-  5. finish: token stop rules, detokenize, stop strings; finished requests free their blocks;
-  6. fork: a request with n > 1 forks its other samples once its prompt is computed;
-  7. emit a `RequestOutput` per request that progressed.
+  1. admit: requests whose grammar finished compiling join the scheduler (failed ones end here);
+  2. schedule: pick this step's tokens (`Scheduler.schedule`);
+  3. mask, started: fill the grammar bitmask of the constrained sampling rows on a worker thread;
+  4. run: the forward pass (`ModelRunner.execute`), logits for the sampling rows;
+  5. mask, applied: join the fill and mask those rows in place;
+  6. sample: one vectorized pass over the rows (`Sampler`), one host sync;
+  7. update: advance counters, append tokens (`Scheduler.update`);
+  8. finish: advance grammars and append forced tokens (fast-forward), token stop rules,
+     detokenize, stop strings; finished requests free their blocks;
+  9. fork: a request with n > 1 forks its other samples once its prompt is computed;
+ 10. emit a `RequestOutput` per request that progressed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
 from weft.request import FinishReason, Request, check_stop
 from weft.sample.sampler import Sampler, SamplingBatch
+from weft.structured.llguidance_backend import LLGuidanceBackend
+from weft.structured.manager import Accept, GrammarManager, PendingFill
 from weft.tokenizer import Tokenizer
 
 
@@ -45,12 +51,29 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         self.sequences: dict[str, SequenceOutput] = {}  # sequence request id -> its output state
         self.parent_of: dict[str, str] = {}  # sequence request id -> user request id
+        self.awaiting_grammar: dict[str, Request] = {}  # sequence request id -> request
+        self._grammars: GrammarManager | None = None
         self._seeds = random.Random(config.seed)
+        self.num_sampled_tokens = 0
+        self.num_forced_tokens = 0
+
+    @property
+    def grammars(self) -> GrammarManager:
+        """The grammar manager, built on first use (wrapping the tokenizer for llguidance takes a
+        moment for large vocabularies)."""
+        if self._grammars is None:
+            backend = LLGuidanceBackend(
+                self.tokenizer.tokenizer.to_str(), self.vocab_size, sorted(self.eos_token_ids)
+            )
+            self._grammars = GrammarManager(backend, self.config.scheduler.max_num_seqs)
+        return self._grammars
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for a bad prompt."""
+        """Queue a request. Raises ValueError (and queues nothing) for a bad prompt. A structured
+        request waits for its grammar to compile off the loop; an invalid grammar finishes it with
+        `finish_reason="error"` and the backend's message."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -59,7 +82,11 @@ class LLMEngine:
         state = RequestState(request_id, prompt_text, prompt_ids, params.output_kind, params.n)
         self.states[request_id] = state
         first = self._new_sequence(state, 0, params)
-        self.scheduler.add_request(first)
+        if params.structured is None:
+            self.scheduler.add_request(first)
+        else:
+            self.grammars.submit(first.request_id, params.structured)
+            self.awaiting_grammar[first.request_id] = first
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len
@@ -93,11 +120,15 @@ class LLMEngine:
             return
         for seq in state.sequences:
             self.scheduler.abort(seq.request.request_id)
+            seq.request.finish(FinishReason.ABORT)
             self._forget(seq.request.request_id)
 
     def _forget(self, seq_id: str) -> None:
         self.sequences.pop(seq_id, None)
         self.parent_of.pop(seq_id, None)
+        self.awaiting_grammar.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.remove(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -106,12 +137,14 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        touched = self._admit_compiled_grammars()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
-        logits = self.runner.execute(sched)  # [S, V]
+            return self._emit(touched)
         sampling_requests = [s.request for s in sched.sampling]
-        sampler_out = self._sample(logits, sampling_requests)
+        fill = self._start_mask(sampling_requests)
+        logits = self.runner.execute(sched)  # [S, V]
+        sampler_out = self._sample(logits, sampling_requests, fill)
         token_ids = sampler_out.token_ids.tolist()
         token_logprobs = dict(
             zip([r.request_id for r in sampling_requests], _token_logprobs(sampler_out), strict=True)
@@ -120,44 +153,114 @@ class LLMEngine:
         for row, message in sampler_out.errors.items():
             self.scheduler.finish(sampling_requests[row], FinishReason.ERROR, error=message)
         advanced = self.scheduler.update(sched, token_ids)
+        self.num_sampled_tokens += len(advanced)
         for request in advanced:
-            self._process_token(request, token_logprobs.get(request.request_id))
-        touched = {
-            self.parent_of[r.request_id]: self.states[self.parent_of[r.request_id]]
-            for r in [*failed, *advanced]
-        }
-        for state in touched.values():
+            self._process_sampled(request, token_logprobs.get(request.request_id))
+        for request in [*failed, *advanced]:
+            touched.append(self.states[self.parent_of[request.request_id]])
+        states = list({id(s): s for s in touched}.values())
+        for state in states:
             self._fork_samples(state)
-        return self._emit(list(touched.values()))
+        return self._emit(states)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _admit_compiled_grammars(self) -> list[RequestState]:
+        """Move requests whose grammar compiled into the scheduler; finish those whose failed."""
+        if not self.awaiting_grammar:
+            return []
+        idle = self.scheduler.num_unfinished == 0
+        ready, failed = self.grammars.poll(wait_s=0.01 if idle else 0.0)
+        for request_id in ready:
+            self.scheduler.add_request(self.awaiting_grammar.pop(request_id))
+        touched = []
+        for request_id, message in failed.items():
+            request = self.awaiting_grammar.pop(request_id)
+            request.finish(FinishReason.ERROR, error=message)
+            touched.append(self.states[self.parent_of[request_id]])
+        return touched
+
+    def _start_mask(self, requests: list[Request]) -> PendingFill | None:
+        if self._grammars is None:
+            return None
+        return self._grammars.start_fill([r.request_id for r in requests])
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], fill: PendingFill | None
+    ) -> SamplerOutput:
         tokenizer_vocab = self.tokenizer.vocab_size
         if tokenizer_vocab < logits.shape[-1]:
             logits[:, tokenizer_vocab:] = float("-inf")  # padding rows of the embedding, no token
         batch = SamplingBatch.build(requests, logits.shape[-1], logits.device)
-        return self.sampler(logits, batch)
+        raw_logprobs = None
+        if fill is not None and batch.num_top_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution, before the mask
+        if fill is not None:
+            self.grammars.apply(logits, fill)
+        return self.sampler(logits, batch, raw_logprobs)
 
-    def _process_token(self, request: Request, logprobs: TokenLogprobs | None) -> None:
-        seq = self.sequences[request.request_id]
+    def _process_sampled(self, request: Request, logprobs: TokenLogprobs | None) -> None:
+        """Grammar, forced tokens, stop rules and text for a request that just sampled a token."""
+        new_tokens = [request.token_ids[-1]]
+        grammar_done = False
+        if self._grammars is not None and self._grammars.has_matcher(request.request_id):
+            new_tokens, grammar_done = self._advance_grammar(request)
+        if request.is_finished:
+            self.sequences[request.request_id].flush()
+            return
         stop = check_stop(request, self.config.scheduler.max_model_len)
         if stop is not None:
             self.scheduler.finish(request, stop[0], stop_reason=stop[1])
-        match = seq.append([request.token_ids[-1]], [logprobs] if logprobs else [], self.tokenizer)
+        elif grammar_done:
+            self.scheduler.finish(request, FinishReason.STOP)
+        seq = self.sequences[request.request_id]
+        match = seq.append(new_tokens, [logprobs] if logprobs else [], self.tokenizer)
         if match is not None:
             self.scheduler.finish(request, FinishReason.STOP, stop_reason=match.stop)
         elif request.is_finished:
             seq.flush()
+
+    def _advance_grammar(self, request: Request) -> tuple[list[int], bool]:
+        """Feed the sampled token to the request's matcher, then append the tokens the grammar forces
+        (fast-forward; not for requests that want logprobs, whose every token must be sampled).
+        Returns the new output tokens and whether the grammar is complete."""
+        grammars, rid = self.grammars, request.request_id
+        result = grammars.accept(rid, request.token_ids[-1:])
+        if result == Accept.ERROR:
+            request.token_ids.pop()
+            self.scheduler.finish(request, FinishReason.ERROR, error=grammars.error(rid))
+            return [], False
+        new_tokens = request.token_ids[-1:]
+        if result == Accept.OK and request.params.fast_forward and request.params.logprobs is None:
+            forced = grammars.forced_tokens(rid)[: self._room_left(request)]
+            if forced:
+                result = grammars.accept(rid, forced)
+                request.token_ids.extend(forced)
+                new_tokens += forced
+                self.num_forced_tokens += len(forced)
+        if result == Accept.ERROR:
+            self.scheduler.finish(request, FinishReason.ERROR, error=grammars.error(rid))
+        return new_tokens, result == Accept.FINISHED
+
+    def _room_left(self, request: Request) -> int:
+        room = self.config.scheduler.max_model_len - request.num_tokens
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - request.num_output_tokens)
+        return max(room, 0)
 
     def _fork_samples(self, state: RequestState) -> None:
         """Once the first sample has computed the prompt, the other n - 1 share its blocks."""
         if len(state.sequences) == state.num_samples:
             return
         first = state.sequences[0].request
-        if first.num_computed_tokens < first.num_prompt_tokens:
+        if first.num_computed_tokens < first.num_prompt_tokens and not first.is_finished:
             return
         params = first.params
         for index in range(len(state.sequences), state.num_samples):
             child = self._new_sequence(state, index, params)
+            if first.finish_reason == FinishReason.ERROR and first.num_output_tokens == 0:
+                child.finish(FinishReason.ERROR, error=first.error)  # e.g. its grammar is invalid
+                continue
+            if params.structured is not None:
+                self.grammars.fork(first.request_id, child.request_id)
             if first.is_finished:
                 self.scheduler.add_request(child)  # its blocks are gone: prefix caching takes over
             else:
@@ -182,8 +285,12 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.kv.num_hit_tokens,
             prefix_cache_queried_tokens=self.kv.num_queried_tokens,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting_grammar),
             num_preemptions=self.scheduler.num_preemptions,
+            extra={
+                "num_sampled_tokens": self.num_sampled_tokens,
+                "num_forced_tokens": self.num_forced_tokens,
+            },
         )
 
 
