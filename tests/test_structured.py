@@ -11,10 +11,10 @@ import llguidance
 import pytest
 import torch
 from conftest import shared_data
-from jsonschema_corpus import load_sample, validation_error
 from pydantic import BaseModel, Field
 
 from weft import LLM, SamplingParams
+from weft.bench.schema_corpus import load_sample, validation_error
 from weft.structured.bitmask import apply_bitmask_inplace, unpack_bitmask
 
 

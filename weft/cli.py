@@ -13,6 +13,7 @@ EPILOG = """examples:
   weft generate --json-schema person.json "A person:"   output that matches a JSON Schema
   weft generate --choice yes --choice no "Is it?"       one of the given strings
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
+  weft bench structured --batch-sizes 1,8         the cost of a JSON Schema constraint
 """
 
 
@@ -37,16 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks that measure weft and transformers side by side.",
     )
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from weft.bench import throughput
+    from weft.bench import schema_corpus, structured, throughput
 
-    throughput.add_arguments(
-        bench_commands.add_parser(
-            "throughput",
-            help="prefill and decode tokens/s vs transformers generate()",
-            description=throughput.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+    for name, module, summary in (
+        ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
+        ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
+        ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
+    ):
+        module.add_arguments(
+            bench_commands.add_parser(
+                name,
+                help=summary,
+                description=module.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
         )
-    )
     return parser
 
 
@@ -155,9 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
-        from weft.bench import throughput
+        from weft.bench import schema_corpus, structured, throughput
 
-        return throughput.run(args)
+        benches = {"throughput": throughput, "structured": structured, "jsonschema": schema_corpus}
+        return benches[args.bench].run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"weft: error: {exc}", file=sys.stderr)
         return 2

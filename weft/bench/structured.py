@@ -1,0 +1,248 @@
+"""Cost of structured generation in weft, and weft against transformers + a grammar processor.
+
+Steps, in order:
+  1. build the same random-weight, real-shape model as `weft bench throughput` (default:
+     SmolLM2-135M's config) and pick real JSON schemas that compile (JSONSchemaBench, Glaive);
+  2. for each batch size, after an untimed warm-up, time in weft: unconstrained decoding,
+     constrained decoding without fast-forward (the pure mask cost per token), and constrained
+     decoding with fast-forward (forced tokens appended without sampling);
+  3. time the same constrained workload through transformers generate() with a logits processor
+     built on the same grammar library (llguidance: one matcher per row, batch bitmask fill);
+  4. print per-token time and overhead, the fast-forward share of tokens, and tokens/s ratios.
+
+Per-token time is wall time divided by the tokens produced (all rows), so it includes everything:
+the forward pass, the mask, sampling and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weft.bench.throughput import DEFAULT_CONFIG, SHARED, build_checkpoint
+
+SCHEMAS = SHARED / "jsonschema" / "jsonschemabench" / "Glaiveai2K.jsonl.gz"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape to build"
+    )
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
+    p.add_argument("--output-len", type=int, default=64, help="most new tokens per sequence (default: 64)")
+    p.add_argument("--schemas", type=Path, default=SCHEMAS, help="a JSONSchemaBench .jsonl.gz file")
+    p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
+
+
+@dataclass(slots=True)
+class Run:
+    seconds: float
+    num_tokens: int
+    num_forced: int = 0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.seconds / max(self.num_tokens, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def load_schemas(path: Path, count: int) -> list[dict[str, Any]]:
+    """The first `count` schemas of the file that llguidance compiles."""
+    import llguidance
+
+    schemas = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            schema = json.loads(line)["schema"]
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            if not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]:
+                schemas.append(schema)
+            if len(schemas) == count:
+                break
+    return schemas
+
+
+def time_weft(
+    llm,
+    prompts: list[list[int]],
+    schemas: list[dict[str, Any]] | None,
+    output_len: int,
+    fast_forward: bool = True,
+) -> Run:
+    from weft import SamplingParams
+
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=output_len,
+            ignore_eos=schemas is None,
+            json_schema=s,
+            fast_forward=fast_forward,
+        )
+        for s in _schema_per_prompt(schemas, len(prompts))
+    ]
+    for p in params:  # compile outside the timing: compilation is cached per schema
+        if p.structured is not None:
+            llm.engine.grammars.validate(p.structured)
+    forced_before = llm.engine.num_forced_tokens
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return Run(seconds, num_tokens, llm.engine.num_forced_tokens - forced_before)
+
+
+def _schema_per_prompt(schemas: list[dict[str, Any]] | None, count: int) -> list[dict[str, Any] | None]:
+    return list(schemas) if schemas is not None else [None] * count
+
+
+class LLGuidanceProcessor:
+    """A transformers logits processor on llguidance: one matcher per row, the batch's bitmask
+    filled in one call, the mask applied in place (how such processors are usually built)."""
+
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_id: int, schemas: list[dict[str, Any]]
+    ) -> None:
+        import llguidance
+        import llguidance.torch
+
+        self.lt = llguidance.torch
+        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_id)
+        self.executor = llguidance.LLExecutor()
+        self.matchers = [
+            llguidance.LLMatcher(
+                tokenizer,
+                llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(s),
+                    defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+                ),
+            )
+            for s in schemas
+        ]
+        self.bitmask = self.lt.allocate_token_bitmask(len(schemas), vocab_size)
+        self.prompt_len: int | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prompt_len is None:
+            self.prompt_len = input_ids.shape[1]
+        elif input_ids.shape[1] > self.prompt_len:
+            for matcher, token in zip(self.matchers, input_ids[:, -1].tolist(), strict=True):
+                if not matcher.is_stopped():
+                    matcher.consume_token(token)
+        self.lt.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(self.matchers)], self.bitmask
+        )
+        self.lt.apply_token_bitmask_inplace(scores, self.bitmask)
+        return scores
+
+
+def time_transformers(
+    hf,
+    tokenizer_json: str,
+    prompts: list[list[int]],
+    schemas: list[dict[str, Any]],
+    output_len: int,
+    eos_id: int,
+) -> Run:
+    from transformers import LogitsProcessorList
+
+    processor = LLGuidanceProcessor(tokenizer_json, hf.config.vocab_size, eos_id, schemas)
+    input_ids = torch.tensor(prompts)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=output_len,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            logits_processor=LogitsProcessorList([processor]),
+        )
+    seconds = time.perf_counter() - start
+    new = out[:, input_ids.shape[1] :].tolist()
+    num_tokens = sum(row.index(eos_id) + 1 if eos_id in row else len(row) for row in new)
+    return Run(seconds, num_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    from weft import LLM
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    schemas = load_schemas(args.schemas, max(batch_sizes))
+    print(
+        f"weft bench structured: {args.config}, {len(schemas)} schemas from {args.schemas.name}, "
+        f"output<={args.output_len}, threads={torch.get_num_threads()}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(args.config, torch.float32, Path(tmp))
+        llm = LLM(
+            str(path),
+            max_model_len=256,
+            max_num_seqs=max(batch_sizes),
+            enable_prefix_caching=False,
+            show_progress=False,
+        )
+        hf = None
+        if not args.no_transformers:
+            import transformers
+
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        rows = _measure(llm, hf, schemas, batch_sizes, args)
+    _print(rows)
+    return 0
+
+
+def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    tokenizer_json = llm.tokenizer.tokenizer.to_str()
+    eos_id = sorted(llm.engine.eos_token_ids)[0]
+    prompt = llm.tokenizer.encode("Return the JSON object:")
+    time_weft(llm, [prompt], schemas[:1], 8)  # warm-ups (the transformers one compiles the mask kernel)
+    if hf is not None:
+        time_transformers(hf, tokenizer_json, [prompt], schemas[:1], 4, eos_id)
+    rows = []
+    for batch in batch_sizes:
+        prompts, batch_schemas = [prompt] * batch, schemas[:batch]
+        print(f"  batch {batch}: weft ...", end="", flush=True)
+        free = time_weft(llm, prompts, None, args.output_len)
+        masked = time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=False)
+        forced = time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=True)
+        row: dict[str, Any] = {"batch": batch, "free": free, "masked": masked, "ff": forced}
+        if hf is not None:
+            print(" transformers ...", end="", flush=True)
+            row["hf"] = time_transformers(hf, tokenizer_json, prompts, batch_schemas, args.output_len, eos_id)
+        print(" done", flush=True)
+        rows.append(row)
+    return rows
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| batch | unconstrained ms/tok | constrained ms/tok (no ff) | mask overhead | with ff ms/tok "
+        "| ff share | ff tok/s vs unconstrained | hf+processor tok/s | weft ff vs hf |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        free, masked, ff, hf = r["free"], r["masked"], r["ff"], r.get("hf")
+        overhead = 100 * (masked.ms_per_token / free.ms_per_token - 1)
+        delta = masked.ms_per_token - free.ms_per_token
+        share = 100 * ff.num_forced / max(ff.num_tokens, 1)
+        vs_hf = f"{ff.tokens_per_s / hf.tokens_per_s:.2f}x" if hf else "-"
+        hf_tps = f"{hf.tokens_per_s:.1f}" if hf else "-"
+        print(
+            f"| {r['batch']} | {free.ms_per_token:.2f} | {masked.ms_per_token:.2f} | {overhead:+.1f}% "
+            f"({delta:+.2f} ms) | {ff.ms_per_token:.2f} | {share:.0f}% "
+            f"| {ff.tokens_per_s / free.tokens_per_s:.2f}x | {hf_tps} | {vs_hf} |"
+        )
