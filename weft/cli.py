@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 EPILOG = """examples:
+  weft demo                                       free, JSON and choice completions side by side
   weft generate "ROMEO:"                          complete with the bundled model
   weft generate --model ./my-checkpoint --temperature 0 --max-tokens 50 "Once upon a time"
   weft generate --stream --seed 1 "JULIET:"       print tokens as they come
@@ -32,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
             description="Generate a completion for PROMPT and print it.",
         )
     )
+    demo = commands.add_parser(
+        "demo",
+        help="free, JSON and choice completions side by side (bundled model)",
+        description="A free completion, a JSON Schema completion and a choice, in one batch.",
+    )
+    demo.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    demo.add_argument("--seed", type=int, default=7, help="sampling seed (default: 7)")
     bench = commands.add_parser(
         "bench",
         help="benchmarks against Hugging Face transformers",
@@ -161,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "demo":
+            from weft import demo
+
+            return demo.run(args.model, args.seed)
         from weft.bench import schema_corpus, structured, throughput
 
         benches = {"throughput": throughput, "structured": structured, "jsonschema": schema_corpus}

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from weft.model.llama import LlamaForCausalLM
+
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
 DEFAULT_TOKENIZER = SHARED / "tokenizers" / "smollm2" / "tokenizer.json"
@@ -141,11 +143,7 @@ def run(args: argparse.Namespace) -> int:
         )
         hf = None if args.no_transformers else _load_transformers(path, dtype)
         results = _measure_all(llm, hf, batch_sizes, args)
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for p in llm.engine.runner.model.parameters()
-        if p is not llm.engine.runner.model.embed.weight
-    )
+    weight_bytes = decode_weight_bytes(llm.engine.runner.model)
     bandwidth = read_bandwidth_gbs()
     _print_table(results, args, weight_bytes, bandwidth)
     if args.json:
@@ -162,6 +160,16 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def decode_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except that an untied
+    embedding table is only looked up (one row), not streamed."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.embed.weight, model.lm_head.weight
+    if embed is not head:
+        total -= embed.numel() * embed.element_size()
+    return total
 
 
 def _load_transformers(path: Path, dtype: torch.dtype):

@@ -12,22 +12,24 @@ from weft.config import RopeConfig, RopeType
 
 
 class Linear(nn.Module):
-    """`y = x @ W + b` with the weight stored as a contiguous [in, out] matrix.
+    """`y = x @ W.T + b` with the weight in the Hugging Face [out, in] layout.
 
-    On CPU, `x @ W` over a contiguous [in, out] matrix streams the weight markedly faster than
-    `F.linear` over the usual [out, in] layout at batch 1 (see docs/benchmarks.md), and on CUDA it
-    is as fast. The loader transposes Hugging Face weights once at load time.
+    Measured on the 2-core CPU machines (benchmarks/linear_layout.py, docs/benchmarks.md): for
+    float32 at batch 1, `F.linear` on [out, in], `x @ W` on a contiguous [in, out] and `torch.mv`
+    all stream weights at ~26 GB/s, so the checkpoint's own layout is kept (no transposed copies,
+    and tied embeddings share one tensor). For bfloat16 a single row goes faster through `torch.mv`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.bias is None:
-            return x @ self.weight
-        return torch.addmm(self.bias, x, self.weight)
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            out = torch.mv(self.weight, x[0]).unsqueeze(0)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -5,8 +5,8 @@ KV cache. The families differ only in small switches, gathered in `DecoderSpec`:
 - Qwen3 normalises q and k per head (RMSNorm over head_dim) before the rotary embedding;
 - Llama checkpoints with `attention_bias` have biases on q/k/v and o.
 
-Projections are fused: q, k and v into one [hidden, (H + 2 * KVH) * D] matrix, gate and up into
-one [hidden, 2 * intermediate] matrix.
+Projections are fused: q, k and v into one [(H + 2 * KVH) * D, hidden] matrix, gate and up into
+one [2 * intermediate, hidden] matrix.
 """
 
 from __future__ import annotations
@@ -106,9 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        # With tied embeddings the loader fills lm_head with a transposed copy of the embedding:
-        # the lookup wants [V, hidden] rows, the projection a contiguous [hidden, V] matrix.
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the loader shares embed.weight
 
     def forward(
         self,

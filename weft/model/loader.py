@@ -4,7 +4,7 @@ Steps:
   1. read config.json and resolve the architecture;
   2. list the safetensors files (one file, or many named by model.safetensors.index.json);
   3. read every tensor, with a progress bar, checking names and shapes against the config;
-  4. fuse and transpose into weft's layout (q/k/v fused, gate/up fused, [in, out] matrices);
+  4. fuse q/k/v and gate/up into single matrices (weft's layout; [out, in] as in the checkpoint);
   5. move to the target device and dtype.
 
 Every error names the file and the problem.
@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
@@ -113,7 +115,12 @@ def load_model(
     state = _convert(weights, arch.spec, config)
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope)  # rebuilt off meta
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = cast(
+            nn.Parameter, model.embed.weight
+        )  # one tensor, after the dtype conversion too
+    return model
 
 
 def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -129,16 +136,14 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
             for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
         ]
-        state[dst + "attn.qkv.weight"] = torch.cat(qkv).t().contiguous()
+        state[dst + "attn.qkv.weight"] = torch.cat(qkv)
         if spec.qkv_bias:
             biases = [
                 weights.take(src + f"self_attn.{p}_proj.bias", (n,))
                 for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
             ]
             state[dst + "attn.qkv.bias"] = torch.cat(biases)
-        state[dst + "attn.o.weight"] = (
-            weights.take(src + "self_attn.o_proj.weight", (h, q_out)).t().contiguous()
-        )
+        state[dst + "attn.o.weight"] = weights.take(src + "self_attn.o_proj.weight", (h, q_out))
         if spec.o_bias:
             state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))
         if spec.qk_norm:
@@ -146,10 +151,8 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (d,))
         gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
         up = weights.take(src + "mlp.up_proj.weight", (inter, h))
-        state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up]).t().contiguous()
-        state[dst + "mlp.down.weight"] = (
-            weights.take(src + "mlp.down_proj.weight", (h, inter)).t().contiguous()
-        )
+        state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up])
+        state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter))
         state[dst + "input_norm.weight"] = weights.take(src + "input_layernorm.weight", (h,))
         state[dst + "post_attn_norm.weight"] = weights.take(src + "post_attention_layernorm.weight", (h,))
     state["norm.weight"] = weights.take("model.norm.weight", (h,))
@@ -159,9 +162,9 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
                 "checkpoint has no 'lm_head.weight' and config.json does not tie embeddings"
             )
         weights.tensors.pop("lm_head.weight", None)
-        state["lm_head.weight"] = embed.t().contiguous()
+        state["lm_head.weight"] = embed
     else:
-        state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h)).t().contiguous()
+        state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h))
     _check_leftovers(weights)
     return state
 
