@@ -36,3 +36,16 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """After a test that used the module's `llm`, every request is gone and every KV block is free."""
+    yield
+    if "llm" not in request.fixturenames:
+        return
+    engine = request.getfixturevalue("llm").engine
+    assert engine.kv.num_used_blocks == 0, "KV blocks leaked"
+    assert not engine.has_unfinished_requests() and not engine.sequences and not engine.awaiting_grammar
+    if engine._grammars is not None:
+        assert not engine._grammars.matchers, "grammar matchers leaked"

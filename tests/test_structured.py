@@ -23,16 +23,6 @@ def llm(tiny_llama) -> LLM:
     return LLM(str(tiny_llama), show_progress=False, max_num_seqs=64)
 
 
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    yield
-    if "llm" in request.fixturenames:
-        engine = request.getfixturevalue("llm").engine
-        assert engine.kv.num_used_blocks == 0, "KV blocks leaked"
-        assert not engine.has_unfinished_requests() and not engine.awaiting_grammar
-        assert not engine.grammars.matchers, "grammar matchers leaked"
-
-
 def completion(llm: LLM, params: SamplingParams, prompt: str = "Output:"):
     return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
 

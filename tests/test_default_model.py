@@ -1,0 +1,112 @@
+"""The model bundled with weft: it loads anywhere, offline, and has learned its corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import shared_data
+
+from weft import LLM, SamplingParams, default_model_path
+from weft.tokenizer import Tokenizer
+
+# Measured: perplexity 60.8 on the first 20,000 characters of the held-out last 10% of Tiny
+# Shakespeare (83.1 over the whole held-out part, training.json), against 4,296 for an untrained
+# model of the same shape. The bound leaves a wide margin and still fails for an unlearned model.
+MAX_PERPLEXITY = 150.0
+
+
+@pytest.fixture(scope="module")
+def bundled() -> LLM:
+    return LLM(show_progress=False)
+
+
+def test_checkpoint_files_are_standard_and_small():
+    path = default_model_path()
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
+        assert (path / name).is_file(), name
+    assert (path / "model.safetensors").stat().st_size < 15 * 1024 * 1024
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_greedy_tokens_match_transformers(bundled):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32
+    ).eval()
+    tokenizer = bundled.get_tokenizer()
+    for prompt in ["ROMEO:", "First Citizen:\nWe are accounted poor citizens", "KING HENRY VI:\n"]:
+        ids = tokenizer.encode(prompt)
+        ours = (
+            bundled.generate(
+                [ids], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
+        with torch.no_grad():
+            theirs = reference.generate(
+                torch.tensor([ids]), do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0
+            )[0, len(ids) :].tolist()
+        assert ours == theirs
+
+
+def heldout_perplexity(model: torch.nn.Module, ids: list[int], window: int = 256) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[start : start + window + 1]])
+            if chunk.shape[1] < 2:
+                break
+            logits = model(chunk[:, :-1]).logits.float()
+            total += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+            count += chunk.shape[1] - 1
+    return math.exp(total / count)
+
+
+def test_heldout_perplexity_far_below_untrained():
+    text = shared_data("corpora/tinyshakespeare.txt").read_text(encoding="utf-8")
+    heldout = text[int(len(text) * 0.9) :][:20_000]
+    path = default_model_path()
+    ids = Tokenizer.from_dir(path).encode(heldout)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    untrained = transformers.AutoModelForCausalLM.from_config(trained.config).eval()
+    trained_ppl, untrained_ppl = heldout_perplexity(trained, ids), heldout_perplexity(untrained, ids)
+    assert trained_ppl < MAX_PERPLEXITY
+    assert trained_ppl < untrained_ppl / 20
+
+
+def test_cli_generate_without_model_works_offline():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "weft", "generate", "ROMEO:", "--max-tokens", "20", "--seed", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:") and len(result.stdout.strip()) > len("ROMEO:")
+
+
+def test_demo_runs_offline():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "weft", "demo"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "=== JSON Schema" in result.stdout and "=== choice" in result.stdout
