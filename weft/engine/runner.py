@@ -36,13 +36,13 @@ class ModelRunner:
         shape = (
             cache_config.num_blocks,
             cache_config.block_size,
+            2,  # keys and values
             model_config.num_kv_heads,
             model_config.head_dim,
         )
         # Zero-filled: slots never written are masked out, but 0 * garbage could still be NaN.
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_layers)
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)
         ]
 
     @staticmethod
@@ -87,6 +87,5 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for kv_cache in self.kv_caches:
+            kv_cache[dst] = kv_cache[src]

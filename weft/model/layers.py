@@ -90,7 +90,10 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x in place. x: [T, heads, D] (a view into the fused q/k/v output); cos, sin: [T, 1, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated1 = x1 * cos - x2 * sin
+    x2.mul_(cos).addcmul_(x1, sin)
+    x1.copy_(rotated1)

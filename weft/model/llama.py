@@ -19,9 +19,9 @@ from torch import nn
 
 from weft.config import ModelConfig
 from weft.model.attention import AttentionMetadata, paged_attention
-from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope_
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, KVH, D]
+KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +55,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_q, num_kv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
+            qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
+        apply_rope_(qkv[:, : num_q + num_kv], *rope)  # q and k together, in place
+        q = qkv[:, :num_q]  # [T, H, D]
+        kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
+        out = paged_attention(q, kv, kv_cache, meta, self.scale)
         return self.o(out)
 
 

@@ -37,6 +37,7 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row idx, token id) [N] int64 each: min_tokens
     processors: list[tuple[int, Sequence[LogitsProcessor], list[int]]]  # (row, fns, output token ids)
     all_greedy: bool
+    scales: bool  # some sampled row has a temperature other than 1
     num_top_logprobs: int | None  # max top-n over rows; None when no row wants logprobs
     processed_rows: torch.Tensor | None  # [B] bool, rows whose logprobs are PROCESSED
 
@@ -71,6 +72,7 @@ class SamplingBatch:
                 if r.params.logits_processors
             ],
             all_greedy=all(greedy),
+            scales=any(not g and p.temperature != 1.0 for g, p in zip(greedy, params, strict=True)),
             num_top_logprobs=max(wanted) if wanted else None,
             processed_rows=column(processed, torch.bool) if any(processed) and wanted else None,
         )
@@ -151,7 +153,9 @@ class Sampler:
         if batch.penalties is not None:
             p = batch.penalties
             ops.apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.presence, p.frequency)
-        logits = self._filter(logits / batch.temperature[:, None], batch)
+        if batch.scales:
+            logits = logits / batch.temperature[:, None]
+        logits = self._filter(logits, batch)
         token_ids = self._sample(logits, batch)
         out = self._gather(logits, raw_logprobs, token_ids, batch)
         return replace(out, errors=errors) if errors else out
