@@ -10,8 +10,10 @@ Steps, in order:
      built on the same grammar library (llguidance: one matcher per row, batch bitmask fill);
   4. print per-token time and overhead, the fast-forward share of tokens, and tokens/s ratios.
 
-Per-token time is wall time divided by the tokens produced (all rows), so it includes everything:
-the forward pass, the mask, sampling and bookkeeping.
+Per-token time in weft is the wall time of the decode steps in which every row of the batch is still
+running, divided by the tokens those steps produced (sampled plus forced): it includes everything
+(forward pass, mask, sampling, bookkeeping) but not the smaller batches left when some rows finish
+early. transformers keeps every row in its batch to the end; its tokens count up to each row's EOS.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Run:
     seconds: float
     num_tokens: int
     num_forced: int = 0
+    num_total: int = 0  # all tokens produced, for the fast-forward share
 
     @property
     def ms_per_token(self) -> float:
@@ -80,8 +83,12 @@ def time_weft(
     output_len: int,
     fast_forward: bool = True,
 ) -> Run:
+    """Run the batch step by step. `seconds`/`num_tokens` count only the steps in which every row
+    was still running, so that rows finishing early (a completed grammar) do not make the smaller
+    remaining batch look like mask overhead; `num_forced` counts over the whole run."""
     from weft import SamplingParams
 
+    engine = llm.engine
     params = [
         SamplingParams(
             temperature=0,
@@ -94,13 +101,25 @@ def time_weft(
     ]
     for p in params:  # compile outside the timing: compilation is cached per schema
         if p.structured is not None:
-            llm.engine.grammars.validate(p.structured)
-    forced_before = llm.engine.num_forced_tokens
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Run(seconds, num_tokens, llm.engine.num_forced_tokens - forced_before)
+            engine.grammars.validate(p.structured)
+    forced_before, sampled_before = engine.num_forced_tokens, engine.num_sampled_tokens
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"bench-{i}", prompt, p)
+    while len(engine.scheduler.running) < len(prompts) or any(  # admission and prefill
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    seconds, full_tokens = 0.0, 0
+    while engine.has_unfinished_requests():
+        full = len(engine.scheduler.running) == len(prompts)
+        before = engine.num_forced_tokens + engine.num_sampled_tokens
+        start = time.perf_counter()
+        engine.step()
+        if full:
+            seconds += time.perf_counter() - start
+            full_tokens += engine.num_forced_tokens + engine.num_sampled_tokens - before
+    produced = engine.num_forced_tokens + engine.num_sampled_tokens - forced_before - sampled_before
+    return Run(seconds, full_tokens, engine.num_forced_tokens - forced_before, produced)
 
 
 def _schema_per_prompt(schemas: list[dict[str, Any]] | None, count: int) -> list[dict[str, Any] | None]:
@@ -238,7 +257,7 @@ def _print(rows: list[dict[str, Any]]) -> None:
         free, masked, ff, hf = r["free"], r["masked"], r["ff"], r.get("hf")
         overhead = 100 * (masked.ms_per_token / free.ms_per_token - 1)
         delta = masked.ms_per_token - free.ms_per_token
-        share = 100 * ff.num_forced / max(ff.num_tokens, 1)
+        share = 100 * ff.num_forced / max(ff.num_total, 1)
         vs_hf = f"{ff.tokens_per_s / hf.tokens_per_s:.2f}x" if hf else "-"
         hf_tps = f"{hf.tokens_per_s:.1f}" if hf else "-"
         print(
