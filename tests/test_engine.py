@@ -245,3 +245,14 @@ def test_failing_logits_processor_fails_only_its_request(llm):
 def test_params_list_must_match_prompts(llm):
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(PROMPTS, [SamplingParams()] * 2)
+
+
+def test_stop_string_on_the_last_allowed_token_reports_stop(llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    prefix = tokenizer.decode(base.token_ids[:5])
+    stop = base.text[len(prefix) - 1 :]  # ends exactly with the 6th token's text
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop=[stop]), use_tqdm=False)[
+        0
+    ]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop

@@ -199,24 +199,23 @@ class LLMEngine:
 
     def _process_sampled(self, request: Request, logprobs: TokenLogprobs | None) -> None:
         """Grammar, forced tokens, stop rules and text for a request that just sampled a token."""
-        new_tokens = [request.token_ids[-1]]
-        grammar_done = False
+        new_tokens, grammar_done = [request.token_ids[-1]], False
         if self._grammars is not None and self._grammars.has_matcher(request.request_id):
             new_tokens, grammar_done = self._advance_grammar(request)
-        if request.is_finished:
-            self.sequences[request.request_id].flush()
+        if not request.is_finished:
+            stop = check_stop(request, self.config.scheduler.max_model_len)
+            if stop is not None:
+                self.scheduler.finish(request, stop[0], stop_reason=stop[1])
+            elif grammar_done:
+                self.scheduler.finish(request, FinishReason.STOP)
+        token_logprobs = [logprobs] if logprobs is not None and new_tokens else []
+        match = self.sequences[request.request_id].append(new_tokens, token_logprobs, self.tokenizer)
+        if match is None or request.finish_reason == FinishReason.ERROR:
             return
-        stop = check_stop(request, self.config.scheduler.max_model_len)
-        if stop is not None:
-            self.scheduler.finish(request, stop[0], stop_reason=stop[1])
-        elif grammar_done:
-            self.scheduler.finish(request, FinishReason.STOP)
-        seq = self.sequences[request.request_id]
-        match = seq.append(new_tokens, [logprobs] if logprobs else [], self.tokenizer)
-        if match is not None:
+        if request.is_finished:  # e.g. max_tokens on the very token that completed the stop string
+            request.finish(FinishReason.STOP, stop_reason=match.stop)
+        else:
             self.scheduler.finish(request, FinishReason.STOP, stop_reason=match.stop)
-        elif request.is_finished:
-            seq.flush()
 
     def _advance_grammar(self, request: Request) -> tuple[list[int], bool]:
         """Feed the sampled token to the request's matcher, then append the tokens the grammar forces
