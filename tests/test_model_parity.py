@@ -79,3 +79,22 @@ def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
                 torch.tensor([prompt]), do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == expected
+
+
+def test_logits_match_in_mixed_decode_and_prefill_steps(checkpoint_factory):
+    """A 6-token budget makes prompts prefill in chunks while other sequences decode in the same
+    step; every generated position's distribution must still match the reference."""
+    path = checkpoint_factory("llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), show_progress=False, max_num_batched_tokens=6, block_size=4)
+    vocab = llm.config.model.vocab_size
+    outputs = llm.generate(
+        PROMPTS, SamplingParams(max_tokens=4, temperature=0, logprobs=vocab), use_tqdm=False
+    )
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        completion = out.outputs[0]
+        for i, position in enumerate(completion.logprobs):
+            actual = torch.full((vocab,), float("nan"))
+            for token_id, lp in position.items():
+                actual[token_id] = lp.logprob
+            assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))

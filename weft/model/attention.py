@@ -4,7 +4,8 @@ Each layer's cache is one tensor `[num_blocks, block_size, 2, num_kv_heads, head
 side by side, so that a step's keys and values (prompts, prompt chunks and single decode tokens, mixed)
 are written with one `index_copy_` at their slots, and each sequence's blocks are read back with one
 `index_select` (advanced indexing with a 2-D block table measured twice as slow on CPU). The metadata
-is built once per step and shared by all layers.
+is built once per step and shared by all layers. Single-token rows and multi-token rows of a step
+attend in separate calls, so decode rows are never padded to a prompt chunk's length.
 """
 
 from __future__ import annotations
@@ -16,17 +17,36 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block_id * block_size + offset) per token
-    block_table: torch.Tensor  # [B, max_blocks] int64, padded with block 0
-    query_scatter_idx: torch.Tensor | None  # [T] int64, token -> row in [B * max_q]; None if all q_len 1
-    attn_mask: torch.Tensor | None  # [B, 1, max_q, kv_len] bool, True = attend; None if not needed
+class AttentionGroup:
+    """Sequences attended together in one call: the single-token (decode) rows, or the multi-token
+    rows (prompt chunks, forced tokens). Grouping keeps a decode row from being padded to the length
+    of a prompt chunk that shares its step."""
+
+    token_idx: torch.Tensor | None  # [Tg] int64, the group's tokens within the step; None = all of them
+    block_table: torch.Tensor  # [Bg, max_blocks] int64, padded with block 0
+    query_scatter_idx: torch.Tensor | None  # [Tg] int64, token -> row in [Bg * max_q]; None if max_q == 1
+    attn_mask: torch.Tensor | None  # [Bg, 1, max_q, kv_len] bool, True = attend; None if not needed
     max_query_len: int
-    kv_len: int  # keys gathered per sequence (max context length in the batch)
+    kv_len: int  # keys gathered per sequence (the group's longest context)
 
     @property
     def num_seqs(self) -> int:
         return int(self.block_table.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block_id * block_size + offset) per token
+    groups: tuple[AttentionGroup, ...]  # one or two
+
+
+@dataclass(frozen=True, slots=True)
+class _StepShape:
+    q_lens: torch.Tensor  # [B] int64
+    ctx_lens: torch.Tensor  # [B] int64
+    seq_idx: torch.Tensor  # [T] int64, the row of each token
+    table: torch.Tensor  # [B, max_blocks] int64
+    block_size: int
 
 
 def build_attention_metadata(
@@ -42,37 +62,54 @@ def build_attention_metadata(
     `query_lens[i]` of them.
     """
     num_seqs = len(query_lens)
-    max_q, kv_len = max(query_lens), max(context_lens)
     q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
     ctx_lens = torch.tensor(context_lens, dtype=torch.int64)  # [B]
     seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
     starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
-    offset_in_query = torch.arange(int(q_lens.sum())) - starts[seq_idx]  # [T]
-    positions = (ctx_lens - q_lens)[seq_idx] + offset_in_query  # [T]
-
-    max_blocks = max(len(t) for t in block_tables)
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    positions = (ctx_lens - q_lens)[seq_idx] + torch.arange(int(q_lens.sum())) - starts[seq_idx]  # [T]
+    table = torch.zeros(num_seqs, max(len(t) for t in block_tables), dtype=torch.int64)
     for i, blocks in enumerate(block_tables):
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
+    shape = _StepShape(q_lens, ctx_lens, seq_idx, table, block_size)
+    is_decode = q_lens == 1  # [B]
+    groups: tuple[AttentionGroup, ...]
+    if bool(is_decode.all()) or not bool(is_decode.any()):
+        groups = (_group(shape, torch.arange(num_seqs), None, device),)
+    else:
+        groups = tuple(
+            _group(shape, torch.nonzero(rows).flatten(), torch.nonzero(rows[seq_idx]).flatten(), device)
+            for rows in (is_decode, ~is_decode)
+        )
+    return AttentionMetadata(slot_mapping.to(device), groups), positions.to(device)
+
+
+def _group(
+    shape: _StepShape, rows: torch.Tensor, token_idx: torch.Tensor | None, device: torch.device
+) -> AttentionGroup:
+    """The attention metadata of the sequences `rows` ([Bg] int64), whose tokens are `token_idx`."""
+    q_lens, ctx_lens = shape.q_lens[rows], shape.ctx_lens[rows]  # [Bg]
+    max_q, kv_len = int(q_lens.max()), int(ctx_lens.max())
+    num_blocks = -(-kv_len // shape.block_size)
     scatter_idx, mask = None, None
     if max_q > 1:
-        scatter_idx = seq_idx * max_q + offset_in_query
-    if num_seqs > 1 or max_q > 1:
-        q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+        local_seq = torch.repeat_interleave(torch.arange(len(rows)), q_lens)  # [Tg]
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        scatter_idx = local_seq * max_q + torch.arange(int(q_lens.sum())) - starts[local_seq]
+    if len(rows) > 1 or max_q > 1:
+        q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [Bg, max_q]
         k_pos = torch.arange(kv_len)  # [kv_len]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
-        mask = mask.unsqueeze(1)  # [B, 1, max_q, kv_len]
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_table=table.to(device),
+        mask = mask.unsqueeze(1)  # [Bg, 1, max_q, kv_len]
+    return AttentionGroup(
+        token_idx=None if token_idx is None else token_idx.to(device),
+        block_table=shape.table[rows, :num_blocks].contiguous().to(device),
         query_scatter_idx=None if scatter_idx is None else scatter_idx.to(device),
         attn_mask=None if mask is None else mask.to(device),
         max_query_len=max_q,
         kv_len=kv_len,
     )
-    return meta, positions.to(device)
 
 
 def paged_attention(
@@ -82,30 +119,46 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
-    _, num_heads, head_dim = q.shape
+    num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _, num_kv_heads, _ = kv_cache.shape
     kv_cache.view(num_blocks * block_size, 2, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
+    if len(meta.groups) == 1:
+        return _attend(q, kv_cache, meta.groups[0], scale)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for group in meta.groups:
+        assert group.token_idx is not None
+        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale)
+    return out
 
-    num_seqs, max_q = meta.num_seqs, meta.max_query_len
-    gathered = kv_cache.index_select(0, meta.block_table.flatten())  # [B * max_blocks, bs, 2, KVH, D]
-    gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : meta.kv_len]  # [B, L, 2, KVH, D]
-    keys = gathered[:, :, 0].transpose(1, 2)  # [B, KVH, L, D]
-    values = gathered[:, :, 1].transpose(1, 2)  # [B, KVH, L, D]
-    if meta.query_scatter_idx is None:
-        queries = q.view(num_seqs, 1, num_heads, head_dim)
+
+def _attend(
+    q: torch.Tensor,  # [Tg, H, D]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:  # [Tg, H * D]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    num_seqs, max_q = group.num_seqs, group.max_query_len
+    gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
+    gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
+    keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
+    values = gathered[:, :, 1].transpose(1, 2)  # [Bg, KVH, L, D]
+    if group.query_scatter_idx is None:
+        queries = q.reshape(num_seqs, 1, num_heads, head_dim)
     else:
         queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
-        queries.index_copy_(0, meta.query_scatter_idx, q)
+        queries.index_copy_(0, group.query_scatter_idx, q)
         queries = queries.view(num_seqs, max_q, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),  # [B, H, max_q, D]
+        queries.transpose(1, 2),  # [Bg, H, max_q, D]
         keys,
         values,
-        attn_mask=meta.attn_mask,
+        attn_mask=group.attn_mask,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
-    )  # [B, H, max_q, D]
+    )  # [Bg, H, max_q, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads * head_dim)
-    if meta.query_scatter_idx is not None:
-        out = out.index_select(0, meta.query_scatter_idx)
-    return out  # [T, H * D]
+    if group.query_scatter_idx is not None:
+        out = out.index_select(0, group.query_scatter_idx)
+    return out  # [Tg, H * D]
