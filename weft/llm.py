@@ -22,7 +22,6 @@ from weft.config import (
 )
 from weft.engine.engine import LLMEngine
 from weft.engine.runner import ModelRunner
-from weft.model.layers import can_pack_for_cpu
 from weft.model.loader import load_config, load_model
 from weft.outputs import RequestOutput
 from weft.params import OutputKind, SamplingParams
@@ -90,7 +89,6 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
         enable_prefix_caching: bool = True,
-        pack_weights: bool | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
@@ -124,10 +122,6 @@ class LLM:
         model_module = load_model(
             self.model_path, model_config, torch_dtype, torch_device, max_len, show_progress
         )
-        if pack_weights is None:  # default: on CPU, where the build supports it
-            pack_weights = torch_device.type == "cpu" and can_pack_for_cpu(torch_dtype)
-        if pack_weights:
-            model_module.pack_linears_for_cpu()
         self.engine = LLMEngine(self.config, model_module, self.tokenizer)
         self._ids = itertools.count()
 

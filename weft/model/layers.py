@@ -18,38 +18,18 @@ class Linear(nn.Module):
     float32 at batch 1, `F.linear` on [out, in], `x @ W` on a contiguous [in, out] and `torch.mv`
     all stream weights at ~26 GB/s, so the checkpoint's own layout is kept (no transposed copies,
     and tied embeddings share one tensor). For bfloat16 a single row goes faster through `torch.mv`.
-    For several rows, MKL's sgemm repacks the weight on every call; a oneDNN copy packed once
-    (`pack_for_cpu`) is used instead when present.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight`, for several rows on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
-        if self.packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def pack_for_cpu(self) -> None:
-        """Keep a oneDNN-packed copy of the weight for multi-row matmuls (a second copy in memory)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-
-
-def can_pack_for_cpu(dtype: torch.dtype) -> bool:
-    """oneDNN packed linears: available in this torch build, for float32 and bfloat16."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and dtype in (torch.float32, torch.bfloat16)
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
 
 
 class RMSNorm(nn.Module):

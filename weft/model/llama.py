@@ -122,11 +122,5 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
-    def pack_linears_for_cpu(self) -> None:
-        """Give every projection a oneDNN-packed copy of its weight for multi-row matmuls."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return self.lm_head(hidden).float()
