@@ -98,3 +98,13 @@ def test_logits_match_in_mixed_decode_and_prefill_steps(checkpoint_factory):
             for token_id, lp in position.items():
                 actual[token_id] = lp.logprob
             assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))
+
+
+def test_logits_match_for_equal_length_fresh_prompts(checkpoint_factory):
+    """Equal fresh prompts take plain causal attention (no mask, no padding)."""
+    path = checkpoint_factory("qwen2")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = [[7 + i, 30, 31 + i, 99, 5, 6, 200 + i, 8] for i in range(3)]
+    llm = LLM(str(path), show_progress=False)
+    for actual, prompt in zip(weft_logprobs(llm, prompts), prompts, strict=True):
+        assert_close(actual, reference_logprobs(reference, prompt))

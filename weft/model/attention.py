@@ -28,6 +28,7 @@ class AttentionGroup:
     attn_mask: torch.Tensor | None  # [Bg, 1, max_q, kv_len] bool, True = attend; None if not needed
     max_query_len: int
     kv_len: int  # keys gathered per sequence (the group's longest context)
+    is_causal: bool = False  # equal fresh prompts: plain causal attention, no mask, no padding
 
     @property
     def num_seqs(self) -> int:
@@ -93,11 +94,12 @@ def _group(
     max_q, kv_len = int(q_lens.max()), int(ctx_lens.max())
     num_blocks = -(-kv_len // shape.block_size)
     scatter_idx, mask = None, None
-    if max_q > 1:
+    is_causal = max_q > 1 and bool((q_lens == max_q).all()) and bool((ctx_lens == q_lens).all())
+    if max_q > 1 and not is_causal:
         local_seq = torch.repeat_interleave(torch.arange(len(rows)), q_lens)  # [Tg]
         starts = torch.cumsum(q_lens, 0) - q_lens
         scatter_idx = local_seq * max_q + torch.arange(int(q_lens.sum())) - starts[local_seq]
-    if len(rows) > 1 or max_q > 1:
+    if (len(rows) > 1 or max_q > 1) and not is_causal:
         q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [Bg, max_q]
         k_pos = torch.arange(kv_len)  # [kv_len]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
@@ -109,6 +111,7 @@ def _group(
         attn_mask=None if mask is None else mask.to(device),
         max_query_len=max_q,
         kv_len=kv_len,
+        is_causal=is_causal,
     )
 
 
@@ -144,8 +147,8 @@ def _attend(
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
     values = gathered[:, :, 1].transpose(1, 2)  # [Bg, KVH, L, D]
-    if group.query_scatter_idx is None:
-        queries = q.reshape(num_seqs, 1, num_heads, head_dim)
+    if group.query_scatter_idx is None:  # one query per sequence, or equal unpadded ones
+        queries = q.reshape(num_seqs, max_q, num_heads, head_dim)
     else:
         queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         queries.index_copy_(0, group.query_scatter_idx, q)
@@ -155,6 +158,7 @@ def _attend(
         keys,
         values,
         attn_mask=group.attn_mask,
+        is_causal=group.is_causal,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )  # [Bg, H, max_q, D]
