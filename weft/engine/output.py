@@ -61,9 +61,6 @@ class SequenceOutput:
             self.text = match.text
         return match
 
-    def flush(self) -> None:
-        self.text += self.detokenizer.flush()
-
     def _add_logprobs(self, item: TokenLogprobs, tokenizer: Tokenizer) -> None:
         if self.logprobs is None or self.cumulative_logprob is None:
             return

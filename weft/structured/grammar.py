@@ -93,6 +93,3 @@ class GrammarCompiler:
     def compile(self, spec: StructuredSpec) -> CompiledGrammar:
         """Compile now (or take from the cache); raises GrammarError."""
         return self.submit(spec).result()
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,7 @@ class Accept(Enum):
 
 @dataclass(frozen=True, slots=True)
 class PendingFill:
-    future: Future[None] | None
+    future: Future[None]
     bitmask: torch.Tensor  # [R, W] int32, CPU
     rows: torch.Tensor | None  # [R] int64 logits rows, None when every row is constrained
 
@@ -115,8 +115,7 @@ class GrammarManager:
         """Wait for the fill, then mask the constrained rows of `logits` ([B, V]) in place."""
         if fill is None:
             return
-        if fill.future is not None:
-            fill.future.result()
+        fill.future.result()
         rows = None if fill.rows is None else fill.rows.to(logits.device)
         apply_bitmask_inplace(logits, fill.bitmask, rows)
 
@@ -133,10 +132,6 @@ class GrammarManager:
     def error(self, request_id: str) -> str:
         matcher = self.matchers.get(request_id)
         return (matcher.error if matcher else None) or "the grammar rejected the sampled token"
-
-    def shutdown(self) -> None:
-        self.compiler.shutdown()
-        self._filler.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["Accept", "GrammarError", "GrammarManager", "PendingFill"]
