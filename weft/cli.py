@@ -1,4 +1,4 @@
-"""The `weft` command line: `weft generate`, `weft bench throughput`."""
+"""The `weft` command line: `weft demo`, `weft generate`, `weft bench throughput|structured|jsonschema`."""
 
 from __future__ import annotations
 

@@ -29,16 +29,13 @@ from typing import Any
 
 import torch
 
-from weft.bench.throughput import DEFAULT_CONFIG, SHARED, build_checkpoint
+from weft.bench.throughput import SHARED, add_shape_arguments, build_checkpoint
 
 SCHEMAS = SHARED / "jsonschema" / "jsonschemabench" / "Glaiveai2K.jsonl.gz"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape to build"
-    )
-    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
+    add_shape_arguments(p, "1,8,32")
     p.add_argument("--output-len", type=int, default=64, help="most new tokens per sequence (default: 64)")
     p.add_argument("--schemas", type=Path, default=SCHEMAS, help="a JSONSchemaBench .jsonl.gz file")
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")

@@ -32,11 +32,16 @@ DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
 DEFAULT_TOKENIZER = SHARED / "tokenizers" / "smollm2" / "tokenizer.json"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_shape_arguments(p: argparse.ArgumentParser, batch_sizes: str) -> None:
+    """--config and --batch-sizes, shared by the benchmarks that build a random-weight model."""
     p.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape to build"
     )
-    p.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated (default: 1,8,32,64)")
+    p.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated (default: {batch_sizes})")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_shape_arguments(p, "1,8,32,64")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
@@ -190,13 +195,13 @@ def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> l
         prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
         print(f"  batch {batch}: weft ...", end="", flush=True)
         w = time_weft(llm, prompts, args.output_len)
+        decode_tps = w.decode_tps(batch, args.output_len)
         row = {
             "batch": batch,
             "weft_prefill_tps": w.prefill_tps(batch, args.prompt_len),
-            "weft_decode_tps": w.decode_tps(batch, args.output_len),
-            "weft_decode_step_s": 0.0,
+            "weft_decode_tps": decode_tps,
+            "weft_decode_step_s": batch / decode_tps,
         }
-        row["weft_decode_step_s"] = batch / row["weft_decode_tps"]
         if hf is not None:
             print(" transformers ...", end="", flush=True)
             h = time_transformers(hf, prompts, args.output_len)

@@ -191,9 +191,9 @@ class LLMEngine:
             logits[:, tokenizer_vocab:] = float("-inf")  # padding rows of the embedding, no token
         batch = SamplingBatch.build(requests, logits.shape[-1], logits.device)
         raw_logprobs = None
-        if fill is not None and batch.num_top_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution, before the mask
         if fill is not None:
+            if batch.num_top_logprobs is not None:
+                raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution, before the mask
             self.grammars.apply(logits, fill)
         return self.sampler(logits, batch, raw_logprobs)
 

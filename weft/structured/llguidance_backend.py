@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 _FORMAT = {
-    StructuredKind.JSON_SCHEMA: "json_schema",
     StructuredKind.REGEX: "regex",
     StructuredKind.LARK: "lark",
     StructuredKind.GBNF: "gbnf",
