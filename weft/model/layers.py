@@ -12,24 +12,41 @@ from weft.config import RopeConfig, RopeType
 
 
 class Linear(nn.Module):
-    """`y = x @ W.T + b` with the weight in the Hugging Face [out, in] layout.
+    """`y = x @ W.T + b`. The weight is loaded in the Hugging Face [out, in] layout; on CPU in
+    float32 the loader then stores it input-major, as a contiguous [in, out] matrix used as
+    `x @ W` (`use_input_major_layout`).
 
-    Measured on the 2-core CPU machines (benchmarks/linear_layout.py, docs/benchmarks.md): for
-    float32 at batch 1, `F.linear` on [out, in], `x @ W` on a contiguous [in, out] and `torch.mv`
-    all stream weights at ~26 GB/s, so the checkpoint's own layout is kept (no transposed copies,
-    and tied embeddings share one tensor). For bfloat16 a single row goes faster through `torch.mv`.
+    Measured on the 2-core CPU machines (interleaved A/B over whole decode steps of a SmolLM2-135M
+    shaped model, docs/benchmarks.md): in float32 `x @ W` on [in, out] is 1.2-1.4x faster than
+    `F.linear` on [out, in] at every batch size, 1.6-1.8x on the output projection; in bfloat16 and
+    float16 it is slower at batch 1 and equal at batch 8, so half precision keeps [out, in], and a
+    single bfloat16 row goes through `torch.mv`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.input_major = False  # True: weight is [in, out]
+
+    def use_input_major_layout(self) -> None:
+        """Store the weight as a contiguous [in, out] copy (a tied weight is no longer shared)."""
+        if not self.input_major:
+            self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
+            self.input_major = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.input_major:
+            return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+def prefers_input_major(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear` weights should be stored [in, out] for this device and dtype (see `Linear`)."""
+    return device.type == "cpu" and dtype == torch.float32
 
 
 class RMSNorm(nn.Module):

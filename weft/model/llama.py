@@ -107,7 +107,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)  # tied: the loader shares embed.weight
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size
+        )  # tied: shares embed.weight, or an [in, out] copy of it
 
     def forward(
         self,

@@ -4,8 +4,9 @@ Steps:
   1. read config.json and resolve the architecture;
   2. list the safetensors files (one file, or many named by model.safetensors.index.json);
   3. read every tensor, with a progress bar, checking names and shapes against the config;
-  4. fuse q/k/v and gate/up into single matrices (weft's layout; [out, in] as in the checkpoint);
-  5. move to the target device and dtype.
+  4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
+  5. move to the target device and dtype;
+  6. on CPU in float32, store the matrices [in, out] (faster there, see `Linear`).
 
 Every error names the file and the problem.
 """
@@ -23,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
+from weft.model.layers import Linear, prefers_input_major
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
 
@@ -120,6 +122,10 @@ def load_model(
         model.lm_head.weight = cast(
             nn.Parameter, model.embed.weight
         )  # one tensor, after the dtype conversion too
+    if prefers_input_major(device, dtype):
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.use_input_major_layout()
     return model
 
 
