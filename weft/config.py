@@ -1,4 +1,5 @@
-"""Frozen configuration objects. This is the one module that reads configuration files.
+"""Frozen configuration objects. This is the one module that reads configuration files and
+environment variables.
 
 Each component receives only its own sub-config: the scheduler a `SchedulerConfig`, the KV cache a
 `CacheConfig`, the model a `ModelConfig`.
@@ -7,6 +8,7 @@ Each component receives only its own sub-config: the scheduler a `SchedulerConfi
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -195,3 +197,22 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_optional_json(path: Path) -> dict[str, Any]:
     return read_json(path) if path.is_file() else {}
+
+
+@dataclass(frozen=True, slots=True)
+class NativeConfig:
+    """Where weft's CPU kernels are built, and whether to use them (environment variables:
+    `WEFT_NATIVE=0` turns them off; `WEFT_CACHE_DIR` moves the build cache, by default
+    `$XDG_CACHE_HOME/weft` or `~/.cache/weft`)."""
+
+    enabled: bool
+    cache_dir: Path
+
+    @classmethod
+    def from_env(cls) -> NativeConfig:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        default = (Path(xdg) if xdg else Path.home() / ".cache") / "weft"
+        return cls(
+            enabled=os.environ.get("WEFT_NATIVE", "1") != "0",
+            cache_dir=Path(os.environ.get("WEFT_CACHE_DIR", default)),
+        )

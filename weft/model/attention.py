@@ -6,6 +6,9 @@ are written with one `index_copy_` at their slots, and each sequence's blocks ar
 `index_select` (advanced indexing with a 2-D block table measured twice as slow on CPU). The metadata
 is built once per step and shared by all layers. Single-token rows and multi-token rows of a step
 attend in separate calls, so decode rows are never padded to a prompt chunk's length.
+
+On CPU, decode rows (one query each) take weft's native kernel (`weft/native`), which reads each
+sequence's keys and values in place through its block table instead of gathering them first.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from weft.native import use_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +29,7 @@ class AttentionGroup:
 
     token_idx: torch.Tensor | None  # [Tg] int64, the group's tokens within the step; None = all of them
     block_table: torch.Tensor  # [Bg, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [Bg] int64, tokens of each sequence after this step
     query_scatter_idx: torch.Tensor | None  # [Tg] int64, token -> row in [Bg * max_q]; None if max_q == 1
     attn_mask: torch.Tensor | None  # [Bg, 1, max_q, kv_len] bool, True = attend; None if not needed
     max_query_len: int
@@ -107,6 +113,7 @@ def _group(
     return AttentionGroup(
         token_idx=None if token_idx is None else token_idx.to(device),
         block_table=shape.table[rows, :num_blocks].contiguous().to(device),
+        context_lens=ctx_lens.to(device),
         query_scatter_idx=None if scatter_idx is None else scatter_idx.to(device),
         attn_mask=None if mask is None else mask.to(device),
         max_query_len=max_q,
@@ -143,6 +150,9 @@ def _attend(
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
+    if max_q == 1 and use_kernels(q):  # decode rows: read the cache in place, no gather
+        out = torch.ops.weft.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
+        return out.view(num_seqs, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]

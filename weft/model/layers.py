@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from weft.config import RopeConfig, RopeType
+from weft.native import use_kernels
 
 
 class Linear(nn.Module):
@@ -56,6 +58,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dim() == 2 and x.stride(1) == 1 and use_kernels(x):
+            return torch.ops.weft.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Half precision: normalise in float32 as the reference implementations do.
@@ -93,24 +97,42 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # [max_positions, D/2] float32
     sin: torch.Tensor  # [max_positions, D/2] float32
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device | None = None
+    ):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)  # [D/2]
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-        self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", angles.sin(), persistent=False)  # [P, D/2]
+        # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
+        self.cos = angles.cos().to(device)  # [P, D/2]
+        self.sin = angles.sin().to(device)  # [P, D/2]
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions` ([T] int64), each [T, 1, D/2], computed once per step."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The rotation of one step's tokens at `positions` ([T] int64), shared by all layers."""
+        if use_kernels(positions):
+            return RopeTables(positions, self.cos, self.sin, native=True)
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
+        return RopeTables(positions, cos, sin, native=False)
 
 
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x in place. x: [T, heads, D] (a view into the fused q/k/v output); cos, sin: [T, 1, D/2]."""
+@dataclass(frozen=True, slots=True)
+class RopeTables:
+    positions: torch.Tensor  # [T] int64
+    cos: (
+        torch.Tensor
+    )  # native: the whole table [P, D/2] float32; else the step's rows [T, 1, D/2] in x's dtype
+    sin: torch.Tensor  # as cos
+    native: bool
+
+
+def apply_rope_(x: torch.Tensor, rope: RopeTables) -> None:
+    """Rotate x in place. x: [T, heads, D] (a view into the fused q/k/v output)."""
+    if rope.native:
+        torch.ops.weft.rope_(x, rope.positions, rope.cos, rope.sin, x.shape[1])
+        return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    rotated1 = x1 * cos - x2 * sin
-    x2.mul_(cos).addcmul_(x1, sin)
+    rotated1 = x1 * rope.cos - x2 * rope.sin
+    x2.mul_(rope.cos).addcmul_(x1, rope.sin)
     x1.copy_(rotated1)

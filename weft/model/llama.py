@@ -19,7 +19,7 @@ from torch import nn
 
 from weft.config import ModelConfig
 from weft.model.attention import AttentionMetadata, paged_attention
-from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope_
+from weft.model.layers import Linear, RMSNorm, RopeTables, RotaryEmbedding, apply_rope_
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
@@ -50,7 +50,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D/2]
+        rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
             qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
-        apply_rope_(qkv[:, : num_q + num_kv], *rope)  # q and k together, in place
+        apply_rope_(qkv[:, : num_q + num_kv], rope)  # q and k together, in place
         q = qkv[:, :num_q]  # [T, H, D]
         kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
         out = paged_attention(q, kv, kv_cache, meta, self.scale)
@@ -90,7 +90,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]

@@ -116,8 +116,8 @@ def load_model(
         model = arch.model_class(config, arch.spec, max_positions)
     state = _convert(weights, arch.spec, config)
     model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope)  # rebuilt off meta
     model = model.to(device=device, dtype=dtype).eval()
+    model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope, device)  # off meta
     if config.tie_word_embeddings:
         model.lm_head.weight = cast(
             nn.Parameter, model.embed.weight

@@ -1,0 +1,124 @@
+"""weft's CPU kernels against the plain torch code they replace (which the parity tests compare with
+transformers), and the fallback switch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import weft.native as native
+from weft.config import RopeConfig
+from weft.model.attention import build_attention_metadata, paged_attention
+from weft.model.layers import RMSNorm, RotaryEmbedding, apply_rope_
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if not native.kernels_available():
+        if os.environ.get("CI"):
+            pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
+        pytest.skip("weft's CPU kernels could not be built here (no C++ compiler?)")
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(dtype, monkeypatch):
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = torch.randn(7, 2 * 96).to(dtype)[:, 5:101]  # strided rows
+    native_out = norm(x)
+    monkeypatch.setitem(native._state, "ok", False)
+    expected = norm(x)
+    torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_torch(dtype, monkeypatch):
+    rotary = RotaryEmbedding(64, 512, RopeConfig(theta=10000.0))
+    positions = torch.tensor([0, 1, 5, 200, 511, 3])
+    qkv = torch.randn(6, 9, 64).to(dtype)  # q: 4 heads, k: 2 heads, v: 3 heads, untouched
+    native_out = qkv.clone()
+    apply_rope_(native_out[:, :6], rotary.tables(positions, dtype))
+    monkeypatch.setitem(native._state, "ok", False)
+    expected = qkv.clone()
+    apply_rope_(expected[:, :6], rotary.tables(positions, dtype))
+    torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert torch.equal(native_out[:, 6:], qkv[:, 6:])
+
+
+def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size=4):
+    gen = torch.Generator().manual_seed(sum(context_lens))
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, 16, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
+    tables, used = [], 0
+    for n in context_lens:
+        count = -(-n // block_size)
+        tables.append(order[used : used + count])
+        used += count
+    q = torch.randn(len(context_lens), num_heads, 16, generator=gen).to(dtype)
+    kv_new = torch.randn(len(context_lens), 2, num_kv_heads, 16, generator=gen).to(dtype)
+    meta, _ = build_attention_metadata([1] * len(context_lens), context_lens, tables, block_size, q.device)
+    return q, kv_new, kv_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+def test_decode_attention_matches_gather_and_sdpa(dtype, heads, monkeypatch):
+    q, kv_new, kv_cache, meta = _random_paged_batch([1, 4, 5, 17, 33], *heads, dtype)
+    native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
+    native_out = paged_attention(q, kv_new, native_cache, meta, 0.25)
+    monkeypatch.setitem(native._state, "ok", False)
+    expected = paged_attention(q, kv_new, torch_cache, meta, 0.25)
+    torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert torch.equal(native_cache, torch_cache)
+
+
+def test_decode_attention_softmax_is_exact_for_extreme_scores():
+    """Large score gaps (the exp approximation's range) still give the exact softmax."""
+    q, kv_new, kv_cache, meta = _random_paged_batch([9, 30], 2, 2, torch.float32)
+    out = paged_attention(q * 40, kv_new, kv_cache, meta, 1.0)
+    group = meta.groups[0]
+    for b, n in enumerate([9, 30]):
+        rows = kv_cache[group.block_table[b]].flatten(0, 1)[:n]  # [n, 2, KVH, D]
+        scores = torch.einsum("hd,nhd->hn", q[b].double() * 40, rows[:, 0].double())
+        expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), rows[:, 1].double())
+        torch.testing.assert_close(out[b].view(2, 16).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_reject_bad_input():
+    q, _, kv_cache, meta = _random_paged_batch([5], 4, 2, torch.float32)
+    group = meta.groups[0]
+    with pytest.raises(RuntimeError, match="context length exceeds the block table"):
+        torch.ops.weft.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens + 100, 1.0)
+    with pytest.raises(RuntimeError, match="kv_cache must be contiguous"):
+        torch.ops.weft.paged_decode_attention(
+            q, kv_cache.double(), group.block_table, group.context_lens, 1.0
+        )
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.weft.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6)
+
+
+def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypatch):
+    from weft import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), show_progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]
+    with_kernels = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setitem(native._state, "ok", False)
+    without = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(with_kernels, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_disabled_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("WEFT_NATIVE", "0")
+    monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
+    assert native._load(native.NativeConfig.from_env()) is False
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,94 @@
+"""weft's CPU kernels (`kernels.cpp`), compiled on first use and cached.
+
+Steps of `kernels_available()`, run once per process:
+  1. unless `WEFT_NATIVE=0`, look for a build of this exact source (the cache directory is keyed
+     by a hash of the source, the torch version and the Python version);
+  2. if there is none, compile it with the system C++ compiler (about a minute, once; a line on
+     stderr says so);
+  3. load it, which registers the `torch.ops.weft.*` operators.
+
+Any failure (no compiler, a build error) leaves a warning with the reason and weft runs the same
+model code with plain torch operations instead: the kernels are a speed-up, never a requirement.
+The kernels run on CPU tensors only; CUDA always takes the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from weft.config import NativeConfig
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+_NAME = "weft_kernels"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
+_LDFLAGS = ["-fopenmp"]  # resolves to the libgomp that torch has already loaded
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def kernels_available() -> bool:
+    """Whether the `torch.ops.weft` CPU kernels are loaded (building them on the first call)."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                _state["ok"] = _load(NativeConfig.from_env())
+    return _state["ok"]
+
+
+def use_kernels(tensor: torch.Tensor) -> bool:
+    """Whether an operation on `tensor` should take the native kernel."""
+    return tensor.device.type == "cpu" and kernels_available()
+
+
+def build_dir(config: NativeConfig) -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    versions = f"{torch.__version__}|{platform.python_version()}|{platform.machine()}|{_CFLAGS}|{_LDFLAGS}"
+    digest.update(versions.encode())
+    return config.cache_dir / f"kernels-{digest.hexdigest()[:16]}"
+
+
+def _load(config: NativeConfig) -> bool:
+    if not config.enabled:
+        return False
+    from torch.utils import cpp_extension
+
+    directory = build_dir(config)
+    library = directory / f"{_NAME}.so"
+    try:
+        if library.is_file():
+            torch.ops.load_library(str(library))
+            return True
+        directory.mkdir(parents=True, exist_ok=True)
+        print("weft: compiling CPU kernels (first use only, about a minute) ...", file=sys.stderr, flush=True)
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        return True
+    except Exception as exc:  # any build or load failure means: use the torch path
+        warnings.warn(
+            f"weft: CPU kernels unavailable, using plain torch operations (slower): {_first_error(exc)}\n"
+            "Install a C++ compiler (g++) and ninja to enable them, or set WEFT_NATIVE=0 to skip this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+
+
+def _first_error(exc: Exception) -> str:
+    """The compiler's first error line from a build log, or the exception's message."""
+    lines = str(exc).strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith(("FAILED", "ninja"))]
+    return (errors or lines or [type(exc).__name__])[0]

@@ -1,0 +1,235 @@
+// weft's CPU kernels: the small operations of a decoder layer fused into single loops, and decode
+// attention that reads the paged KV cache in place. Registered as torch.ops.weft.*; the Python
+// side (weft/native/__init__.py) compiles this file on first use and falls back to plain torch
+// operations when it cannot. Every kernel computes in float32 whatever the storage dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for the softmax (x <= 0 there), as a loop the compiler vectorizes (std::exp is a scalar
+// call): Cephes' range reduction and polynomial, within 2 ulp of std::exp.
+inline float exp_approx(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+template <typename T>
+inline float dot(const T* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(a[i]) * b[i];
+  return sum;
+}
+
+// out[t] = x[t] / rms(x[t]) * weight, per row of a [T, H] tensor (rows may be strided).
+template <typename T>
+void rms_norm_kernel(const T* xp, int64_t row_stride, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = xp + t * row_stride;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+      T* dst = op + t * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {
+        // as the reference implementations: normalise in float32, round to the storage dtype, scale
+        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * inv));
+        dst[i] = static_cast<T>(normed * static_cast<float>(wp[i]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with contiguous rows");
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [H] of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotary embedding in place, half-split layout, on the first `num_heads` heads of x [T, heads, D]
+// (a view into the fused q/k/v output). cos/sin: float32 tables [max_positions, D/2].
+template <typename T>
+void rope_kernel(T* xp, int64_t tokens, int64_t t_stride, int64_t h_stride, int64_t num_heads, int64_t half,
+                 const int64_t* pos, const float* cp, const float* sp) {
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x1 = xp + t * t_stride + h * h_stride;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          // cos and sin rounded to the storage dtype first, as the reference does
+          const float ci = static_cast<float>(static_cast<T>(c[i]));
+          const float si = static_cast<float>(static_cast<T>(s[i]));
+          const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
+          x1[i] = static_cast<T>(a * ci - b * si);
+          x2[i] = static_cast<T>(b * ci + a * si);
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t num_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_: cos and sin must be contiguous float32 tables");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == x.size(0),
+              "rope_: positions must be [T] int64");
+  TORCH_CHECK(num_heads <= x.size(1), "rope_: num_heads exceeds the heads of x");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_rope", [&] {
+    rope_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.stride(0), x.stride(1), num_heads, x.size(2) / 2,
+                          positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// One query token per sequence against its cached keys and values, read in place from the paged
+// cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks].
+// q: [B, H, D]; returns [B, H, D]. The query heads of a KV head are computed together, so each
+// key and value is read once per sequence.
+struct DecodeShape {
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
+  int64_t q_seq_stride, q_head_stride;
+};
+
+template <typename T>
+void decode_one(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t kvh,
+                const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
+                std::vector<float>& acc, T* op) {
+  const int64_t group = sh.group, head_dim = sh.head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const T* src = qp + b * sh.q_seq_stride + (kvh * group + g) * sh.q_head_stride;
+    for (int64_t i = 0; i < head_dim; ++i) queries[g * head_dim + i] = static_cast<float>(src[i]) * scale;
+  }
+  scores.resize(group * len);
+  for (int64_t start = 0; start < len; start += sh.block_size) {  // scores = q . k, block by block
+    const T* key = cache + blocks[start / sh.block_size] * sh.block_stride + kvh * head_dim;
+    const int64_t end = std::min(len, start + sh.block_size);
+    for (int64_t t = start; t < end; ++t, key += sh.token_stride) {
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(key, &queries[g * head_dim], head_dim);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax over t
+    float* s = &scores[g * len];
+    const float max = *std::max_element(s, s + len);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_approx(s[t] - max);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int64_t start = 0; start < len; start += sh.block_size) {  // out = p . v, block by block
+    const T* value = cache + blocks[start / sh.block_size] * sh.block_stride + (sh.num_kv_heads + kvh) * head_dim;
+    const int64_t end = std::min(len, start + sh.block_size);
+    for (int64_t t = start; t < end; ++t, value += sh.token_stride) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + t];
+        float* a = &acc[g * head_dim];
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) a[i] += p * static_cast<float>(value[i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* dst = op + (b * sh.num_heads + kvh * group + g) * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i]);
+  }
+}
+
+template <typename T>
+void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
+                   const DecodeShape& sh, float scale, T* op) {
+  at::parallel_for(0, num_seqs * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(sh.group * sh.head_dim), scores, acc(sh.group * sh.head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
+      decode_one(qp, cache, table + b * sh.max_blocks, lens[b], b, kvh, sh, scale, queries, scores, acc, op);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: kv_cache must be contiguous [blocks, block_size, 2, KVH, D] of q's dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
+                  block_table.size(0) == q.size(0),
+              "paged_decode_attention: block_table must be contiguous [B, max_blocks] int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.size(0) == q.size(0),
+              "paged_decode_attention: context_lens must be [B] int64");
+  DecodeShape sh{};
+  sh.num_heads = q.size(1);
+  sh.head_dim = q.size(2);
+  sh.block_size = kv_cache.size(1);
+  sh.num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == sh.head_dim && sh.num_heads % sh.num_kv_heads == 0,
+              "paged_decode_attention: q and kv_cache disagree on head_dim or head counts");
+  sh.group = sh.num_heads / sh.num_kv_heads;
+  sh.max_blocks = block_table.size(1);
+  sh.token_stride = 2 * sh.num_kv_heads * sh.head_dim;
+  sh.block_stride = sh.block_size * sh.token_stride;
+  sh.q_seq_stride = q.stride(0);
+  sh.q_head_stride = q.stride(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= sh.max_blocks * sh.block_size,
+                "paged_decode_attention: a context length exceeds the block table");
+  }
+  auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
+                            lens, q.size(0), sh, static_cast<float>(scale), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(weft, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(weft, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
