@@ -114,73 +114,123 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 }
 
 // One query token per sequence against its cached keys and values, read in place from the paged
-// cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks].
-// q: [B, H, D]; returns [B, H, D]. The query heads of a KV head are computed together, so each
-// key and value is read once per sequence.
+// cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks]. q: [B, H, D].
+//
+// A work item is a range of one sequence's blocks, all heads at once, so that the cache is read
+// front to back in a single pass (each block is one contiguous stretch of memory); a sequence is
+// cut into several ranges when there are fewer sequences than threads. Within a range, each block
+// updates a running softmax (max m, sum l, weighted values acc per head); the ranges of a sequence
+// are merged at the end.
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
-  int64_t q_seq_stride, q_head_stride;
+  int64_t q_seq_stride, q_head_stride, num_splits;
+};
+
+struct Partial {  // running softmax of one work item: [H], [H], [H, D]
+  float* m;
+  float* l;
+  float* acc;
 };
 
 template <typename T>
-void decode_one(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t kvh,
-                const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
-                std::vector<float>& acc, T* op) {
-  const int64_t group = sh.group, head_dim = sh.head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const T* src = qp + b * sh.q_seq_stride + (kvh * group + g) * sh.q_head_stride;
-    for (int64_t i = 0; i < head_dim; ++i) queries[g * head_dim + i] = static_cast<float>(src[i]) * scale;
-  }
-  scores.resize(group * len);
-  for (int64_t start = 0; start < len; start += sh.block_size) {  // scores = q . k, block by block
-    const T* key = cache + blocks[start / sh.block_size] * sh.block_stride + kvh * head_dim;
-    const int64_t end = std::min(len, start + sh.block_size);
-    for (int64_t t = start; t < end; ++t, key += sh.token_stride) {
-      for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(key, &queries[g * head_dim], head_dim);
+void attend_block(const T* block, int64_t num_tokens, const float* queries, const DecodeShape& sh, float* scores,
+                  Partial part) {
+  const int64_t D = sh.head_dim, G = sh.group, bs = sh.block_size;
+  for (int64_t t = 0; t < num_tokens; ++t) {  // scores[h, t] = q_h . k_t, h = kvh * G + g
+    const T* keys = block + t * sh.token_stride;
+    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
+      for (int64_t g = 0; g < G; ++g, ++h) scores[h * bs + t] = dot(keys + kvh * D, queries + h * D, D);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax over t
-    float* s = &scores[g * len];
-    const float max = *std::max_element(s, s + len);
+  for (int64_t h = 0; h < sh.num_heads; ++h) {  // fold the block into the running softmax
+    float* s = scores + h * bs;
+    const float block_max = *std::max_element(s, s + num_tokens);
+    const float new_max = std::max(part.m[h], block_max);
+    const float rescale = exp_approx(part.m[h] - new_max);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_approx(s[t] - max);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      s[t] = exp_approx(s[t] - new_max);
       sum += s[t];
     }
-    const float inv = 1.f / sum;
+    part.m[h] = new_max;
+    part.l[h] = part.l[h] * rescale + sum;
+    float* a = part.acc + h * D;
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    for (int64_t i = 0; i < D; ++i) a[i] *= rescale;
   }
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t start = 0; start < len; start += sh.block_size) {  // out = p . v, block by block
-    const T* value = cache + blocks[start / sh.block_size] * sh.block_stride + (sh.num_kv_heads + kvh) * head_dim;
-    const int64_t end = std::min(len, start + sh.block_size);
-    for (int64_t t = start; t < end; ++t, value += sh.token_stride) {
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * len + t];
-        float* a = &acc[g * head_dim];
+  for (int64_t t = 0; t < num_tokens; ++t) {  // acc_h += p[h, t] * v_t
+    const T* values = block + t * sh.token_stride + sh.num_kv_heads * D;
+    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
+      const T* v = values + kvh * D;
+      for (int64_t g = 0; g < G; ++g, ++h) {
+        const float p = scores[h * bs + t];
+        float* a = part.acc + h * D;
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) a[i] += p * static_cast<float>(value[i]);
+        for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(v[i]);
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    T* dst = op + (b * sh.num_heads + kvh * group + g) * head_dim;
-    for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[g * head_dim + i]);
+}
+
+template <typename T>
+void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t split,
+                  const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
+                  Partial part) {
+  const int64_t D = sh.head_dim, num_blocks = (len + sh.block_size - 1) / sh.block_size;
+  const int64_t per_split = (num_blocks + sh.num_splits - 1) / sh.num_splits;
+  const int64_t first = split * per_split, last = std::min(num_blocks, first + per_split);
+  for (int64_t h = 0; h < sh.num_heads; ++h) {
+    const T* src = qp + b * sh.q_seq_stride + h * sh.q_head_stride;
+    for (int64_t i = 0; i < D; ++i) queries[h * D + i] = static_cast<float>(src[i]) * scale;
+    part.m[h] = -std::numeric_limits<float>::infinity();
+    part.l[h] = 0.f;
+  }
+  std::fill(part.acc, part.acc + sh.num_heads * D, 0.f);
+  for (int64_t i = first; i < last; ++i) {
+    const int64_t num_tokens = std::min(sh.block_size, len - i * sh.block_size);
+    attend_block(cache + blocks[i] * sh.block_stride, num_tokens, queries.data(), sh, scores.data(), part);
+  }
+}
+
+// out[b, h] = sum over splits of acc * exp(m - M) / sum of l * exp(m - M), M the largest m.
+template <typename T>
+void merge_splits(const std::vector<float>& m, const std::vector<float>& l, const std::vector<float>& acc,
+                  int64_t num_seqs, const DecodeShape& sh, T* op) {
+  const int64_t H = sh.num_heads, D = sh.head_dim, S = sh.num_splits;
+  std::vector<float> out(D);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      float max = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t s = 0; s < S; ++s) max = std::max(max, m[(b * S + s) * H + h]);
+      std::fill(out.begin(), out.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t row = (b * S + s) * H + h;
+        if (l[row] == 0.f) continue;  // an empty range
+        const float weight = std::exp(m[row] - max);
+        total += l[row] * weight;
+        for (int64_t i = 0; i < D; ++i) out[i] += acc[row * D + i] * weight;
+      }
+      T* dst = op + (b * H + h) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(out[i] / total);
+    }
   }
 }
 
 template <typename T>
 void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
                    const DecodeShape& sh, float scale, T* op) {
-  at::parallel_for(0, num_seqs * sh.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(sh.group * sh.head_dim), scores, acc(sh.group * sh.head_dim);
+  const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
+  std::vector<float> m(items * H), l(items * H), acc(items * H * D);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(H * D), scores(H * sh.block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / sh.num_kv_heads, kvh = item % sh.num_kv_heads;
-      decode_one(qp, cache, table + b * sh.max_blocks, lens[b], b, kvh, sh, scale, queries, scores, acc, op);
+      const int64_t b = item / sh.num_splits, split = item % sh.num_splits;
+      Partial part{&m[item * H], &l[item * H], &acc[item * H * D]};
+      decode_range(qp, cache, table + b * sh.max_blocks, lens[b], b, split, sh, scale, queries, scores, part);
     }
   });
+  merge_splits(m, l, acc, num_seqs, sh, op);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -207,6 +257,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.q_seq_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);
+  // enough work items for every thread twice over, but no range shorter than 4 blocks
+  const int64_t wanted = (2 * at::get_num_threads() + q.size(0) - 1) / std::max<int64_t>(q.size(0), 1);
+  sh.num_splits = std::max<int64_t>(1, std::min(wanted, sh.max_blocks / 4));
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lens[b] > 0 && lens[b] <= sh.max_blocks * sh.block_size,
