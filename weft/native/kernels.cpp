@@ -132,10 +132,11 @@ struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* acc;
 };
 
-template <typename T>
+// kHeadDim > 0: the head size as a compile-time constant (fully unrolled loops); 0: sh.head_dim.
+template <typename T, int64_t kHeadDim>
 void attend_block(const T* block, int64_t num_tokens, const float* queries, const DecodeShape& sh, float* scores,
                   Partial part) {
-  const int64_t D = sh.head_dim, G = sh.group, bs = sh.block_size;
+  const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, G = sh.group, bs = sh.block_size;
   for (int64_t t = 0; t < num_tokens; ++t) {  // scores[h, t] = q_h . k_t, h = kvh * G + g
     const T* keys = block + t * sh.token_stride;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
@@ -189,7 +190,14 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
   std::fill(part.acc, part.acc + sh.num_heads * D, 0.f);
   for (int64_t i = first; i < last; ++i) {
     const int64_t num_tokens = std::min(sh.block_size, len - i * sh.block_size);
-    attend_block(cache + blocks[i] * sh.block_stride, num_tokens, queries.data(), sh, scores.data(), part);
+    const T* block = cache + blocks[i] * sh.block_stride;
+    if (D == 64) {
+      attend_block<T, 64>(block, num_tokens, queries.data(), sh, scores.data(), part);
+    } else if (D == 128) {
+      attend_block<T, 128>(block, num_tokens, queries.data(), sh, scores.data(), part);
+    } else {
+      attend_block<T, 0>(block, num_tokens, queries.data(), sh, scores.data(), part);
+    }
   }
 }
 
