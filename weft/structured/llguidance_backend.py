@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import llguidance
-import llguidance.torch
 import torch
 
 from weft.params import StructuredKind, StructuredSpec
@@ -106,5 +105,11 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(cast(LLGuidanceGrammar, grammar).template.deep_copy())
 
     def fill_bitmask(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill rows of `bitmask` ([R, W] int32, contiguous, on CPU) in parallel, without the GIL.
+
+        Calls the executor directly: `llguidance.torch`, which wraps this call, would import
+        torch's compiler stack (seconds of start-up) for a kernel weft does not use."""
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
         pairs = [(cast(LLGuidanceMatcher, m).matcher, idx) for m, idx in matchers]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        rows, words = bitmask.shape
+        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
