@@ -78,6 +78,33 @@ def test_decode_attention_matches_gather_and_sdpa(dtype, heads, monkeypatch):
     assert torch.equal(native_cache, torch_cache)
 
 
+def _mixed_step(native_on: bool, monkeypatch, dtype=torch.float32):
+    """One step with decode rows, short multi-token rows (attended token by token with the kernel)
+    and a long prompt chunk; the cache gets the step's keys and values written first."""
+    monkeypatch.setitem(native._state, "ok", native_on)
+    query_lens, context_lens, block_size = [1, 3, 8, 20, 1], [9, 12, 8, 29, 40], 4
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 2
+    kv_cache = torch.randn(num_blocks, block_size, 2, 2, 16, generator=gen).to(dtype)
+    order, tables, used = torch.randperm(num_blocks, generator=gen).tolist(), [], 0
+    for n in context_lens:
+        tables.append(order[used : used + -(-n // block_size)])
+        used += len(tables[-1])
+    q = torch.randn(sum(query_lens), 6, 16, generator=gen).to(dtype)
+    kv_new = torch.randn(sum(query_lens), 2, 2, 16, generator=gen).to(dtype)
+    meta, _ = build_attention_metadata(query_lens, context_lens, tables, block_size, q.device)
+    return paged_attention(q, kv_new, kv_cache, meta, 0.25), meta
+
+
+def test_short_multi_token_rows_attend_token_by_token(monkeypatch):
+    native_out, native_meta = _mixed_step(True, monkeypatch)
+    torch_out, torch_meta = _mixed_step(False, monkeypatch)
+    torch.testing.assert_close(native_out, torch_out, rtol=1e-5, atol=1e-5)
+    # with the kernel: 1 + 3 + 8 + 1 tokens in one single-query group, the 20-token chunk apart
+    assert [g.num_seqs for g in native_meta.groups] == [13, 1]
+    assert [g.num_seqs for g in torch_meta.groups] == [2, 3]
+
+
 def test_decode_attention_softmax_is_exact_for_extreme_scores():
     """Large score gaps (the exp approximation's range) still give the exact softmax."""
     q, kv_new, kv_cache, meta = _random_paged_batch([9, 30], 2, 2, torch.float32)

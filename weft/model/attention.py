@@ -8,7 +8,9 @@ is built once per step and shared by all layers. Single-token rows and multi-tok
 attend in separate calls, so decode rows are never padded to a prompt chunk's length.
 
 On CPU, decode rows (one query each) take weft's native kernel (`weft/native`), which reads each
-sequence's keys and values in place through its block table instead of gathering them first.
+sequence's keys and values in place through its block table instead of gathering them first. Rows
+with a few new tokens (fast-forwarded grammar tokens) join them token by token: token i of a row is
+a one-query row whose context ends at itself.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.native import use_kernels
+from weft.native import kernels_available, use_kernels
+
+# With the native decode kernel, rows of up to this many new tokens (fast-forwarded grammar tokens,
+# short prompt chunks) attend token by token through it rather than through a padded, masked SDPA.
+MAX_TOKENWISE_QUERY_LEN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +86,34 @@ def build_attention_metadata(
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
     shape = _StepShape(q_lens, ctx_lens, seq_idx, table, block_size)
-    is_decode = q_lens == 1  # [B]
+    max_short = MAX_TOKENWISE_QUERY_LEN if device.type == "cpu" and kernels_available() else 1
+    short = (q_lens <= max_short)[seq_idx]  # [T] bool: tokens that attend as single-query rows
     groups: tuple[AttentionGroup, ...]
-    if bool(is_decode.all()) or not bool(is_decode.any()):
+    if not bool(short.any()):
         groups = (_group(shape, torch.arange(num_seqs), None, device),)
+    elif bool(short.all()):
+        all_tokens = torch.arange(len(seq_idx))
+        groups = (_group(_tokenwise(shape, positions, all_tokens), all_tokens, None, device),)
     else:
-        groups = tuple(
-            _group(shape, torch.nonzero(rows).flatten(), torch.nonzero(rows[seq_idx]).flatten(), device)
-            for rows in (is_decode, ~is_decode)
+        short_idx, long_idx = torch.nonzero(short).flatten(), torch.nonzero(~short).flatten()
+        groups = (
+            _group(_tokenwise(shape, positions, short_idx), torch.arange(len(short_idx)), short_idx, device),
+            _group(shape, torch.nonzero(q_lens > max_short).flatten(), long_idx, device),
         )
     return AttentionMetadata(slot_mapping.to(device), groups), positions.to(device)
+
+
+def _tokenwise(shape: _StepShape, positions: torch.Tensor, token_idx: torch.Tensor) -> _StepShape:
+    """The tokens `token_idx` ([Tg] int64) as sequences of one query each: token i of a row sees the
+    row's context up to and including itself, through the row's block table."""
+    num_tokens = len(token_idx)
+    return _StepShape(
+        q_lens=torch.ones(num_tokens, dtype=torch.int64),
+        ctx_lens=positions[token_idx] + 1,
+        seq_idx=torch.arange(num_tokens),
+        table=shape.table[shape.seq_idx[token_idx]],
+        block_size=shape.block_size,
+    )
 
 
 def _group(
