@@ -20,6 +20,15 @@ def shared_data(relative: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built():
+    """Build weft's CPU kernels once, before any test, so that no test (or `weft` subprocess under a
+    timeout) pays the first compile. Tests of both paths switch between them themselves."""
+    import weft.native
+
+    weft.native.kernels_available()
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, Path] = {}

@@ -8,7 +8,9 @@ Steps, in order:
      decoding with fast-forward (forced tokens appended without sampling);
   3. time the same constrained workload through transformers generate() with a logits processor
      built on the same grammar library (llguidance: one matcher per row, batch bitmask fill);
-  4. print per-token time and overhead, the fast-forward share of tokens, and tokens/s ratios.
+  4. repeat steps 2-3 `--repeats` times, alternating, and keep each mode's best run (the machine's
+     load from other tenants then hits all modes alike);
+  5. print per-token time and overhead, the fast-forward share of tokens, and tokens/s ratios.
 
 Per-token time in weft is the wall time of the decode steps in which every row of the batch is still
 running, divided by the tokens those steps produced (sampled plus forced): it includes everything
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from weft.bench.throughput import SHARED, add_shape_arguments, build_checkpoint
+from weft.bench.throughput import SHARED, add_repeats_argument, add_shape_arguments, build_checkpoint
 
 SCHEMAS = SHARED / "jsonschema" / "jsonschemabench" / "Glaiveai2K.jsonl.gz"
 
@@ -38,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, "1,8,32")
     p.add_argument("--output-len", type=int, default=64, help="most new tokens per sequence (default: 64)")
     p.add_argument("--schemas", type=Path, default=SCHEMAS, help="a JSONSchemaBench .jsonl.gz file")
+    add_repeats_argument(p)
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
 
 
@@ -231,14 +234,20 @@ def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace)
     rows = []
     for batch in batch_sizes:
         prompts, batch_schemas = [prompt] * batch, schemas[:batch]
-        print(f"  batch {batch}: weft ...", end="", flush=True)
-        free = time_weft(llm, prompts, None, args.output_len)
-        masked = time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=False)
-        forced = time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=True)
-        row: dict[str, Any] = {"batch": batch, "free": free, "masked": masked, "ff": forced}
-        if hf is not None:
-            print(" transformers ...", end="", flush=True)
-            row["hf"] = time_transformers(hf, tokenizer_json, prompts, batch_schemas, args.output_len, eos_id)
+        print(f"  batch {batch}:", end="", flush=True)
+        runs: dict[str, list[Run]] = {"free": [], "masked": [], "ff": [], "hf": []}
+        for _ in range(args.repeats):
+            print(" weft", end="", flush=True)
+            runs["free"].append(time_weft(llm, prompts, None, args.output_len))
+            runs["masked"].append(time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=False))
+            runs["ff"].append(time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=True))
+            if hf is not None:
+                print(" transformers", end="", flush=True)
+                runs["hf"].append(
+                    time_transformers(hf, tokenizer_json, prompts, batch_schemas, args.output_len, eos_id)
+                )
+        row: dict[str, Any] = {"batch": batch}
+        row.update({name: min(r, key=lambda run: run.ms_per_token) for name, r in runs.items() if r})
         print(" done", flush=True)
         rows.append(row)
     return rows

@@ -42,14 +42,18 @@ def add_shape_arguments(p: argparse.ArgumentParser, batch_sizes: str) -> None:
     p.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated (default: {batch_sizes})")
 
 
+def add_repeats_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repeats", type=int, default=3, help="alternating runs per engine, the best kept (default: 3)"
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, "1,8,32,64")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    p.add_argument(
-        "--repeats", type=int, default=3, help="alternating runs per engine, the best kept (default: 3)"
-    )
+    add_repeats_argument(p)
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
 
