@@ -174,7 +174,7 @@ def _attend(
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
-    if max_q == 1 and use_kernels(q):  # decode rows: read the cache in place, no gather
+    if max_q == 1 and head_dim <= 256 and use_kernels(q):  # decode rows: read the cache in place
         out = torch.ops.weft.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
         return out.view(num_seqs, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]

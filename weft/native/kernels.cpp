@@ -132,44 +132,52 @@ struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* acc;
 };
 
-// kHeadDim > 0: the head size as a compile-time constant (fully unrolled loops); 0: sh.head_dim.
+// Fold one block of tokens into the running softmax of one query head. kHeadDim > 0: the head
+// size as a compile-time constant (fully unrolled loops, the accumulator in registers).
+template <typename T, int64_t kHeadDim>
+void attend_block_head(const T* keys, const T* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
+                       const float* query, float* scores, float& m, float& l, float* acc_out) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < num_tokens; ++t) {  // scores = q . k
+    scores[t] = dot(keys + t * token_stride, query, D);
+    block_max = std::max(block_max, scores[t]);
+  }
+  const float new_max = std::max(m, block_max);
+  const float rescale = exp_approx(m - new_max);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    scores[t] = exp_approx(scores[t] - new_max);
+    sum += scores[t];
+  }
+  m = new_max;
+  l = l * rescale + sum;
+  float acc[kHeadDim > 0 ? kHeadDim : 256];
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) acc[i] = acc_out[i] * rescale;
+  for (int64_t t = 0; t < num_tokens; ++t) {  // acc += p_t * v_t
+    const T* v = values + t * token_stride;
+    const float p = scores[t];
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[i] += p * static_cast<float>(v[i]);
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
+}
+
+// One block of tokens for every head, head by head: a KV head's keys and values of the block
+// (2 x block_size x D) stay in L1 for its query heads.
 template <typename T, int64_t kHeadDim>
 void attend_block(const T* block, int64_t num_tokens, const float* queries, const DecodeShape& sh, float* scores,
                   Partial part) {
-  const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, G = sh.group, bs = sh.block_size;
-  for (int64_t t = 0; t < num_tokens; ++t) {  // scores[h, t] = q_h . k_t, h = kvh * G + g
-    const T* keys = block + t * sh.token_stride;
-    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      for (int64_t g = 0; g < G; ++g, ++h) scores[h * bs + t] = dot(keys + kvh * D, queries + h * D, D);
-    }
-  }
-  for (int64_t h = 0; h < sh.num_heads; ++h) {  // fold the block into the running softmax
-    float* s = scores + h * bs;
-    const float block_max = *std::max_element(s, s + num_tokens);
-    const float new_max = std::max(part.m[h], block_max);
-    const float rescale = exp_approx(part.m[h] - new_max);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      s[t] = exp_approx(s[t] - new_max);
-      sum += s[t];
-    }
-    part.m[h] = new_max;
-    part.l[h] = part.l[h] * rescale + sum;
-    float* a = part.acc + h * D;
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) a[i] *= rescale;
-  }
-  for (int64_t t = 0; t < num_tokens; ++t) {  // acc_h += p[h, t] * v_t
-    const T* values = block + t * sh.token_stride + sh.num_kv_heads * D;
-    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      const T* v = values + kvh * D;
-      for (int64_t g = 0; g < G; ++g, ++h) {
-        const float p = scores[h * bs + t];
-        float* a = part.acc + h * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] += p * static_cast<float>(v[i]);
-      }
+  const int64_t D = sh.head_dim;
+  for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
+    const T* keys = block + kvh * D;
+    const T* values = block + (sh.num_kv_heads + kvh) * D;
+    for (int64_t g = 0; g < sh.group; ++g, ++h) {
+      attend_block_head<T, kHeadDim>(keys, values, num_tokens, sh.token_stride, D, queries + h * D, scores,
+                                     part.m[h], part.l[h], part.acc + h * D);
     }
   }
 }
@@ -231,7 +239,7 @@ void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int6
   const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
   std::vector<float> m(items * H), l(items * H), acc(items * H * D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(H * D), scores(H * sh.block_size);
+    std::vector<float> queries(H * D), scores(sh.block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / sh.num_splits, split = item % sh.num_splits;
       Partial part{&m[item * H], &l[item * H], &acc[item * H * D]};
@@ -259,6 +267,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == sh.head_dim && sh.num_heads % sh.num_kv_heads == 0,
               "paged_decode_attention: q and kv_cache disagree on head_dim or head counts");
+  TORCH_CHECK(sh.head_dim <= 256, "paged_decode_attention: head_dim above 256 is not supported");
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.max_blocks = block_table.size(1);
   sh.token_stride = 2 * sh.num_kv_heads * sh.head_dim;
