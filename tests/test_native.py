@@ -50,18 +50,18 @@ def test_rope_matches_torch(dtype, monkeypatch):
     assert torch.equal(native_out[:, 6:], qkv[:, 6:])
 
 
-def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size=4):
+def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size=4, head_dim=16):
     gen = torch.Generator().manual_seed(sum(context_lens))
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
-    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, 16, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
     tables, used = [], 0
     for n in context_lens:
         count = -(-n // block_size)
         tables.append(order[used : used + count])
         used += count
-    q = torch.randn(len(context_lens), num_heads, 16, generator=gen).to(dtype)
-    kv_new = torch.randn(len(context_lens), 2, num_kv_heads, 16, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
+    kv_new = torch.randn(len(context_lens), 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     meta, _ = build_attention_metadata([1] * len(context_lens), context_lens, tables, block_size, q.device)
     return q, kv_new, kv_cache, meta
 
@@ -76,6 +76,19 @@ def test_decode_attention_matches_gather_and_sdpa(dtype, heads, monkeypatch):
     expected = paged_attention(q, kv_new, torch_cache, meta, 0.25)
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert torch.equal(native_cache, torch_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_with_specialised_head_sizes(dtype, head_dim, monkeypatch):
+    """Head sizes 64 and 128 with full 16-token blocks take the kernel's unrolled (and, where the
+    CPU has AVX-512, vectorised 16-tokens-at-once) score loop."""
+    q, kv_new, kv_cache, meta = _random_paged_batch([1, 16, 17, 40, 64], 9, 3, dtype, 16, head_dim)
+    native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
+    native_out = paged_attention(q, kv_new, native_cache, meta, head_dim**-0.5)
+    monkeypatch.setitem(native._state, "ok", False)
+    expected = paged_attention(q, kv_new, torch_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 def _mixed_step(native_on: bool, monkeypatch, dtype=torch.float32):

@@ -8,10 +8,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -132,17 +137,63 @@ struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* acc;
 };
 
+#if defined(__AVX512F__)
+// One level of a 16 x 16 transpose-and-add: lanes of `a` and `b` in the halves (of width `kHalf`
+// lanes) that `mask` selects are added to the neighbouring half, so that each result lane holds a
+// partial sum of a or of b. Four levels turn 16 vectors into one vector of their 16 sums.
+template <int kHalf>
+inline __m512 fold(__m512 a, __m512 b) {
+  constexpr __mmask16 mask = kHalf == 8 ? 0xFF00 : kHalf == 4 ? 0xF0F0 : kHalf == 2 ? 0xCCCC : 0xAAAA;
+  const __m512 kept = _mm512_mask_blend_ps(mask, a, b);
+  __m512 moved = _mm512_mask_blend_ps(mask, b, a);
+  if constexpr (kHalf == 8) moved = _mm512_shuffle_f32x4(moved, moved, 0x4E);  // swap 256-bit halves
+  if constexpr (kHalf == 4) moved = _mm512_shuffle_f32x4(moved, moved, 0xB1);  // swap 128-bit lanes
+  if constexpr (kHalf == 2) moved = _mm512_permute_ps(moved, 0x4E);             // swap 64-bit pairs
+  if constexpr (kHalf == 1) moved = _mm512_permute_ps(moved, 0xB1);             // swap neighbours
+  return _mm512_add_ps(kept, moved);
+}
+
+// scores[t] = q . k_t for 16 consecutive tokens (keys `token_stride` floats apart): 16 vector
+// accumulators, then one transpose-and-add instead of 16 horizontal sums.
+template <int64_t kD>
+inline void dot16(const float* keys, int64_t token_stride, const float* query, float* scores) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kD; d += 16) {
+    const __m512 q = _mm512_loadu_ps(query + d);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + t * token_stride + d), q, acc[t]);
+  }
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) e[i] = fold<4>(c[2 * i], c[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) f[i] = fold<2>(e[2 * i], e[2 * i + 1]);
+  const __m512 sums = fold<1>(f[0], f[1]);  // token t's sum in lane bitreverse(t)
+  const __m512i bit_reversed = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+  _mm512_storeu_ps(scores, _mm512_permutexvar_ps(bit_reversed, sums));
+}
+#endif
+
+// scores[t] = q . k_t for the tokens of a block.
+template <typename T, int64_t kHeadDim>
+inline void block_scores(const T* keys, int64_t num_tokens, int64_t token_stride, int64_t D, const float* query,
+                         float* scores) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
+    for (; t + 16 <= num_tokens; t += 16) dot16<kHeadDim>(keys + t * token_stride, token_stride, query, scores + t);
+  }
+#endif
+  for (; t < num_tokens; ++t) scores[t] = dot(keys + t * token_stride, query, D);
+}
+
 // Fold one block of tokens into the running softmax of one query head. kHeadDim > 0: the head
 // size as a compile-time constant (fully unrolled loops, the accumulator in registers).
 template <typename T, int64_t kHeadDim>
 void attend_block_head(const T* keys, const T* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
                        const float* query, float* scores, float& m, float& l, float* acc_out) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < num_tokens; ++t) {  // scores = q . k
-    scores[t] = dot(keys + t * token_stride, query, D);
-    block_max = std::max(block_max, scores[t]);
-  }
+  block_scores<T, kHeadDim>(keys, num_tokens, token_stride, D, query, scores);
+  const float block_max = *std::max_element(scores, scores + num_tokens);
   const float new_max = std::max(m, block_max);
   const float rescale = exp_approx(m - new_max);
   float sum = 0.f;
