@@ -19,7 +19,7 @@ def kernels():
     if not native.kernels_available():
         if os.environ.get("CI"):
             pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
-        pytest.skip("weft's CPU kernels could not be built here (no C++ compiler?)")
+        pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here (no C++ compiler?)")
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
