@@ -12,6 +12,7 @@ import weft.native as native
 from weft.config import RopeConfig
 from weft.model.attention import build_attention_metadata, paged_attention
 from weft.model.layers import RMSNorm, RotaryEmbedding, apply_rope_
+from weft.structured.bitmask import apply_bitmask_inplace
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,7 +20,9 @@ def kernels():
     if not native.kernels_available():
         if os.environ.get("CI"):
             pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
-        pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here (no C++ compiler?)")
+        pytest.skip(
+            "weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here (no C++ compiler?)"
+        )
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -130,6 +133,30 @@ def test_decode_attention_softmax_is_exact_for_extreme_scores():
         torch.testing.assert_close(out[b].view(2, 16).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_rows", [True, False])
+def test_bitmask_kernel_matches_torch(use_rows, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    vocab, num_words = 1000, 32  # 24 bits of the last word are past the vocabulary
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, num_words), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
+    bitmask[1, :10] = -1  # words that allow everything take the kernel's shortcut
+    logits = torch.randn(5 if use_rows else 3, vocab, generator=gen)
+    rows = torch.tensor([4, 0, 2]) if use_rows else None
+    native_out, torch_out = logits.clone(), logits.clone()
+    apply_bitmask_inplace(native_out, bitmask, rows)
+    monkeypatch.setitem(native._state, "ok", False)
+    apply_bitmask_inplace(torch_out, bitmask, rows)
+    assert torch.equal(native_out, torch_out)
+    assert native_out.isinf().any() and not native_out[1 if use_rows else 0].isinf().all()
+
+
+def test_bitmask_kernel_disallows_tokens_past_the_mask():
+    logits = torch.zeros(2, 70)
+    torch.ops.weft.apply_token_bitmask_(logits, torch.full((2, 2), -1, dtype=torch.int32), torch.empty(0))
+    assert torch.isfinite(logits[:, :64]).all() and torch.isinf(logits[:, 64:]).all()
+
+
 def test_kernels_reject_bad_input():
     q, _, kv_cache, meta = _random_paged_batch([5], 4, 2, torch.float32)
     group = meta.groups[0]
@@ -141,6 +168,10 @@ def test_kernels_reject_bad_input():
         )
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.weft.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="row index out of range"):
+        torch.ops.weft.apply_token_bitmask_(
+            torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5])
+        )
 
 
 def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypatch):

@@ -105,9 +105,7 @@ def time_weft(
     forced_before, sampled_before = engine.num_forced_tokens, engine.num_sampled_tokens
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"bench-{i}", prompt, p)
-    while len(engine.scheduler.running) < len(prompts) or any(  # admission and prefill
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
+    while engine.has_unfinished_requests() and _admitting(engine):  # grammars, admission, prefill
         engine.step()
     seconds, full_tokens = 0.0, 0
     while engine.has_unfinished_requests():
@@ -120,6 +118,13 @@ def time_weft(
             full_tokens += engine.num_forced_tokens + engine.num_sampled_tokens - before
     produced = engine.num_forced_tokens + engine.num_sampled_tokens - forced_before - sampled_before
     return Run(seconds, full_tokens, engine.num_forced_tokens - forced_before, produced)
+
+
+def _admitting(engine) -> bool:
+    """Whether some request still waits for its grammar, for admission or for its prompt."""
+    return bool(engine.awaiting_grammar or engine.scheduler.waiting) or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    )
 
 
 def _schema_per_prompt(schemas: list[dict[str, Any]] | None, count: int) -> list[dict[str, Any] | None]:

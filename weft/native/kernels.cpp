@@ -1,7 +1,7 @@
-// weft's CPU kernels: the small operations of a decoder layer fused into single loops, and decode
-// attention that reads the paged KV cache in place. Registered as torch.ops.weft.*; the Python
-// side (weft/native/__init__.py) compiles this file on first use and falls back to plain torch
-// operations when it cannot. Every kernel computes in float32 whatever the storage dtype.
+// weft's CPU kernels: the small operations of a decoder layer fused into single loops, decode
+// attention that reads the paged KV cache in place, and the grammar bitmask applied in place.
+// Registered as torch.ops.weft.*; the Python side (weft/native/__init__.py) compiles this file on
+// first use and falls back to plain torch operations when it cannot. Every kernel computes in float32 whatever the storage dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -341,16 +341,59 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// Grammar mask in place: logits[rows[r], v] = -inf where bit v of bitmask[r] is 0 (bit v is bit
+// v % 32 of int32 word v / 32; tokens past the mask's words are disallowed too). rows: [R] int64,
+// or empty when row r of the mask is row r of the logits. Words that allow all or none of their 32
+// tokens take a shortcut.
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "apply_token_bitmask_: logits must be float32 [B, V] with contiguous rows");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "apply_token_bitmask_: bitmask must be a contiguous int32 [R, W]");
+  const int64_t num_rows = bitmask.size(0), num_words = bitmask.size(1), vocab = logits.size(1);
+  const bool all_rows = rows.numel() == 0;
+  TORCH_CHECK(all_rows ? num_rows == logits.size(0) : (rows.scalar_type() == at::kLong && rows.numel() == num_rows),
+              "apply_token_bitmask_: rows must be [R] int64 (or empty with one mask row per logits row)");
+  const int64_t* row_idx = all_rows ? nullptr : rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t row = all_rows ? r : row_idx[r];
+    TORCH_CHECK(row >= 0 && row < logits.size(0), "apply_token_bitmask_: row index out of range");
+  }
+  const int32_t* words = bitmask.data_ptr<int32_t>();
+  float* lp = logits.data_ptr<float>();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* out = lp + (all_rows ? r : row_idx[r]) * logits.stride(0);
+      const int32_t* mask = words + r * num_words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t bits = w < num_words ? static_cast<uint32_t>(mask[w]) : 0u;
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t count = std::min<int64_t>(32, vocab - w * 32);
+        if (bits == 0u) {  // the common case deep in a grammar: nothing allowed
+          std::fill(out + w * 32, out + w * 32 + count, minus_inf);
+          continue;
+        }
+        for (int64_t j = 0; j < count; ++j) {
+          if (!((bits >> j) & 1u)) out[w * 32 + j] = minus_inf;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weft, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
 }
