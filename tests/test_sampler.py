@@ -206,3 +206,11 @@ def test_logits_processor_sees_output_tokens(logits):
     out = Sampler()(logits.expand(2, -1).clone(), SamplingBatch.build(requests, VOCAB, torch.device("cpu")))
     assert out.token_ids.tolist() == [2, 7]
     assert seen == [[8, 9]]
+
+
+def test_row_argmax_takes_the_first_of_tied_maxima():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -1.0, -3.0]])
+    assert ops.row_argmax(logits).tolist() == [1, 0, 0]
+    wide = torch.zeros(3, 49152)
+    wide[:, [17, 40000]] = 2.0  # ties far apart in a real-size vocabulary
+    assert ops.row_argmax(wide).tolist() == [17, 17, 17]

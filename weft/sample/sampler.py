@@ -189,7 +189,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)  # [B]
+        greedy = ops.row_argmax(logits)  # [B]
         if batch.all_greedy:
             return greedy
         sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
