@@ -6,7 +6,8 @@ Steps:
   3. read every tensor, with a progress bar, checking names and shapes against the config;
   4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
   5. move to the target device and dtype;
-  6. on CPU in float32, store the matrices [in, out] (faster there, see `Linear`).
+  6. on CPU in float32, store the matrices [in, out] (faster there, see `Linear`);
+  7. on CPU, make sure weft's native kernels are built and loaded (`weft/native`).
 
 Every error names the file and the problem.
 """
@@ -27,6 +28,7 @@ from weft.config import ConfigError, ModelConfig
 from weft.model.layers import Linear, prefers_input_major
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
+from weft.native import kernels_available
 
 
 class CheckpointError(ValueError):
@@ -126,6 +128,8 @@ def load_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_input_major_layout()
+    if device.type == "cpu":
+        kernels_available()  # build (or load) weft's CPU kernels now, not inside the first step
     return model
 
 
