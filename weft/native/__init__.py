@@ -3,7 +3,7 @@
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of this exact source (the cache directory is keyed
      by a hash of the source, the torch version and the Python version);
-  2. if there is none, compile it with the system C++ compiler (about a minute, once; a line on
+  2. if there is none, compile it with the system C++ compiler (about half a minute, once; a line on
      stderr says so);
   3. load it, which registers the `torch.ops.weft.*` operators.
 
@@ -66,7 +66,11 @@ def _load(config: NativeConfig) -> bool:
             torch.ops.load_library(str(library))
             return True
         directory.mkdir(parents=True, exist_ok=True)
-        print("weft: compiling CPU kernels (first use only, about a minute) ...", file=sys.stderr, flush=True)
+        print(
+            "weft: compiling CPU kernels (first use only, about half a minute) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         cpp_extension.load(
             name=_NAME,
             sources=[str(SOURCE)],
