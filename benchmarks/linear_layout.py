@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from weft.bench.throughput import read_bandwidth_gbs
+
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
 METHODS = {
     "x @ W [in,out]": lambda x, w_io, w_oi: x @ w_io,
@@ -55,13 +57,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32", help="comma-separated rows per matmul (default: 1,8,32)")
     row_counts = [int(r) for r in parser.parse_args().rows.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    data = torch.ones(128 * 1024 * 1024)
-    read = []
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        read.append(time.perf_counter() - start)
-    print(f"plain memory read: {data.numel() * 4 / min(read) / 1e9:.1f} GB/s\n")
+    print(f"plain memory read: {read_bandwidth_gbs():.1f} GB/s\n")
     print("| dtype | rows | " + " | ".join(METHODS) + " |")
     print("|---|---:|" + "---:|" * len(METHODS))
     with torch.inference_mode():

@@ -53,16 +53,22 @@ def test_rope_matches_torch(dtype, monkeypatch):
     assert torch.equal(native_out[:, 6:], qkv[:, 6:])
 
 
-def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size=4, head_dim=16):
-    gen = torch.Generator().manual_seed(sum(context_lens))
+def _scattered_block_tables(context_lens, block_size, gen):
+    """Block tables over a pool with spare blocks, handed out in a random order; and the pool size."""
     num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
-    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in context_lens:
         count = -(-n // block_size)
         tables.append(order[used : used + count])
         used += count
+    return tables, num_blocks
+
+
+def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size=4, head_dim=16):
+    gen = torch.Generator().manual_seed(sum(context_lens))
+    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
     kv_new = torch.randn(len(context_lens), 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     meta, _ = build_attention_metadata([1] * len(context_lens), context_lens, tables, block_size, q.device)
@@ -100,12 +106,8 @@ def _mixed_step(native_on: bool, monkeypatch, dtype=torch.float32):
     monkeypatch.setitem(native._state, "ok", native_on)
     query_lens, context_lens, block_size = [1, 3, 8, 20, 1], [9, 12, 8, 29, 40], 4
     gen = torch.Generator().manual_seed(7)
-    num_blocks = sum(-(-n // block_size) for n in context_lens) + 2
+    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
     kv_cache = torch.randn(num_blocks, block_size, 2, 2, 16, generator=gen).to(dtype)
-    order, tables, used = torch.randperm(num_blocks, generator=gen).tolist(), [], 0
-    for n in context_lens:
-        tables.append(order[used : used + -(-n // block_size)])
-        used += len(tables[-1])
     q = torch.randn(sum(query_lens), 6, 16, generator=gen).to(dtype)
     kv_new = torch.randn(sum(query_lens), 2, 2, 16, generator=gen).to(dtype)
     meta, _ = build_attention_metadata(query_lens, context_lens, tables, block_size, q.device)

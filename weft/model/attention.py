@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.native import kernels_available, use_kernels
+from weft.native import use_kernels
 
 # With the native decode kernel, rows of up to this many new tokens (fast-forwarded grammar tokens,
 # short prompt chunks) attend token by token through it rather than through a padded, masked SDPA.
@@ -86,7 +86,7 @@ def build_attention_metadata(
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
     shape = _StepShape(q_lens, ctx_lens, seq_idx, table, block_size)
-    max_short = MAX_TOKENWISE_QUERY_LEN if device.type == "cpu" and kernels_available() else 1
+    max_short = MAX_TOKENWISE_QUERY_LEN if use_kernels(device) else 1
     short = (q_lens <= max_short)[seq_idx]  # [T] bool: tokens that attend as single-query rows
     groups: tuple[AttentionGroup, ...]
     if not bool(short.any()):
@@ -174,7 +174,7 @@ def _attend(
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
-    if max_q == 1 and head_dim <= 256 and use_kernels(q):  # decode rows: read the cache in place
+    if max_q == 1 and head_dim <= 256 and use_kernels(q.device):  # decode rows: read the cache in place
         out = torch.ops.weft.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
         return out.view(num_seqs, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]

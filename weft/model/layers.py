@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if x.dim() == 2 and x.stride(1) == 1 and use_kernels(x):
+        if x.dim() == 2 and x.stride(1) == 1 and use_kernels(x.device):
             return torch.ops.weft.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -109,7 +109,7 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The rotation of one step's tokens at `positions` ([T] int64), shared by all layers."""
-        if use_kernels(positions):
+        if use_kernels(positions.device):
             return RopeTables(positions, self.cos, self.sin, native=True)
         cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]

@@ -28,7 +28,7 @@ from weft.config import ConfigError, ModelConfig
 from weft.model.layers import Linear, prefers_input_major
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
-from weft.native import kernels_available
+from weft.native import use_kernels
 
 
 class CheckpointError(ValueError):
@@ -128,8 +128,7 @@ def load_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.use_input_major_layout()
-    if device.type == "cpu":
-        kernels_available()  # build (or load) weft's CPU kernels now, not inside the first step
+    use_kernels(device)  # on CPU: build (or load) weft's kernels now, not inside the first step
     return model
 
 

@@ -42,9 +42,9 @@ def kernels_available() -> bool:
     return _state["ok"]
 
 
-def use_kernels(tensor: torch.Tensor) -> bool:
-    """Whether an operation on `tensor` should take the native kernel."""
-    return tensor.device.type == "cpu" and kernels_available()
+def use_kernels(device: torch.device) -> bool:
+    """Whether operations on `device` take the native kernels (CPU only; builds them on first call)."""
+    return device.type == "cpu" and kernels_available()
 
 
 def build_dir(config: NativeConfig) -> Path:

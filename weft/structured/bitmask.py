@@ -24,10 +24,10 @@ def apply_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: tor
     logits: [B, V] float32; bitmask: [R, ceil(V / 32)] int32 (on any device; moved to the logits');
     rows: [R] int64, the logits row of each bitmask row, or None when R == B (row i is row i).
     Rows not listed are untouched. No Python loop over rows or over the vocabulary: on CPU one
-    native kernel call (`weft/native`), which skips words that allow all 32 of their tokens;
+    native kernel call (`weft/native`), which skips words that allow all or none of their tokens;
     elsewhere the bits are unpacked with tensor operations.
     """
-    if logits.dtype == torch.float32 and bitmask.device == logits.device and use_kernels(logits):
+    if logits.dtype == torch.float32 and bitmask.device == logits.device and use_kernels(logits.device):
         empty = torch.empty(0, dtype=torch.int64)
         torch.ops.weft.apply_token_bitmask_(logits, bitmask, empty if rows is None else rows)
         return
