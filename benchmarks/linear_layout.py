@@ -4,9 +4,10 @@
 
 For each dtype and number of rows (the batch of a decode step), times the ways to multiply the rows
 by the weight matrices of SmolLM2-135M's shapes (q/k/v fused, o, gate/up fused, down, lm_head),
-cycling through enough distinct matrices to defeat the CPU caches. The methods alternate three
-times and each keeps its best round, so that load from other tenants hits them alike. Prints the
-achieved weight-read bandwidth next to a plain memory read.
+weft's float32 panel kernel among them (when the CPU kernels are built), cycling through enough
+distinct matrices to defeat the CPU caches. The methods alternate three times and each keeps its
+best round, so that load from other tenants hits them alike. Prints the achieved weight-read
+bandwidth next to a plain memory read.
 """
 
 from __future__ import annotations
@@ -18,35 +19,44 @@ import torch
 import torch.nn.functional as F
 
 from weft.bench.throughput import read_bandwidth_gbs
+from weft.native import kernels_available
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
+Weights = dict[str, torch.Tensor]  # one matrix in each layout: "io" [in, out], "oi" [out, in], "panels"
 METHODS = {
-    "x @ W [in,out]": lambda x, w_io, w_oi: x @ w_io,
-    "F.linear [out,in]": lambda x, w_io, w_oi: F.linear(x, w_oi),
-    "torch.mv [out,in]": lambda x, w_io, w_oi: torch.mv(w_oi, x[0]),
+    "x @ W [in,out]": lambda x, w: x @ w["io"],
+    "F.linear [out,in]": lambda x, w: F.linear(x, w["oi"]),
+    "torch.mv [out,in]": lambda x, w: torch.mv(w["oi"], x[0]),
+    "weft panels": lambda x, w: torch.ops.weft.packed_linear(x, w["panels"], None, w["oi"].shape[0]),
 }
 
 
-def make_weights(dtype: torch.dtype) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Per shape: enough distinct [in, out] matrices for ~300 MB, and their [out, in] copies."""
+def make_weights(dtype: torch.dtype, panels: bool) -> list[list[Weights]]:
+    """Per shape: enough distinct matrices for ~300 MB, each in every layout."""
     weights = []
     for fan_in, fan_out in SHAPES:
         count = max(2, int(300e6 // (fan_in * fan_out * 4)))
-        w_io = [torch.randn(fan_in, fan_out).to(dtype) for _ in range(count)]
-        weights.append((w_io, [w.t().contiguous() for w in w_io]))
+        matrices = []
+        for _ in range(count):
+            w_oi = torch.randn(fan_out, fan_in).to(dtype)
+            w = {"oi": w_oi, "io": w_oi.t().contiguous()}
+            if panels:
+                w["panels"] = torch.ops.weft.pack_linear_weight(w_oi)
+            matrices.append(w)
+        weights.append(matrices)
     return weights
 
 
-def bandwidth(method, weights, rows: int) -> float:
+def bandwidth(method, weights: list[list[Weights]], rows: int) -> float:
     num_bytes, seconds = 0, 0.0
-    for w_io, w_oi in weights:
-        x = torch.randn(rows, w_io[0].shape[0]).to(w_io[0].dtype)
-        method(x, w_io[0], w_oi[0])  # warm-up
+    for matrices in weights:
+        x = torch.randn(rows, matrices[0]["io"].shape[0]).to(matrices[0]["io"].dtype)
+        method(x, matrices[0])  # warm-up
         start = time.perf_counter()
-        for a, b in zip(w_io, w_oi, strict=True):
-            method(x, a, b)
+        for w in matrices:
+            method(x, w)
         seconds += time.perf_counter() - start
-        num_bytes += sum(w.numel() * w.element_size() for w in w_io)
+        num_bytes += sum(w["io"].numel() * w["io"].element_size() for w in matrices)
     return num_bytes / seconds / 1e9
 
 
@@ -62,9 +72,14 @@ def main() -> None:
     print("|---|---:|" + "---:|" * len(METHODS))
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            weights = make_weights(dtype)
+            panels = dtype == torch.float32 and kernels_available()  # the kernel is float32 only
+            weights = make_weights(dtype, panels)
             for rows in row_counts:
-                methods = {n: m for n, m in METHODS.items() if rows == 1 or "mv" not in n}
+                methods = {
+                    n: m
+                    for n, m in METHODS.items()
+                    if (rows == 1 or "mv" not in n) and (panels or "panels" not in n)
+                }
                 best = dict.fromkeys(methods, 0.0)
                 for _ in range(3):
                     for name, method in methods.items():

@@ -11,7 +11,7 @@ import torch
 import weft.native as native
 from weft.config import RopeConfig
 from weft.model.attention import build_attention_metadata, paged_attention
-from weft.model.layers import RMSNorm, RotaryEmbedding, apply_rope_
+from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, apply_rope_, weight_layout
 from weft.structured.bitmask import apply_bitmask_inplace
 
 
@@ -159,6 +159,59 @@ def test_bitmask_kernel_disallows_tokens_past_the_mask():
     assert torch.isfinite(logits[:, :64]).all() and torch.isinf(logits[:, 64:]).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 13, 16, 40])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_f_linear(rows, bias):
+    """Every tile height (1-12 rows, and tiles of two and four), a last panel of 5 columns."""
+    gen = torch.Generator().manual_seed(rows)
+    out_features, in_features = 69, 40  # panels of 32, 32 and 5 columns
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    panels = torch.ops.weft.pack_linear_weight(weight)
+    assert panels.shape == (3, in_features, 32) and not panels[2, :, 5:].any()
+    out = torch.ops.weft.packed_linear(x, panels, b, out_features)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_takes_strided_and_empty_inputs():
+    weight = torch.randn(64, 24)
+    panels = torch.ops.weft.pack_linear_weight(weight)
+    wide = torch.randn(5, 40)
+    torch.testing.assert_close(
+        torch.ops.weft.packed_linear(wide[:, 8:32], panels, None, 64), wide[:, 8:32] @ weight.T
+    )
+    transposed = torch.randn(24, 5).T  # column-major rows
+    torch.testing.assert_close(
+        torch.ops.weft.packed_linear(transposed, panels, None, 64), transposed @ weight.T
+    )
+    assert torch.ops.weft.packed_linear(torch.empty(0, 24), panels, None, 64).shape == (0, 64)
+
+
+def test_linear_layouts_agree():
+    """A Linear moved to each layout computes the same function, biases included."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(50, 20, generator=gen), torch.randn(50, generator=gen)
+    x = torch.randn(7, 20, generator=gen)
+    expected = torch.nn.functional.linear(x, weight, bias)
+    for layout in WeightLayout:
+        linear = Linear(20, 50, bias=True)
+        linear.weight.data, linear.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
+        linear.set_layout(layout)
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="already in the panels layout"):
+        linear.set_layout(WeightLayout.IN_OUT)
+
+
+def test_weight_layout_by_device_and_dtype(monkeypatch):
+    cpu = torch.device("cpu")
+    assert weight_layout(cpu, torch.float32) is WeightLayout.PANELS
+    assert weight_layout(cpu, torch.bfloat16) is WeightLayout.OUT_IN
+    assert weight_layout(torch.device("cuda"), torch.float32) is WeightLayout.OUT_IN
+    monkeypatch.setitem(native._state, "ok", False)
+    assert weight_layout(cpu, torch.float32) is WeightLayout.IN_OUT
+
+
 def test_kernels_reject_bad_input():
     q, _, kv_cache, meta = _random_paged_batch([5], 4, 2, torch.float32)
     group = meta.groups[0]
@@ -170,6 +223,13 @@ def test_kernels_reject_bad_input():
         )
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.weft.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6)
+    panels = torch.ops.weft.pack_linear_weight(torch.randn(64, 24))
+    with pytest.raises(RuntimeError, match="for inputs of 16 features"):
+        torch.ops.weft.packed_linear(torch.randn(2, 16), panels, None, 64)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        torch.ops.weft.packed_linear(torch.randn(2, 24), panels, None, 65)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        torch.ops.weft.packed_linear(torch.randn(2, 24).bfloat16(), panels, None, 64)
     with pytest.raises(RuntimeError, match="row index out of range"):
         torch.ops.weft.apply_token_bitmask_(
             torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5])
@@ -180,11 +240,12 @@ def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypat
     from weft import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama), show_progress=False)
+    assert llm.engine.runner.model.lm_head.layout is WeightLayout.PANELS
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]
     with_kernels = llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setitem(native._state, "ok", False)
-    without = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setitem(native._state, "ok", False)  # loads with [in, out] weights, runs plain torch
+    without = LLM(str(tiny_llama), show_progress=False).generate(prompts, params, use_tqdm=False)
     for a, b in zip(with_kernels, without, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -13,32 +14,47 @@ from weft.config import RopeConfig, RopeType
 from weft.native import use_kernels
 
 
-class Linear(nn.Module):
-    """`y = x @ W.T + b`. The weight is loaded in the Hugging Face [out, in] layout; on CPU in
-    float32 the loader then stores it input-major, as a contiguous [in, out] matrix used as
-    `x @ W` (`use_input_major_layout`).
+class WeightLayout(enum.Enum):
+    """How a `Linear` stores its weight; the loader picks one per device and dtype (`weight_layout`)."""
 
-    Measured on the 2-core CPU machines (interleaved A/B over whole decode steps of a SmolLM2-135M
-    shaped model, docs/benchmarks.md): in float32 `x @ W` on [in, out] is 1.2-1.4x faster than
-    `F.linear` on [out, in] at every batch size, 1.6-1.8x on the output projection; in bfloat16 and
-    float16 it is slower at batch 1 and equal at batch 8, so half precision keeps [out, in], and a
-    single bfloat16 row goes through `torch.mv`.
+    OUT_IN = "out_in"  # [out, in] as checkpoints store it, applied with F.linear: any device and dtype
+    IN_OUT = "in_out"  # contiguous [in, out], applied as x @ W: CPU float32 without weft's kernels
+    PANELS = "panels"  # [ceil(out / 32), in, 32] column panels for weft's packed_linear: CPU float32
+
+
+class Linear(nn.Module):
+    """`y = x @ W.T + b`. The weight is loaded in the Hugging Face [out, in] layout (`OUT_IN`); the
+    loader then moves it to the layout that streams fastest on the device (`weight_layout`).
+
+    Measured on the 2-core CPU machines over the weights of a SmolLM2-135M shaped model
+    (docs/benchmarks.md), in float32: weft's panel kernel (`PANELS`) against `x @ W` on [in, out]
+    is 1.0-1.1x at 1 row, 1.4-1.8x at 2-16 rows, 1.3x at 32 and 1.05x at 256 (prefill); `x @ W` on
+    [in, out] is itself 1.2-1.4x `F.linear` on [out, in]. In bfloat16 and float16 [in, out] is
+    slower at one row and equal at 8, so half precision keeps [out, in], and a single bfloat16 row
+    goes through `torch.mv`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.input_major = False  # True: weight is [in, out]
+        self.layout = WeightLayout.OUT_IN
 
-    def use_input_major_layout(self) -> None:
-        """Store the weight as a contiguous [in, out] copy (a tied weight is no longer shared)."""
-        if not self.input_major:
+    def set_layout(self, layout: WeightLayout) -> None:
+        """Store the weight in `layout` (from [out, in]; a tied weight is no longer shared)."""
+        if self.layout is not WeightLayout.OUT_IN:
+            raise ValueError(f"Linear weight is already in the {self.layout.value} layout")
+        if layout is WeightLayout.IN_OUT:
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
-            self.input_major = True
+        elif layout is WeightLayout.PANELS:
+            self.weight = nn.Parameter(torch.ops.weft.pack_linear_weight(self.weight), requires_grad=False)
+        self.layout = layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.input_major:
+        if self.layout is WeightLayout.PANELS:
+            return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features)
+        if self.layout is WeightLayout.IN_OUT:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
@@ -46,9 +62,11 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def prefers_input_major(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear` weights should be stored [in, out] for this device and dtype (see `Linear`)."""
-    return device.type == "cpu" and dtype == torch.float32
+def weight_layout(device: torch.device, dtype: torch.dtype) -> WeightLayout:
+    """The `Linear` weight layout for a model on `device` in `dtype` (see `Linear`)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return WeightLayout.OUT_IN
+    return WeightLayout.PANELS if use_kernels(device) else WeightLayout.IN_OUT
 
 
 class RMSNorm(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
-from weft.model.layers import Linear, prefers_input_major
+from weft.model.layers import Linear, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
 from weft.native import use_kernels
@@ -124,11 +124,12 @@ def load_model(
         model.lm_head.weight = cast(
             nn.Parameter, model.embed.weight
         )  # one tensor, after the dtype conversion too
-    if prefers_input_major(device, dtype):
+    use_kernels(device)  # on CPU: build (or load) weft's kernels now, not inside the first step
+    layout = weight_layout(device, dtype)
+    if layout is not WeightLayout.OUT_IN:
         for module in model.modules():
             if isinstance(module, Linear):
-                module.use_input_major_layout()
-    use_kernels(device)  # on CPU: build (or load) weft's kernels now, not inside the first step
+                module.set_layout(layout)
     return model
 
 

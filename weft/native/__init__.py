@@ -1,8 +1,9 @@
-"""weft's CPU kernels (`kernels.cpp`), compiled on first use and cached.
+"""weft's CPU kernels (`kernels.cpp`, and `linear.cpp` for the float32 linear layers), compiled on
+first use and cached.
 
 Steps of `kernels_available()`, run once per process:
-  1. unless `WEFT_NATIVE=0`, look for a build of this exact source (the cache directory is keyed
-     by a hash of the source, the torch version and the Python version);
+  1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
+     by a hash of the sources, the torch version and the Python version);
   2. if there is none, compile it with the system C++ compiler (about half a minute, once; a line on
      stderr says so);
   3. load it, which registers the `torch.ops.weft.*` operators.
@@ -25,7 +26,7 @@ import torch
 
 from weft.config import NativeConfig
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp")]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 _LDFLAGS = ["-fopenmp"]  # resolves to the libgomp that torch has already loaded
@@ -48,7 +49,9 @@ def use_kernels(device: torch.device) -> bool:
 
 
 def build_dir(config: NativeConfig) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     versions = f"{torch.__version__}|{platform.python_version()}|{platform.machine()}|{_CFLAGS}|{_LDFLAGS}"
     digest.update(versions.encode())
     return config.cache_dir / f"kernels-{digest.hexdigest()[:16]}"
@@ -73,7 +76,7 @@ def _load(config: NativeConfig) -> bool:
         )
         cpp_extension.load(
             name=_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             build_directory=str(directory),
