@@ -23,7 +23,7 @@ namespace {
 
 // exp(x) for the softmax (x <= 0 there), as a loop the compiler vectorizes (std::exp is a scalar
 // call): Cephes' range reduction and polynomial, within 2 ulp of std::exp.
-inline float exp_approx(float x) {
+__attribute__((always_inline)) inline float exp_approx(float x) {
   x = std::max(x, -87.f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -173,6 +173,60 @@ inline void dot16(const float* keys, int64_t token_stride, const float* query, f
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes, step for step.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
+}
+#endif
+
+// The largest of n > 0 scores.
+inline float max_of(const float* scores, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, scores + t));
+  }
+  return _mm512_reduce_max_ps(best);
+#else
+  return *std::max_element(scores, scores + n);
+#endif
+}
+
+// scores[t] = exp(scores[t] - max) for the n scores of a block; returns their sum.
+inline float exp_shifted(float* scores, int64_t n, float max) {
+#if defined(__AVX512F__)
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), _mm512_set1_ps(max)));
+    _mm512_mask_storeu_ps(scores + t, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    scores[t] = exp_approx(scores[t] - max);
+    sum += scores[t];
+  }
+  return sum;
+#endif
+}
+
 // scores[t] = q . k_t for the tokens of a block.
 template <typename T, int64_t kHeadDim>
 inline void block_scores(const T* keys, int64_t num_tokens, int64_t token_stride, int64_t D, const float* query,
@@ -193,15 +247,10 @@ void attend_block_head(const T* keys, const T* values, int64_t num_tokens, int64
                        const float* query, float* scores, float& m, float& l, float* acc_out) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
   block_scores<T, kHeadDim>(keys, num_tokens, token_stride, D, query, scores);
-  const float block_max = *std::max_element(scores, scores + num_tokens);
+  const float block_max = max_of(scores, num_tokens);
   const float new_max = std::max(m, block_max);
   const float rescale = exp_approx(m - new_max);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    scores[t] = exp_approx(scores[t] - new_max);
-    sum += scores[t];
-  }
+  const float sum = exp_shifted(scores, num_tokens, new_max);
   m = new_max;
   l = l * rescale + sum;
   float acc[kHeadDim > 0 ? kHeadDim : 256];
@@ -217,16 +266,28 @@ void attend_block_head(const T* keys, const T* values, int64_t num_tokens, int64
   for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
 }
 
+// Asks for part `part` of `parts` of the next block of the cache, ahead of its use: blocks are
+// scattered in memory, so the hardware prefetcher cannot run ahead across them on its own, and
+// asking for a whole block at once would stall on the CPU's few outstanding-miss slots.
+template <typename T>
+inline void prefetch_part(const T* block, int64_t elements, int64_t part, int64_t parts) {
+  if (block == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(block);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(T)), lines = (bytes + 63) / 64;
+  for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) __builtin_prefetch(p + line * 64, 0, 2);
+}
+
 // One block of tokens for every head, head by head: a KV head's keys and values of the block
-// (2 x block_size x D) stay in L1 for its query heads.
+// (2 x block_size x D) stay in L1 for its query heads. `next`: the block that follows, or nullptr.
 template <typename T, int64_t kHeadDim>
-void attend_block(const T* block, int64_t num_tokens, const float* queries, const DecodeShape& sh, float* scores,
-                  Partial part) {
+void attend_block(const T* block, const T* next, int64_t num_tokens, const float* queries, const DecodeShape& sh,
+                  float* scores, Partial part) {
   const int64_t D = sh.head_dim;
   for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
     const T* keys = block + kvh * D;
     const T* values = block + (sh.num_kv_heads + kvh) * D;
     for (int64_t g = 0; g < sh.group; ++g, ++h) {
+      prefetch_part(next, sh.block_stride, h, sh.num_heads);
       attend_block_head<T, kHeadDim>(keys, values, num_tokens, sh.token_stride, D, queries + h * D, scores,
                                      part.m[h], part.l[h], part.acc + h * D);
     }
@@ -250,12 +311,13 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
   for (int64_t i = first; i < last; ++i) {
     const int64_t num_tokens = std::min(sh.block_size, len - i * sh.block_size);
     const T* block = cache + blocks[i] * sh.block_stride;
+    const T* next = i + 1 < last ? cache + blocks[i + 1] * sh.block_stride : nullptr;
     if (D == 64) {
-      attend_block<T, 64>(block, num_tokens, queries.data(), sh, scores.data(), part);
+      attend_block<T, 64>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
     } else if (D == 128) {
-      attend_block<T, 128>(block, num_tokens, queries.data(), sh, scores.data(), part);
+      attend_block<T, 128>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
     } else {
-      attend_block<T, 0>(block, num_tokens, queries.data(), sh, scores.data(), part);
+      attend_block<T, 0>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
     }
   }
 }
