@@ -159,6 +159,18 @@ def test_bitmask_kernel_disallows_tokens_past_the_mask():
     assert torch.isfinite(logits[:, :64]).all() and torch.isinf(logits[:, 64:]).all()
 
 
+def test_silu_mul_matches_torch():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(5, 2 * 300, generator=gen) * 6  # 300: vectors of 16 and a tail of 12
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends, and zero
+    gate, up = gate_up.split(300, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = torch.ops.weft.silu_mul(gate_up)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    strided = torch.ops.weft.silu_mul(torch.cat([gate_up, gate_up], dim=1)[:, :600])  # rows 1200 apart
+    torch.testing.assert_close(strided, expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 12, 13, 16, 40])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_f_linear(rows, bias):
@@ -230,6 +242,10 @@ def test_kernels_reject_bad_input():
         torch.ops.weft.packed_linear(torch.randn(2, 24), panels, None, 65)
     with pytest.raises(RuntimeError, match="x must be a float32"):
         torch.ops.weft.packed_linear(torch.randn(2, 24).bfloat16(), panels, None, 64)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        torch.ops.weft.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="gate_up must be float32"):
+        torch.ops.weft.silu_mul(torch.randn(2, 8).bfloat16())
     with pytest.raises(RuntimeError, match="row index out of range"):
         torch.ops.weft.apply_token_bitmask_(
             torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5])

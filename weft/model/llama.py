@@ -20,6 +20,7 @@ from torch import nn
 from weft.config import ModelConfig
 from weft.model.attention import AttentionMetadata, paged_attention
 from weft.model.layers import Linear, RMSNorm, RopeTables, RotaryEmbedding, apply_rope_
+from weft.native import use_kernels
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
@@ -75,7 +76,10 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up(x)  # [T, 2I]: gate | up
+        if gate_up.dtype == torch.float32 and use_kernels(x.device):
+            return self.down(torch.ops.weft.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down(F.silu(gate) * up)
 
 

@@ -37,6 +37,25 @@ __attribute__((always_inline)) inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
+#if defined(__AVX512F__)
+// exp_approx on 16 lanes, step for step.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
+}
+#endif
+
 template <typename T>
 inline float dot(const T* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -80,6 +99,46 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // Rotary embedding in place, half-split layout, on the first `num_heads` heads of x [T, heads, D]
 // (a view into the fused q/k/v output). cos/sin: float32 tables [max_positions, D/2].
+// silu(x) = x * sigmoid(x), with sigmoid from exp(-|x|) so that exp never overflows.
+inline float silu(float x) {
+  const float e = exp_approx(-std::fabs(x));
+  return x * (x >= 0.f ? 1.f : e) / (1.f + e);
+}
+
+#if defined(__AVX512F__)
+inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+#endif
+
+// out[t] = silu(gate[t]) * up[t], where a row of the fused projection is [gate | up] ([T, 2I]).
+void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = silu(gate[i]) * up[i];
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kFloat,
+              "silu_mul: gate_up must be float32 [T, 2 * I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = at::empty({rows, inter}, gate_up.options());
+  const float* xp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
+  });
+  return out;
+}
+
 template <typename T>
 void rope_kernel(T* xp, int64_t tokens, int64_t t_stride, int64_t h_stride, int64_t num_heads, int64_t half,
                  const int64_t* pos, const float* cp, const float* sp) {
@@ -170,25 +229,6 @@ inline void dot16(const float* keys, int64_t token_stride, const float* query, f
   const __m512 sums = fold<1>(f[0], f[1]);  // token t's sum in lane bitreverse(t)
   const __m512i bit_reversed = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
   _mm512_storeu_ps(scores, _mm512_permutexvar_ps(bit_reversed, sums));
-}
-#endif
-
-#if defined(__AVX512F__)
-// exp_approx on 16 lanes, step for step.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
 }
 #endif
 
@@ -448,6 +488,7 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
 
 TORCH_LIBRARY(weft, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
@@ -455,6 +496,7 @@ TORCH_LIBRARY(weft, m) {
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
