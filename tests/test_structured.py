@@ -299,3 +299,26 @@ def test_bitmask_agrees_with_llguidance_torch():
     lt.fill_next_token_bitmask(matcher, bitmask)
     allowed = unpack_bitmask(bitmask, tokenizer.vocab_size)[0]
     assert set(torch.nonzero(allowed).flatten().tolist()) == {tokenizer.tokenize_str(c)[0] for c in "abc"}
+
+
+# ---- the benchmark's accounting -------------------------------------------------------------
+
+
+def test_structured_bench_counts_the_tokens_each_timed_step_computes(llm):
+    """`weft bench structured` times full-batch steps against the tokens they compute: one per row
+    per step without forcing; with fast-forward, forced tokens count in the step that computes them."""
+    from weft.bench.structured import time_weft
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "id": {"type": "integer"}},
+        "required": ["name", "id"],
+        "additionalProperties": False,
+    }
+    prompt = llm.tokenizer.encode("Output:")
+    free = time_weft(llm, [prompt] * 3, None, 12)
+    assert free.num_tokens == 3 * 11 and free.num_forced == 0  # the 12th token came from the prefill step
+    assert free.all_seconds >= free.seconds > 0
+    ff = time_weft(llm, [prompt] * 3, [schema] * 3, 40, fast_forward=True)
+    assert ff.num_forced > 0 and 0 < ff.num_tokens <= ff.num_total
+    assert ff.whole_run_tokens_per_s > 0

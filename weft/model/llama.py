@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
-        )  # tied: shares embed.weight, or an [in, out] copy of it
+        )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)
 
     def forward(
         self,

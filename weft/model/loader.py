@@ -6,8 +6,9 @@ Steps:
   3. read every tensor, with a progress bar, checking names and shapes against the config;
   4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
   5. move to the target device and dtype;
-  6. on CPU in float32, store the matrices [in, out] (faster there, see `Linear`);
-  7. on CPU, make sure weft's native kernels are built and loaded (`weft/native`).
+  6. on CPU, make sure weft's native kernels are built and loaded (`weft/native`);
+  7. on CPU in float32, store the matrices in the layout that streams fastest there: column panels
+     for weft's GEMM kernel, or [in, out] without the kernels (`weight_layout`, see `Linear`).
 
 Every error names the file and the problem.
 """
