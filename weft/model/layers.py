@@ -36,7 +36,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.out_features = out_features  # the panel layout pads it to a multiple of 32
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
@@ -137,10 +137,9 @@ class RotaryEmbedding(nn.Module):
 @dataclass(frozen=True, slots=True)
 class RopeTables:
     positions: torch.Tensor  # [T] int64
-    cos: (
-        torch.Tensor
-    )  # native: the whole table [P, D/2] float32; else the step's rows [T, 1, D/2] in x's dtype
-    sin: torch.Tensor  # as cos
+    # native: the whole tables [P, D/2] float32; else the step's rows [T, 1, D/2] in x's dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
     native: bool
 
 

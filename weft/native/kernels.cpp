@@ -233,12 +233,19 @@ inline void dot16(const float* keys, int64_t token_stride, const float* query, f
 }
 #endif
 
+#if defined(__AVX512F__)
+// The lanes of a 16-wide vector that hold the next `remaining` elements (all 16 if there are more).
+inline __mmask16 first_lanes(int64_t remaining) {
+  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
+}
+#endif
+
 // The largest of n > 0 scores.
 inline float max_of(const float* scores, int64_t n) {
 #if defined(__AVX512F__)
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 mask = first_lanes(n - t);
     best = _mm512_mask_max_ps(best, mask, best, _mm512_maskz_loadu_ps(mask, scores + t));
   }
   return _mm512_reduce_max_ps(best);
@@ -252,7 +259,7 @@ inline float exp_shifted(float* scores, int64_t n, float max) {
 #if defined(__AVX512F__)
   __m512 total = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 mask = first_lanes(n - t);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), _mm512_set1_ps(max)));
     _mm512_mask_storeu_ps(scores + t, mask, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
