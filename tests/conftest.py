@@ -53,8 +53,7 @@ def no_leaks(request: pytest.FixtureRequest):
     yield
     if "llm" not in request.fixturenames:
         return
-    engine = request.getfixturevalue("llm").engine
-    assert engine.kv.num_used_blocks == 0, "KV blocks leaked"
-    assert not engine.has_unfinished_requests() and not engine.sequences and not engine.awaiting_grammar
-    if engine._grammars is not None:
-        assert not engine._grammars.matchers, "grammar matchers leaked"
+    stats = request.getfixturevalue("llm").stats()
+    assert stats["kv_blocks_used"] == 0, "KV blocks leaked"
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, "sequences left in the scheduler"
+    assert not request.getfixturevalue("llm").engine.has_unfinished_requests(), "requests left"

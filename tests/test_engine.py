@@ -55,10 +55,10 @@ def test_n_samples_share_the_prompt_blocks(tiny_llama):
     engine.step()  # computes the prompt once, then forks the other three samples
     engine.step()
     # 8 shared prompt blocks + one private block per sample, instead of 4 * 9.
-    assert engine.kv.num_used_blocks <= 8 + 4 + 1
+    assert engine.stats().kv_blocks_used <= 8 + 4 + 1
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.num_used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_greedy_is_deterministic_and_unaffected_by_chunking(tiny_llama, llm):

@@ -89,8 +89,8 @@ def test_sharded_checkpoint_loads_like_single_file(ckpt, tiny_llama):
     (ckpt / "model.safetensors").unlink()
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    sharded = LLM(str(ckpt), show_progress=False).engine.runner.model.state_dict()
-    single = LLM(str(tiny_llama), show_progress=False).engine.runner.model.state_dict()
+    sharded = LLM(str(ckpt), show_progress=False).engine.model.state_dict()
+    single = LLM(str(tiny_llama), show_progress=False).engine.model.state_dict()
     for name, value in single.items():
         assert torch.equal(sharded[name], value), name
 
@@ -111,7 +111,7 @@ def test_half_precision_loads_and_generates(tiny_llama, dtype):
     from weft import SamplingParams
 
     llm = LLM(str(tiny_llama), dtype=dtype, show_progress=False)
-    assert llm.engine.runner.model.lm_head.weight.dtype == dtype
+    assert llm.engine.model.lm_head.weight.dtype == dtype
     out = llm.generate("First", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
 

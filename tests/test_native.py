@@ -256,7 +256,7 @@ def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypat
     from weft import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama), show_progress=False)
-    assert llm.engine.runner.model.lm_head.layout is WeightLayout.PANELS
+    assert llm.engine.model.lm_head.layout is WeightLayout.PANELS
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]
     with_kernels = llm.generate(prompts, params, use_tqdm=False)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from weft.params import SamplingParams
-from weft.request import Request
 from weft.sample import ops
 from weft.sample.sampler import Sampler, SamplingBatch
 
@@ -16,13 +16,27 @@ VOCAB = 12
 NUM_DRAWS = 20000
 
 
-def make_requests(params: SamplingParams, count: int, prompt=(1, 2, 3), output=()) -> list[Request]:
-    requests = []
-    for i in range(count):
-        r = Request(f"r{i}", list(prompt), params, frozenset({0}), seed=i)
-        r.token_ids.extend(output)
-        requests.append(r)
-    return requests
+@dataclass
+class Row:
+    """The fields of a sequence that the sampler reads (`SamplingRow`)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int] = frozenset({0})
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def make_requests(params: SamplingParams, count: int, prompt=(1, 2, 3), output=()) -> list[Row]:
+    return [Row(params, i, list(prompt), list(output)) for i in range(count)]
 
 
 def sample_counts(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -123,7 +137,7 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
         SamplingParams(temperature=t, top_p=p)
         for t, p in [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.3, 1.0), (1.0, 0.5), (0.9, 1.0)]
     ]
-    requests = [Request(f"r{i}", [1, 2], p, frozenset(), seed=100 + i) for i, p in enumerate(params)]
+    requests = [Row(p, 100 + i, [1, 2], [], frozenset()) for i, p in enumerate(params)]
     full = Sampler()(logits.clone(), SamplingBatch.build(requests, 50, torch.device("cpu"))).token_ids
     for subset in ([0], [4, 1], [5, 3, 0], [1, 2, 3, 4]):
         sub_requests = [requests[i] for i in subset]

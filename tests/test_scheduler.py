@@ -7,18 +7,22 @@ import itertools
 import pytest
 
 from weft.config import CacheConfig, SchedulerConfig
+from weft.engine.factory import default_model_path
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.scheduler import Scheduler, SchedulerOutput
+from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
 from weft.params import SamplingParams
-from weft.request import FinishReason, Request, check_stop
+from weft.tokenizer import Tokenizer
 
 _ids = itertools.count()
+TOKENIZER = Tokenizer.from_dir(default_model_path())
+LIMITS = SequenceLimits(max_model_len=512, eos_token_ids=frozenset({0}))
 
 
-def make_request(num_prompt: int, max_tokens: int = 4, first_token: int = 100, **kw) -> Request:
+def make_seq(num_prompt: int, max_tokens: int = 4, first_token: int = 100, **kw) -> Sequence:
     prompt = list(range(first_token, first_token + num_prompt))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
-    return Request(f"r{next(_ids)}", prompt, params, frozenset({0}), seed=1)
+    return Sequence.create(next(_ids), params, prompt, LIMITS, seed=1, tokenizer=TOKENIZER)
 
 
 def make_scheduler(
@@ -35,10 +39,8 @@ def make_scheduler(
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """One engine step with a fake sampler that always returns `token`."""
     out = sched.schedule()
-    for request in sched.update(out, [token] * len(out.sampling)):
-        stop = check_stop(request, 512)
-        if stop is not None:
-            sched.finish(request, stop[0], stop[1])
+    num_rows = len(out.sampling)
+    sched.update(out, SampledRows([token] * num_rows, [None] * num_rows, {}))
     return out
 
 
@@ -59,11 +61,11 @@ def sched():
 
 def test_admission_respects_token_budget():
     s = make_scheduler(budget=16)
-    a, b, c = make_request(10), make_request(10), make_request(10)
+    a, b, c = make_seq(10), make_seq(10), make_seq(10)
     for r in (a, b, c):
-        s.add_request(r)
+        s.add(r)
     out = s.schedule()
-    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 10), (b, 6)]
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(a, 10), (b, 6)]
     assert out.num_batched_tokens == 16
     assert [x.samples for x in out.scheduled] == [True, False]
     assert list(s.waiting) == [c]
@@ -71,8 +73,8 @@ def test_admission_respects_token_budget():
 
 def test_chunked_prefill_samples_only_after_the_last_chunk(sched):
     sched.config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=512)
-    r = make_request(40, max_tokens=2)
-    sched.add_request(r)
+    r = make_seq(40, max_tokens=2)
+    sched.add(r)
     chunks = []
     for _ in range(3):
         out = step(sched)
@@ -84,20 +86,20 @@ def test_chunked_prefill_samples_only_after_the_last_chunk(sched):
 
 
 def test_decode_and_prefill_share_a_step(sched):
-    first = make_request(8, max_tokens=10)
-    sched.add_request(first)
+    first = make_seq(8, max_tokens=10)
+    sched.add(first)
     step(sched)
-    second = make_request(12, first_token=300)
-    sched.add_request(second)
+    second = make_seq(12, first_token=300)
+    sched.add(second)
     out = step(sched)
-    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(first, 1), (second, 12)]
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(first, 1), (second, 12)]
     run_to_end(sched)
 
 
 def test_max_num_seqs_caps_running():
     s = make_scheduler(max_seqs=2)
     for _ in range(3):
-        s.add_request(make_request(4))
+        s.add(make_seq(4))
     out = s.schedule()
     assert len(out.scheduled) == 2 and len(s.waiting) == 1
 
@@ -105,9 +107,9 @@ def test_max_num_seqs_caps_running():
 def test_preemption_and_resumption_finish_everything():
     # 6 blocks of 4 tokens: two requests of 8 prompt + 12 output tokens cannot both fit.
     s = make_scheduler(num_blocks=6, budget=64)
-    old, new = make_request(8, max_tokens=12), make_request(8, max_tokens=12, first_token=300)
-    s.add_request(old)
-    s.add_request(new)
+    old, new = make_seq(8, max_tokens=12), make_seq(8, max_tokens=12, first_token=300)
+    s.add(old)
+    s.add(new)
     run_to_end(s)
     assert s.num_preemptions >= 1
     assert new.num_preemptions >= 1 and old.num_preemptions == 0  # the newest is preempted first
@@ -118,40 +120,40 @@ def test_preemption_and_resumption_finish_everything():
 
 def test_preempted_request_recomputes_from_zero():
     s = make_scheduler(num_blocks=4, budget=64)
-    old, new = make_request(6, max_tokens=8), make_request(6, max_tokens=8, first_token=300)
-    s.add_request(old)
-    s.add_request(new)
+    old, new = make_seq(6, max_tokens=8), make_seq(6, max_tokens=8, first_token=300)
+    s.add(old)
+    s.add(new)
     while new.num_preemptions == 0:
         step(s)
     assert new.num_computed_tokens == 0 and new in s.waiting
-    assert s.kv.block_ids(new.request_id) == []
+    assert s.kv.block_ids(new.seq_id) == []
     run_to_end(s)
     assert s.kv.num_used_blocks == 0
 
 
 def test_abort_frees_blocks_at_once(sched):
-    r = make_request(10, max_tokens=50)
-    sched.add_request(r)
+    r = make_seq(10, max_tokens=50)
+    sched.add(r)
     step(sched)
     assert sched.kv.num_used_blocks == 3
-    sched.abort(r.request_id)
+    sched.finish(r, FinishReason.ABORT)
     assert r.finish_reason == FinishReason.ABORT
     assert sched.kv.num_used_blocks == 0 and sched.num_unfinished == 0
 
 
 def test_abort_of_waiting_request(sched):
-    r = make_request(10)
-    sched.add_request(r)
-    sched.abort(r.request_id)
+    r = make_seq(10)
+    sched.add(r)
+    sched.finish(r, FinishReason.ABORT)
     assert sched.num_unfinished == 0 and r.is_finished
 
 
 def test_prefix_cache_hit_skips_computed_blocks(sched):
-    first = make_request(14, max_tokens=1)
-    sched.add_request(first)
+    first = make_seq(14, max_tokens=1)
+    sched.add(first)
     run_to_end(sched)
-    second = make_request(14, max_tokens=1)  # the same prompt tokens
-    sched.add_request(second)
+    second = make_seq(14, max_tokens=1)  # the same prompt tokens
+    sched.add(second)
     out = step(sched)
     # 14 tokens = 3 full blocks of 4 + 2; every full block is a hit, the last 2 tokens are computed.
     assert second.num_cached_prompt_tokens == 12
@@ -161,11 +163,11 @@ def test_prefix_cache_hit_skips_computed_blocks(sched):
 
 
 def test_prefix_cache_leaves_last_token_to_compute(sched):
-    first = make_request(8, max_tokens=1)
-    sched.add_request(first)
+    first = make_seq(8, max_tokens=1)
+    sched.add(first)
     run_to_end(sched)
-    again = make_request(8, max_tokens=1)
-    sched.add_request(again)
+    again = make_seq(8, max_tokens=1)
+    sched.add(again)
     out = step(sched)
     assert again.num_cached_prompt_tokens == 4 and out.scheduled[0].num_new_tokens == 4
     run_to_end(sched)
@@ -173,13 +175,13 @@ def test_prefix_cache_leaves_last_token_to_compute(sched):
 
 def test_identical_running_prefix_is_shared():
     s = make_scheduler(num_blocks=64)
-    a = make_request(16, max_tokens=20)
-    s.add_request(a)
+    a = make_seq(16, max_tokens=20)
+    s.add(a)
     step(s)
-    b = make_request(16, max_tokens=20)
-    s.add_request(b)
+    b = make_seq(16, max_tokens=20)
+    s.add(b)
     step(s)
-    shared = set(s.kv.block_ids(a.request_id)[:3]) & set(s.kv.block_ids(b.request_id)[:3])
+    shared = set(s.kv.block_ids(a.seq_id)[:3]) & set(s.kv.block_ids(b.seq_id)[:3])
     assert len(shared) == 3  # the first 12 tokens' blocks are stored once
     run_to_end(s)
     assert s.kv.num_used_blocks == 0
@@ -187,19 +189,19 @@ def test_identical_running_prefix_is_shared():
 
 def test_lru_eviction_reuses_oldest_freed_blocks_first():
     s = make_scheduler(num_blocks=8)
-    old = make_request(9, max_tokens=1, first_token=100)
-    s.add_request(old)
+    old = make_seq(9, max_tokens=1, first_token=100)
+    s.add(old)
     run_to_end(s)
-    recent = make_request(9, max_tokens=1, first_token=200)
-    s.add_request(recent)
+    recent = make_seq(9, max_tokens=1, first_token=200)
+    s.add(recent)
     run_to_end(s)
     # 8 blocks, 3 each used by two finished requests; a 17-token request needs 5 blocks, so it
     # evicts the 2 never-used blocks and then the oldest cached ones, keeping `recent`'s prefix.
-    big = make_request(17, max_tokens=1, first_token=300)
-    s.add_request(big)
+    big = make_seq(17, max_tokens=1, first_token=300)
+    s.add(big)
     run_to_end(s)
-    probe = make_request(9, max_tokens=1, first_token=200)
-    s.add_request(probe)
+    probe = make_seq(9, max_tokens=1, first_token=200)
+    s.add(probe)
     step(s)
     assert probe.num_cached_prompt_tokens == 8
     run_to_end(s)
@@ -207,28 +209,31 @@ def test_lru_eviction_reuses_oldest_freed_blocks_first():
 
 def test_fork_shares_blocks_and_copies_on_write():
     s = make_scheduler(num_blocks=16)
-    parent = make_request(6, max_tokens=5)
-    s.add_request(parent)
+    parent = make_seq(6, max_tokens=5)
+    child = parent.fork(next(_ids), index=1, seed=2)  # forked before the parent sampled anything
+    s.add(parent)
     step(s)  # computes 6 prompt tokens (blocks: one full, one with 2 of 4 slots), samples one
-    child = Request("child", list(parent.prompt_token_ids), parent.params, frozenset({0}), seed=2)
-    s.add_forked(parent, child)
-    assert s.kv.block_ids(child.request_id) == s.kv.block_ids(parent.request_id)
-    assert child.num_computed_tokens == 5  # recomputes the last prompt token for its own logits
-    shared_partial = s.kv.block_ids(parent.request_id)[1]
-    out = step(s)
-    parent_blocks, child_blocks = s.kv.block_ids(parent.request_id), s.kv.block_ids(child.request_id)
+    s.add_forked([child])
+    out = step(s)  # the parent decodes; the child joins, sharing the parent's blocks
+    assert child.num_computed_tokens == 6 and child.num_output_tokens == 1
+    parent_blocks, child_blocks = s.kv.block_ids(parent.seq_id), s.kv.block_ids(child.seq_id)
     assert parent_blocks[0] == child_blocks[0]  # the full block stays shared
-    assert parent_blocks[1] != child_blocks[1]  # the written block was copied
-    assert len(out.block_copies) == 1  # the first writer copies; the other then holds the original alone
-    assert {src for src, _ in out.block_copies} == {shared_partial}
+    assert parent_blocks[1] != child_blocks[1]  # the child recomputed its last prompt token in a copy
+    assert len(out.block_copies) == 1 and out.block_copies[0][0] == parent_blocks[1]
     run_to_end(s)
     assert child.num_output_tokens == 5 and parent.num_output_tokens == 5
     assert s.kv.num_used_blocks == 0
 
 
-def test_request_ids_must_be_unique():
-    s = make_scheduler()
-    r = make_request(3)
-    s.add_request(r)
-    with pytest.raises(ValueError, match="already in use"):
-        s.add_request(r)
+def test_fork_waits_for_room_under_max_num_seqs():
+    s = make_scheduler(num_blocks=32, max_seqs=2)
+    parent = make_seq(6, max_tokens=3)
+    children = [parent.fork(next(_ids), index=i, seed=i) for i in (1, 2)]
+    s.add(parent)
+    step(s)
+    s.add_forked(children)
+    out = step(s)
+    assert len(s.running) == 2 and len(out.scheduled) == 2  # one fork admitted, one waiting
+    run_to_end(s)
+    assert all(c.num_output_tokens == 3 for c in children)
+    assert s.kv.num_used_blocks == 0

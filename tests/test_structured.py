@@ -173,11 +173,11 @@ def test_fast_forward_gives_same_greedy_output_in_fewer_steps(llm):
     }
     results = {}
     for ff in (True, False):
-        before = llm.engine.num_sampled_tokens
+        before = llm.stats()["num_sampled_tokens"]
         out = completion(
             llm, SamplingParams(json_schema=schema, temperature=0, max_tokens=80, fast_forward=ff)
         )
-        results[ff] = (out.text, out.token_ids, llm.engine.num_sampled_tokens - before)
+        results[ff] = (out.text, out.token_ids, llm.stats()["num_sampled_tokens"] - before)
     assert results[True][:2] == results[False][:2]
     assert results[True][2] < results[False][2]
     assert validation_error(schema, results[True][0]) is None

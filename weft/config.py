@@ -129,6 +129,15 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} {rule}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache: `num_blocks` blocks of `block_size` token slots in every layer."""
@@ -137,12 +146,34 @@ class CacheConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.block_size) and self.block_size >= 1, "block_size", self.block_size, "must be >= 1"
+        )
+        _require(
+            _is_int(self.num_blocks) and self.num_blocks >= 1,
+            "num_kv_blocks",
+            self.num_blocks,
+            "must be >= 1",
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, name, value, "must be >= 1")
+        _require(
+            _is_int(self.max_model_len) and self.max_model_len >= 2,
+            "max_model_len",
+            self.max_model_len,
+            "must be >= 2",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +184,21 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     seed: int = 0
+    max_logprobs: int = 20  # the most top-n logprobs a request may ask for
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.max_logprobs) and self.max_logprobs >= 0,
+            "max_logprobs",
+            self.max_logprobs,
+            "must be >= 0",
+        )
+        max_len, cache = self.scheduler.max_model_len, self.cache
+        if cache.num_blocks * cache.block_size < max_len:
+            raise ConfigError(
+                f"{cache.num_blocks} KV blocks of {cache.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_len}; give more blocks or a smaller max_model_len"
+            )
 
 
 DTYPES = {

@@ -3,69 +3,51 @@
 from __future__ import annotations
 
 import itertools
-import os
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from weft.config import (
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    read_optional_json,
-    resolve_device,
-    resolve_dtype,
-)
-from weft.engine.engine import LLMEngine
-from weft.engine.runner import ModelRunner
-from weft.model.loader import load_config, load_model
+from weft.engine.factory import EngineArgs, build_engine, default_model_path
 from weft.outputs import RequestOutput
 from weft.params import OutputKind, SamplingParams
 from weft.tokenizer import Message, Tokenizer
 
 PromptInput = str | Sequence[int]
-DEFAULT_MAX_MODEL_LEN = 8192
-CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+
+__all__ = ["LLM", "OutputRouter", "default_model_path"]
 
 
-def default_model_path() -> Path:
-    """The directory of the small model bundled with weft (trained on Tiny Shakespeare)."""
-    return Path(__file__).resolve().parent / "default_model"
+class OutputRouter:
+    """Delivers every output of an engine step to its request's queue, whoever stepped the engine,
+    so that `generate()`, `stream()` and other consumers of one engine never lose each other's
+    outputs. Outputs of requests nobody registered are dropped."""
 
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[RequestOutput]] = {}
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """A local checkpoint directory for `model`: None means the bundled model; a path is used as
-    it is; anything else is a Hugging Face model id, downloaded when online."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists() or str(model).startswith((".", "/", "~")):
-        raise ConfigError(f"{path}: not a checkpoint directory")
-    return _download(str(model))
+    def register(self, request_id: str) -> None:
+        self._queues[request_id] = deque()
 
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
 
-def _download(model_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
+    def route(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.append(output)
 
-    try:
-        return Path(snapshot_download(model_id, allow_patterns=CHECKPOINT_PATTERNS))
-    except HFValidationError:
-        raise ConfigError(f"{model_id!r} is neither a local directory nor a valid model id") from None
-    except Exception as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        hint = "offline (HF_HUB_OFFLINE=1)" if offline else "unreachable or unknown"
-        raise ConfigError(
-            f"{model_id!r} is not a local directory, and the Hugging Face hub is {hint} "
-            f"({type(exc).__name__}); "
-            "pass the path of a downloaded checkpoint directory instead"
-        ) from None
+    def take(self, request_id: str) -> list[RequestOutput]:
+        """Everything queued for `request_id`, oldest first."""
+        queue = self._queues.get(request_id)
+        if not queue:
+            return []
+        items = list(queue)
+        queue.clear()
+        return items
 
 
 class LLM:
@@ -89,40 +71,30 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float | None = None,
         enable_prefix_caching: bool = True,
+        max_logprobs: int = 20,
         seed: int = 0,
         show_progress: bool = True,
     ) -> None:
-        self.model_path = resolve_model_path(model)
-        torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        model_config = load_config(self.model_path)
-        model_config = _with_generation_eos(model_config, self.model_path)
-        self.tokenizer = Tokenizer.from_dir(self.model_path)
-        max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings)
-        if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})"
+        self.engine = build_engine(
+            EngineArgs(
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                enable_prefix_caching=enable_prefix_caching,
+                max_logprobs=max_logprobs,
+                seed=seed,
+                show_progress=show_progress,
             )
-        cache = CacheConfig(
-            block_size=block_size,
-            num_blocks=num_kv_blocks
-            or _default_num_blocks(
-                model_config, block_size, torch_dtype, torch_device, max_len, max_num_seqs, kv_cache_memory_gb
-            ),
-            enable_prefix_caching=enable_prefix_caching,
         )
-        if cache.num_blocks * block_size < max_len:
-            raise ConfigError(
-                f"{cache.num_blocks} KV blocks of {block_size} tokens cannot hold one sequence of "
-                f"max_model_len={max_len}; give more blocks or a smaller max_model_len"
-            )
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(2048, block_size), max_len)
-        self.config = EngineConfig(model_config, cache, scheduler, torch_device, torch_dtype, seed)
-        model_module = load_model(
-            self.model_path, model_config, torch_dtype, torch_device, max_len, show_progress
-        )
-        self.engine = LLMEngine(self.config, model_module, self.tokenizer)
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
+        self.router = OutputRouter()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -177,18 +149,22 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield `RequestOutput`s carrying only what is new (text and tokens) as they are produced."""
+        """Yield `RequestOutput`s carrying only what is new (text and tokens) as they are produced.
+        Other calls on this `LLM` may run between two deltas; no delta is lost."""
         params = (params or SamplingParams()).replace(output_kind=OutputKind.DELTA)
         (request_id,) = self._add_all([prompt], [params])
         try:
-            finished = False
-            while not finished:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        finished = output.finished
-                        yield output
+            while True:
+                outputs = self.router.take(request_id)
+                if not outputs:
+                    self._step()
+                for output in outputs:
+                    yield output
+                    if output.finished:
+                        return
         finally:
             self.engine.abort_request(request_id)
+            self.router.unregister(request_id)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats().as_dict()
@@ -199,29 +175,37 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, p)
+                self.router.register(request_id)
                 added.append(request_id)
         except Exception:
             for request_id in added:
                 self.engine.abort_request(request_id)
+                self.router.unregister(request_id)
             raise
         return added
 
+    def _step(self) -> None:
+        """One engine step; its outputs go to their requests' queues."""
+        if not self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine has no work left but some requests never finished")
+        self.router.route(self.engine.step())
+
     def _run_to_completion(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        wanted = set(request_ids)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not show_progress) as bar:
             try:
                 while len(results) < len(request_ids):
-                    if not self.engine.has_unfinished_requests():
-                        raise RuntimeError("the engine has no work left but some requests never finished")
-                    for output in self.engine.step():
-                        if output.finished and output.request_id in wanted:
-                            results[output.request_id] = output
-                            bar.update(1)
-            except BaseException:
-                for request_id in wanted - results.keys():
-                    self.engine.abort_request(request_id)
-                raise
+                    self._step()
+                    for request_id in request_ids:
+                        for output in self.router.take(request_id):
+                            if output.finished:
+                                results[request_id] = output
+                                bar.update(1)
+            finally:
+                for request_id in request_ids:
+                    if request_id not in results:
+                        self.engine.abort_request(request_id)
+                    self.router.unregister(request_id)
         return [results[r] for r in request_ids]
 
 
@@ -247,34 +231,3 @@ def _as_param_list(
             f"got {len(param_list)} SamplingParams for {count} prompts; give one, or one per prompt"
         )
     return param_list
-
-
-def _with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
-    """generation_config.json may name more end-of-sequence tokens than config.json."""
-    from dataclasses import replace
-
-    gen = read_optional_json(model_dir / "generation_config.json")
-    eos = gen.get("eos_token_id")
-    extra = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
-    return replace(config, eos_token_ids=merged)
-
-
-def _default_num_blocks(
-    config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_len: int,
-    max_num_seqs: int,
-    memory_gb: float | None,
-) -> int:
-    """As many blocks as `memory_gb` holds (default: 2 GiB on CPU, half the free memory on CUDA),
-    but no more than every sequence at full length needs, and at least one full-length sequence."""
-    per_block = ModelRunner.kv_bytes_per_block(config, block_size, dtype)
-    if memory_gb is None:
-        budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 2 * 1024**3
-    else:
-        budget = int(memory_gb * 1024**3)
-    blocks_per_seq = -(-max_len // block_size)
-    return max(blocks_per_seq + 1, min(budget // per_block, blocks_per_seq * max_num_seqs))

@@ -18,6 +18,18 @@ from weft.config import ConfigError, read_optional_json
 Message = dict[str, Any]
 
 
+def check_text(text: str, name: str) -> None:
+    """Raise ValueError naming `name` unless `text` is valid Unicode (a lone surrogate, such as
+    "\ud800", cannot be encoded, tokenized or sent anywhere)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid Unicode text: it holds the lone surrogate {text[exc.start]!r} at index "
+            f"{exc.start}; remove it or decode the text correctly"
+        ) from None
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
     if isinstance(value, dict):
@@ -102,10 +114,43 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def check_chat_messages(messages: Any) -> None:
+    """Raise ValueError naming the field unless `messages` is a list of {"role": str, "content": ...}
+    dicts whose content is a string, None, or a list of {"type": "text", "text": str} parts."""
+    if not isinstance(messages, list):
+        raise ValueError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {messages!r:.80}"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        _check_content(message.get("content"), f"messages[{i}].content")
+
+
+def _check_content(content: Any, name: str) -> None:
+    if content is None:
+        return
+    if isinstance(content, str):
+        return check_text(content, name)
+    if not isinstance(content, list):
+        raise ValueError(f"{name} must be a string or a list of text parts, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+        if not isinstance(text, str):
+            raise ValueError(f"{name}[{j}] must be a {{'type': 'text', 'text': str}} part, got {part!r:.80}")
+        check_text(text, f"{name}[{j}].text")
+    return None
+
+
 def render_chat_template(
     template: str, messages: list[Message], add_generation_prompt: bool = True, **context: Any
 ) -> str:
-    """Render a Hugging Face chat template in a sandboxed jinja2 environment."""
+    """Render a Hugging Face chat template in a sandboxed jinja2 environment, after checking the
+    messages (`check_chat_messages`)."""
+    check_chat_messages(messages)
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
@@ -115,7 +160,7 @@ def render_chat_template(
     try:
         compiled = env.from_string(template)
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-    except jinja2.TemplateError as exc:
+    except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"chat template failed: {exc}") from None
 
 
@@ -134,6 +179,13 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_ids)
         self.read_offset = len(prompt_ids)
         self.prefix_offset = max(len(prompt_ids) - 6, 0)
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy that continues from the same point."""
+        child = IncrementalDetokenizer(self.tokenizer, [], self.skip_special_tokens)
+        child.token_ids = list(self.token_ids)
+        child.read_offset, child.prefix_offset = self.read_offset, self.prefix_offset
+        return child
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         self.token_ids.extend(new_token_ids)

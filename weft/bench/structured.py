@@ -114,15 +114,16 @@ def time_weft(
     for p in params:  # compile outside the timing: compilation is cached per schema
         if p.structured is not None:
             engine.grammars.validate(p.structured)
-    forced_before, sampled_before = engine.num_forced_tokens, engine.num_sampled_tokens
+    before = engine.stats().extra
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"bench-{i}", prompt, p)
     while engine.has_unfinished_requests() and _admitting(engine):  # grammars, admission, prefill
         engine.step()
     seconds, full_tokens, all_seconds = 0.0, 0, 0.0
     while engine.has_unfinished_requests():
-        full = len(engine.scheduler.running) == len(prompts)
-        computing = sum(r.num_tokens - r.num_computed_tokens for r in engine.scheduler.running)
+        stats = engine.stats()
+        full = stats.num_running == len(prompts)
+        computing = int(stats.extra["num_uncomputed_tokens"])
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
@@ -130,15 +131,16 @@ def time_weft(
         if full:
             seconds += elapsed
             full_tokens += computing
-    produced = engine.num_forced_tokens + engine.num_sampled_tokens - forced_before - sampled_before
-    return Run(seconds, full_tokens, engine.num_forced_tokens - forced_before, produced, all_seconds)
+    after = engine.stats().extra
+    num_forced = int(after["num_forced_tokens"] - before["num_forced_tokens"])
+    produced = num_forced + int(after["num_sampled_tokens"] - before["num_sampled_tokens"])
+    return Run(seconds, full_tokens, num_forced, produced, all_seconds)
 
 
 def _admitting(engine) -> bool:
     """Whether some request still waits for its grammar, for admission or for its prompt."""
-    return bool(engine.awaiting_grammar or engine.scheduler.waiting) or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    )
+    stats = engine.stats()
+    return stats.num_waiting > 0 or stats.extra["num_computing_prompts"] > 0
 
 
 def _schema_per_prompt(schemas: list[dict[str, Any]] | None, count: int) -> list[dict[str, Any] | None]:

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         )
         hf = None if args.no_transformers else _load_transformers(path, dtype)
         results = _measure_all(llm, hf, batch_sizes, args)
-    weight_bytes = decode_weight_bytes(llm.engine.runner.model)
+    weight_bytes = decode_weight_bytes(llm.engine.model)
     bandwidth = read_bandwidth_gbs()
     _print_table(results, args, weight_bytes, bandwidth)
     if args.json:

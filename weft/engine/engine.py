@@ -1,39 +1,55 @@
 """The engine: add requests, abort them, and step.
 
+The engine keeps the requests (`SequenceGroup`s, by the user's request id) and the loop; each
+sequence owns its own state (`Sequence`), and the scheduler, the KV manager and the grammar manager
+know sequences, never requests.
+
 One `step()`:
-  1. admit: requests whose grammar finished compiling join the scheduler (failed ones end here);
+  1. admit: groups whose grammar finished compiling start (their policy creates their sequences);
   2. schedule: pick this step's tokens (`Scheduler.schedule`);
   3. mask, started: fill the grammar bitmask of the constrained sampling rows on a worker thread;
   4. run: the forward pass (`ModelRunner.execute`), logits for the sampling rows;
-  5. mask, applied: join the fill and mask those rows in place;
-  6. sample: one vectorized pass over the rows (`Sampler`), one host sync;
-  7. update: advance counters, append tokens (`Scheduler.update`);
-  8. finish: advance grammars and append forced tokens (fast-forward), token stop rules,
-     detokenize, stop strings; finished requests free their blocks;
-  9. fork: a request with n > 1 forks its other samples once its prompt is computed;
- 10. emit a `RequestOutput` per request that progressed.
+  5. sample: one vectorized pass over the rows (`Sampler`: padding, raw logprobs, the grammar mask,
+     processors, penalties, filters, sampling, logprobs), then one host transfer of its results;
+  6. update: advance counters and append each sampled token to its sequence, which takes the
+     decision to stop; finished sequences free their blocks (`Scheduler.update`);
+  7. policies: each touched group forks and prunes (`GroupPolicy.after_step`);
+  8. emit a `RequestOutput` per group that progressed; finished groups are forgotten.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 
 import torch
 
 from weft.config import EngineConfig
+from weft.engine.group import GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.output import RequestState, SequenceOutput, TokenLogprobs
 from weft.engine.runner import ModelRunner
-from weft.engine.scheduler import Scheduler
+from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
-from weft.request import FinishReason, Request, check_stop
-from weft.sample.sampler import Sampler, SamplingBatch
+from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatch
+from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
-from weft.structured.manager import Accept, GrammarManager, PendingFill
-from weft.tokenizer import Tokenizer
+from weft.structured.manager import GrammarManager, compile_error
+from weft.tokenizer import Tokenizer, check_text
+
+NON_FINITE_ERROR = (
+    "the logits of this sequence were not finite (a NaN, or every token at -inf) after the logits "
+    "processors and the grammar mask, so no token could be sampled; check the logits processors"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingGrammar:
+    group: SequenceGroup
+    grammar: Future[CompiledGrammar]
 
 
 class LLMEngine:
@@ -43,19 +59,22 @@ class LLMEngine:
         self.kv = KVCacheManager(config.cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, config.model, config.cache, config.device, config.dtype)
-        self.sampler = Sampler()
+        self.sampler = Sampler(min(tokenizer.vocab_size, config.model.vocab_size))
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
-        self.states: dict[str, RequestState] = {}
-        self.sequences: dict[str, SequenceOutput] = {}  # sequence request id -> its output state
-        self.parent_of: dict[str, str] = {}  # sequence request id -> user request id
-        self.awaiting_grammar: dict[str, Request] = {}  # sequence request id -> request
+        self.limits = SequenceLimits(config.scheduler.max_model_len, self.eos_token_ids)
+        self.spawner = Spawner(config.seed)
+        self.groups: dict[str, SequenceGroup] = {}  # user request id -> its group
+        self.awaiting: list[AwaitingGrammar] = []
         self._grammars: GrammarManager | None = None
-        self._seeds = random.Random(config.seed)
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.runner.model
 
     @property
     def grammars(self) -> GrammarManager:
@@ -70,25 +89,34 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for a bad prompt. A structured
-        request waits for its grammar to compile off the loop; an invalid grammar finishes it with
-        `finish_reason="error"` and the backend's message."""
-        if request_id in self.states:
+    def add_request(self, request_id: str, prompt: str | Iterable[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) for a bad prompt or parameters
+        this engine cannot serve. A structured request waits for its grammar to compile off the
+        loop; an invalid grammar finishes it with `finish_reason="error"` and the backend's message."""
+        if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._validate_prompt(prompt_ids)
-        state = RequestState(request_id, prompt_text, prompt_ids, params.output_kind, params.n)
-        self.states[request_id] = state
-        first = self._new_sequence(state, 0, params)
+        prompt_text, prompt_ids = self._encode_prompt(prompt)
+        self._validate(prompt_ids, params)
+        group = SequenceGroup(request_id, prompt_text, prompt_ids, params, ParallelSampling(params.n))
+        seed = self.spawner.seed_for(params, 0)
+        first = Sequence.create(self.spawner.next_id(), params, prompt_ids, self.limits, seed, self.tokenizer)
+        group.add([first])
+        self.groups[request_id] = group
         if params.structured is None:
-            self.scheduler.add_request(first)
+            self._start(group, first)
         else:
-            self.grammars.submit(first.request_id, params.structured)
-            self.awaiting_grammar[first.request_id] = first
+            self.awaiting.append(AwaitingGrammar(group, self.grammars.submit(params.structured)))
 
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+    def _encode_prompt(self, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("the prompt must be a string or a list of integer token ids")
+        return None, ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.scheduler.max_model_len
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -100,38 +128,34 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        max_logprobs = min(self.config.max_logprobs, self.vocab_size)
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} is more than this engine's max_logprobs "
+                f"({max_logprobs}); ask for fewer, or raise max_logprobs"
+            )
 
-    def _new_sequence(self, state: RequestState, index: int, params: SamplingParams) -> Request:
-        seed = self._seeds.getrandbits(62) if params.seed is None else params.seed + index
-        request_id = state.request_id if state.num_samples == 1 else f"{state.request_id}#{index}"
-        request = Request(
-            request_id, list(state.prompt_token_ids), params, self.eos_token_ids, seed, prompt=state.prompt
-        )
-        seq = SequenceOutput.create(request, index, self.tokenizer)
-        state.sequences.append(seq)
-        self.sequences[request_id] = seq
-        self.parent_of[request_id] = state.request_id
-        return request
+    def _start(self, group: SequenceGroup, first: Sequence) -> None:
+        group.policy.start(group, first, self.spawner)
+        if not first.is_finished:
+            self.scheduler.add(first)
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (all of its samples) and free its KV blocks at once."""
-        state = self.states.pop(request_id, None)
-        if state is None:
+        """Abort a request (all of its sequences) and free its KV blocks at once."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
             return
-        for seq in state.sequences:
-            self.scheduler.abort(seq.request.request_id)
-            seq.request.finish(FinishReason.ABORT)
-            self._forget(seq.request.request_id)
-
-    def _forget(self, seq_id: str) -> None:
-        self.sequences.pop(seq_id, None)
-        self.parent_of.pop(seq_id, None)
-        self.awaiting_grammar.pop(seq_id, None)
-        if self._grammars is not None:
-            self._grammars.remove(seq_id)
+        self.awaiting = [a for a in self.awaiting if a.group is not group]
+        for seq in group.sequences:
+            self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.groups)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -139,158 +163,92 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         touched = self._admit_compiled_grammars()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._emit(touched)
-        sampling_requests = [s.request for s in sched.sampling]
-        fill = self._start_mask(sampling_requests)
-        logits = self.runner.execute(sched)  # [S, V]
-        sampler_out = self._sample(logits, sampling_requests, fill)
-        token_ids = sampler_out.token_ids.tolist()
-        token_logprobs = dict(
-            zip([r.request_id for r in sampling_requests], _token_logprobs(sampler_out), strict=True)
-        )
-        failed = [sampling_requests[row] for row in sampler_out.errors]
-        for row, message in sampler_out.errors.items():
-            self.scheduler.finish(sampling_requests[row], FinishReason.ERROR, error=message)
-        advanced = self.scheduler.update(sched, token_ids)
-        self.num_sampled_tokens += len(advanced)
-        for request in advanced:
-            self._process_sampled(request, token_logprobs.get(request.request_id))
-        for request in [*failed, *advanced]:
-            touched.append(self.states[self.parent_of[request.request_id]])
-        states = list({id(s): s for s in touched}.values())
-        for state in states:
-            self._fork_samples(state)
-        return self._emit(states)
+        if not sched.is_empty:
+            self._run(sched)
+            touched += [item.seq.group for item in sched.scheduled if item.seq.group is not None]
+        groups = list({id(g): g for g in touched}.values())
+        for group in groups:
+            self._apply(group.policy.after_step(group))
+        return self._emit(groups)
 
-    def _admit_compiled_grammars(self) -> list[RequestState]:
-        """Move requests whose grammar compiled into the scheduler; finish those whose failed."""
-        if not self.awaiting_grammar:
+    def _admit_compiled_grammars(self) -> list[SequenceGroup]:
+        """Start the groups whose grammar compiled; those whose grammar failed fail at once."""
+        if not self.awaiting:
             return []
-        idle = self.scheduler.num_unfinished == 0
-        ready, failed = self.grammars.poll(wait_s=0.01 if idle else 0.0)
-        for request_id in ready:
-            self.scheduler.add_request(self.awaiting_grammar.pop(request_id))
-        touched = []
-        for request_id, message in failed.items():
-            request = self.awaiting_grammar.pop(request_id)
-            request.finish(FinishReason.ERROR, error=message)
-            touched.append(self.states[self.parent_of[request_id]])
-        return touched
-
-    def _start_mask(self, requests: list[Request]) -> PendingFill | None:
-        if self._grammars is None:
-            return None
-        return self._grammars.start_fill([r.request_id for r in requests])
-
-    def _sample(
-        self, logits: torch.Tensor, requests: list[Request], fill: PendingFill | None
-    ) -> SamplerOutput:
-        tokenizer_vocab = self.tokenizer.vocab_size
-        if tokenizer_vocab < logits.shape[-1]:
-            logits[:, tokenizer_vocab:] = float("-inf")  # padding rows of the embedding, no token
-        batch = SamplingBatch.build(requests, logits.shape[-1], logits.device)
-        raw_logprobs = None
-        if fill is not None:
-            if batch.num_top_logprobs is not None:
-                raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution, before the mask
-            self.grammars.apply(logits, fill)
-        return self.sampler(logits, batch, raw_logprobs)
-
-    def _process_sampled(self, request: Request, logprobs: TokenLogprobs | None) -> None:
-        """Grammar, forced tokens, stop rules and text for a request that just sampled a token."""
-        new_tokens, grammar_done = [request.token_ids[-1]], False
-        if self._grammars is not None and self._grammars.has_matcher(request.request_id):
-            new_tokens, grammar_done = self._advance_grammar(request)
-        if not request.is_finished:
-            stop = check_stop(request, self.config.scheduler.max_model_len)
-            if stop is not None:
-                self.scheduler.finish(request, stop[0], stop_reason=stop[1])
-            elif grammar_done:
-                self.scheduler.finish(request, FinishReason.STOP)
-        token_logprobs = [logprobs] if logprobs is not None and new_tokens else []
-        match = self.sequences[request.request_id].append(new_tokens, token_logprobs, self.tokenizer)
-        if match is None or request.finish_reason == FinishReason.ERROR:
-            return
-        if request.is_finished:  # e.g. max_tokens on the very token that completed the stop string
-            request.finish(FinishReason.STOP, stop_reason=match.stop)
-        else:
-            self.scheduler.finish(request, FinishReason.STOP, stop_reason=match.stop)
-
-    def _advance_grammar(self, request: Request) -> tuple[list[int], bool]:
-        """Feed the sampled token to the request's matcher, then append the tokens the grammar forces
-        (fast-forward; not for requests that want logprobs, whose every token must be sampled).
-        Returns the new output tokens and whether the grammar is complete."""
-        grammars, rid = self.grammars, request.request_id
-        result = grammars.accept(rid, request.token_ids[-1:])
-        if result == Accept.ERROR:
-            request.token_ids.pop()
-            self.scheduler.finish(request, FinishReason.ERROR, error=grammars.error(rid))
-            return [], False
-        new_tokens = request.token_ids[-1:]
-        if result == Accept.OK and request.params.fast_forward and request.params.logprobs is None:
-            forced = grammars.forced_tokens(rid)[: self._room_left(request)]
-            if forced:
-                result = grammars.accept(rid, forced)
-                request.token_ids.extend(forced)
-                new_tokens += forced
-                self.num_forced_tokens += len(forced)
-        if result == Accept.ERROR:
-            self.scheduler.finish(request, FinishReason.ERROR, error=grammars.error(rid))
-        return new_tokens, result == Accept.FINISHED
-
-    def _room_left(self, request: Request) -> int:
-        room = self.config.scheduler.max_model_len - request.num_tokens
-        if request.params.max_tokens is not None:
-            room = min(room, request.params.max_tokens - request.num_output_tokens)
-        return max(room, 0)
-
-    def _fork_samples(self, state: RequestState) -> None:
-        """Once the first sample has computed the prompt, the other n - 1 share its blocks."""
-        if len(state.sequences) == state.num_samples:
-            return
-        first = state.sequences[0].request
-        if first.num_computed_tokens < first.num_prompt_tokens and not first.is_finished:
-            return
-        params = first.params
-        for index in range(len(state.sequences), state.num_samples):
-            child = self._new_sequence(state, index, params)
-            if first.finish_reason == FinishReason.ERROR and first.num_output_tokens == 0:
-                child.finish(FinishReason.ERROR, error=first.error)  # e.g. its grammar is invalid
-                continue
-            if params.structured is not None:
-                self.grammars.fork(first.request_id, child.request_id)
-            if first.is_finished:
-                self.scheduler.add_request(child)  # its blocks are gone: prefix caching takes over
+        if self.scheduler.num_unfinished == 0:  # nothing else to do: wait a little for one
+            wait([a.grammar for a in self.awaiting], timeout=0.01, return_when=FIRST_COMPLETED)
+        done = [a for a in self.awaiting if a.grammar.done()]
+        self.awaiting = [a for a in self.awaiting if not a.grammar.done()]
+        for item in done:
+            first = item.group.sequences[0]
+            error = compile_error(item.grammar)
+            if error is None:
+                first.matcher = self.grammars.new_matcher(item.grammar.result())
             else:
-                self.scheduler.add_forked(first, child)
+                first.finish(FinishReason.ERROR, error=error)
+            self._start(item.group, first)
+        return [item.group for item in done]
 
-    def _emit(self, states: Sequence[RequestState]) -> list[RequestOutput]:
+    def _run(self, sched: SchedulerOutput) -> None:
+        """Forward, sample and update for one scheduled step."""
+        seqs = sched.sampling
+        fill = None
+        if self._grammars is not None:
+            fill = self._grammars.start_fill([seq.matcher for seq in seqs])
+        logits = self.runner.execute(sched)  # [S, V]
+        batch = SamplingBatch.build(seqs, logits.shape[-1], logits.device)
+        rows = _sampled_rows(self.sampler(logits, batch, fill))
+        self.num_sampled_tokens += len(seqs) - len(rows.errors)
+        self.num_forced_tokens += self.scheduler.update(sched, rows)
+
+    def _apply(self, update: GroupUpdate) -> None:
+        if update.forks:
+            self.scheduler.add_forked([child for _, child in update.forks])
+        for seq in update.prunes:
+            self.scheduler.finish(seq, FinishReason.PRUNED)
+            if seq.group is not None:
+                seq.group.remove(seq)
+
+    def _emit(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         outputs = []
-        for state in states:
-            output = state.make_output()
+        for group in groups:
+            if self.groups.get(group.request_id) is not group:
+                continue  # aborted
+            output = group.make_output()
             if output is not None:
                 outputs.append(output)
-            if state.finished:
-                self.states.pop(state.request_id, None)
-                for seq in state.sequences:
-                    self._forget(seq.request.request_id)
+            if group.finished:
+                del self.groups[group.request_id]
         return outputs
 
     def stats(self) -> EngineStats:
+        running = self.scheduler.running
         return EngineStats(
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_used_blocks,
             prefix_cache_hit_tokens=self.kv.num_hit_tokens,
             prefix_cache_queried_tokens=self.kv.num_queried_tokens,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.awaiting_grammar),
+            num_running=len(running),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting),
             num_preemptions=self.scheduler.num_preemptions,
             extra={
                 "num_sampled_tokens": self.num_sampled_tokens,
                 "num_forced_tokens": self.num_forced_tokens,
+                "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
+                "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
             },
         )
+
+
+def _sampled_rows(out: SamplerOutput) -> SampledRows:
+    """The sampler's results on the host: one transfer of the token ids (and of the logprobs, when
+    some row asked for them). A row with `INVALID_TOKEN` fails with a message."""
+    token_ids = out.token_ids.tolist()
+    errors = dict(out.errors)
+    for row, token in enumerate(token_ids):
+        if token == INVALID_TOKEN:
+            errors.setdefault(row, NON_FINITE_ERROR)
+    return SampledRows(token_ids, _token_logprobs(out), errors)
 
 
 def _token_logprobs(out: SamplerOutput) -> list[TokenLogprobs | None]:

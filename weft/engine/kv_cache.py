@@ -8,18 +8,19 @@ The KV tensors themselves live in the model runner; this module only hands out b
   so identical prefixes are stored once: across requests (prefix caching), across the samples of
   one prompt and across beams. A freed block keeps its hash until it is reused, so a later request
   with the same prefix can revive it.
-- Forking a request shares all of its blocks. Only full blocks are ever shared for writing-free
-  reads; before a request writes into a block that others also reference, it gets a private copy
-  (copy-on-write), recorded as a (src, dst) pair for the runner to copy before the forward pass.
+- Forking a sequence shares the blocks of the prefix it copied. Before a sequence writes into a
+  block that others also reference, it gets a private copy (copy-on-write), recorded as a
+  (src, dst) pair for the runner to copy before the forward pass.
+- Sequences are known by their integer `seq_id`; the manager keeps one `SeqBlocks` per sequence.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weft.config import CacheConfig
-from weft.request import Request
+from weft.engine.sequence import Sequence
 
 
 @dataclass(slots=True, eq=False)
@@ -79,12 +80,21 @@ class BlockPool:
 
 @dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """Prefix-cache hits for a new request: its first `len(blocks)` blocks are already computed."""
+    """Prefix-cache hits for a new sequence: its first `len(blocks)` blocks are already computed."""
 
     blocks: list[Block]
+    hashes: list[int]  # the hash chain of those blocks
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """The block table of one sequence, and the hash chain of its leading full, computed blocks."""
+
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -94,9 +104,7 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks)
-        self.req_blocks: dict[str, list[Block]] = {}
-        self.req_num_hashed: dict[str, int] = {}
-        self.req_last_hash: dict[str, int | None] = {}
+        self.tables: dict[int, SeqBlocks] = {}  # seq_id -> its blocks
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, copy-on-write
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
@@ -109,39 +117,43 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.pool.num_free
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+    def block_ids(self, seq_id: int) -> list[int]:
+        table = self.tables.get(seq_id)
+        return [] if table is None else [b.block_id for b in table.blocks]
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest cached prefix of `request`, in full blocks, leaving at least one token to compute
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """Longest cached prefix of `seq`, in full blocks, leaving at least one token to compute
         (the last token must run through the model to produce logits)."""
         if not self.enable_caching:
-            return ComputedBlocks([])
-        max_blocks = (request.num_tokens - 1) // self.block_size
+            return ComputedBlocks([], [])
+        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[Block] = []
+        hashes: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):
-            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash((parent, tokens))
             block = self.pool.lookup(parent, tokens)
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits)
+            hashes.append(parent)
+        return ComputedBlocks(hits, hashes)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
+        self, seq: Sequence, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens of `request` (after any prefix-cache hits in
-        `computed`). Returns the request's block table, or None (changing nothing) if there are
+        """Make room for `num_new_tokens` more tokens of `seq` (after any prefix-cache hits in
+        `computed`). Returns the sequence's block table, or None (changing nothing) if there are
         not enough free blocks."""
-        blocks = self.req_blocks.get(request.request_id, [])
+        table = self.tables.get(seq.seq_id) or SeqBlocks()
+        blocks = table.blocks
         hits = computed.blocks if computed else []
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_computed = seq.num_computed_tokens + len(hits) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(hits))
         write_idx = num_computed // self.block_size
@@ -154,7 +166,10 @@ class KVCacheManager:
         blocks = blocks + hits + [self.pool.allocate() for _ in range(num_new_blocks)]
         if needs_copy:
             blocks[write_idx] = self._copy_on_write(blocks[write_idx])
-        self.req_blocks[request.request_id] = blocks
+        table.blocks = blocks
+        if computed is not None:
+            table.hashes = table.hashes + computed.hashes
+        self.tables[seq.seq_id] = table
         return [b.block_id for b in blocks]
 
     def _copy_on_write(self, shared: Block) -> Block:
@@ -163,39 +178,34 @@ class KVCacheManager:
         self.pool.release(shared)
         return private
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block that is now full of computed tokens under its hash chain."""
-        if not self.enable_caching:
+        table = self.tables.get(seq.seq_id)
+        if not self.enable_caching or table is None:
             return
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self.req_num_hashed.get(rid, 0)
-        parent = self.req_last_hash.get(rid)
-        for i in range(start, num_full):
-            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table.blocks))
+        parent = table.hashes[-1] if table.hashes else None
+        for i in range(len(table.hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash((parent, tokens))
-            self.pool.register(blocks[i], parent, tokens)
-        if num_full > start:
-            self.req_num_hashed[rid] = num_full
-            self.req_last_hash[rid] = parent
+            self.pool.register(table.blocks[i], parent, tokens)
+            table.hashes.append(parent)
 
-    def fork(self, parent_id: str, child: Request) -> list[int]:
-        """Give `child` all of the parent's blocks, shared; the first write copies (copy-on-write)."""
-        blocks = list(self.req_blocks[parent_id])
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> None:
+        """Give the child the parent's blocks that hold its first `num_tokens` tokens, shared; the
+        first write into a shared block copies it (copy-on-write)."""
+        parent = self.tables[parent_id]
+        num_blocks = -(-num_tokens // self.block_size)
+        blocks = parent.blocks[:num_blocks]
         for block in blocks:
             self.pool.touch(block)
-        self.req_blocks[child.request_id] = blocks
-        self.req_num_hashed[child.request_id] = self.req_num_hashed.get(parent_id, 0)
-        self.req_last_hash[child.request_id] = self.req_last_hash.get(parent_id)
-        return [b.block_id for b in blocks]
+        self.tables[child_id] = SeqBlocks(list(blocks), parent.hashes[: num_tokens // self.block_size])
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks, tail first, so that the tail is evicted first."""
-        for block in reversed(self.req_blocks.pop(request_id, [])):
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks, tail first, so that the tail is evicted first."""
+        table = self.tables.pop(seq_id, None)
+        for block in reversed(table.blocks if table else []):
             self.pool.release(block)
-        self.req_num_hashed.pop(request_id, None)
-        self.req_last_hash.pop(request_id, None)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

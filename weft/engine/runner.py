@@ -18,7 +18,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64, the last token of each sampling request
+    logits_indices: torch.Tensor  # [S] int64, the last token of each sampling sequence
 
 
 class ModelRunner:
@@ -56,9 +56,9 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_indices: list[int] = []
         for item in sched.scheduled:
-            req = item.request
-            start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + item.num_new_tokens])
+            seq = item.seq
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
             query_lens.append(item.num_new_tokens)
             context_lens.append(start + item.num_new_tokens)
             if item.samples:
@@ -75,7 +75,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns logits [S, V] float32 for the sampling requests, in order."""
+        """Run one step; returns logits [S, V] float32 for the sampling sequences, in order."""
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, hidden]

@@ -1,18 +1,20 @@
 """Continuous batching.
 
-Every request has one progress counter, `num_computed_tokens`, that catches up with `num_tokens`.
-There is no prefill or decode phase: each step gives each request up to
+Every sequence has one progress counter, `num_computed_tokens`, that catches up with `num_tokens`.
+There is no prefill or decode phase: each step gives each sequence up to
 `num_tokens - num_computed_tokens` new tokens, within the step's token budget. That one rule covers
 prompts (chunked when long), decoding (one token), prefix-cache hits (counted as computed) and
 tokens appended without sampling (not yet computed).
 
 `schedule()`:
-  1. serve running requests first, oldest first; when blocks run out, preempt the newest running
-     request (free its blocks, recompute it later) until the older one fits;
-  2. admit waiting requests in arrival order while the budget, `max_num_seqs` and the free blocks
-     allow, starting each from its longest prefix-cache hit.
-`update()` advances the counters, registers newly full blocks for prefix caching and appends the
-sampled tokens. Requests that finish release their blocks at once.
+  1. serve running sequences first, oldest first; when blocks run out, preempt the newest running
+     sequence (free its blocks, recompute it later) until the older one fits;
+  2. admit waiting sequences in order while the budget, `max_num_seqs` and the free blocks allow,
+     a fork sharing its parent's blocks, any other sequence starting from its longest prefix-cache
+     hit.
+`update()` advances the counters, registers newly full blocks for prefix caching, and hands each
+sampled token to its sequence (`Sequence.append`, where the decision to stop is taken). Whatever
+finished releases its blocks at once: `_release` is the one place that happens.
 """
 
 from __future__ import annotations
@@ -22,56 +24,61 @@ from dataclasses import dataclass
 
 from weft.config import SchedulerConfig
 from weft.engine.kv_cache import KVCacheManager
-from weft.request import FinishReason, Request, RequestStatus
+from weft.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request: Request
+class ScheduledSequence:
+    seq: Sequence
     num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table after this step's allocation
-    samples: bool  # True when this step computes the request's last known token: it gets logits
+    block_ids: list[int]  # the sequence's whole block table after this step's allocation
+    samples: bool  # True when this step computes the sequence's last known token: it gets logits
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
+    scheduled: list[ScheduledSequence]
     num_batched_tokens: int
     block_copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward pass
-    preempted_ids: list[str]
+    num_preempted: int
 
     @property
-    def sampling(self) -> list[ScheduledRequest]:
-        return [s for s in self.scheduled if s.samples]
+    def sampling(self) -> list[Sequence]:
+        """The sequences that sample this step, in logits-row order."""
+        return [s.seq for s in self.scheduled if s.samples]
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """What the sampler produced, one entry per sampling sequence, in logits-row order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    errors: dict[int, str]  # row -> why that row failed
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind the waiting ones."""
+        self.waiting.append(seq)
 
-    def add_forked(self, parent: Request, child: Request) -> None:
-        """Add `child`, a copy of `parent`'s tokens, sharing the parent's KV blocks. The child
-        recomputes the parent's last token, so that it gets logits of its own to sample from."""
-        self.requests[child.request_id] = child
-        self.kv.fork(parent.request_id, child)
-        child.num_computed_tokens = min(parent.num_computed_tokens, child.num_tokens - 1)
-        child.status = RequestStatus.RUNNING
-        self.running.append(child)
+    def add_forked(self, children: list[Sequence]) -> None:
+        """Queue forks ahead of the waiting sequences (they belong to requests already running).
+        Each shares its `fork_parent`'s blocks when it is admitted, if the parent still has them;
+        like every admission, this waits for room under `max_num_seqs`."""
+        for child in reversed(children):
+            self.waiting.appendleft(child)
 
     @property
     def num_unfinished(self) -> int:
@@ -79,109 +86,152 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
+        scheduled: list[ScheduledSequence] = []
+        num_preempted_before = self.num_preemptions
+        budget = self._schedule_running(budget, scheduled)
+        if self.num_preemptions == num_preempted_before:
             self._schedule_waiting(budget, scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
             block_copies=self.kv.take_pending_copies(),
-            preempted_ids=preempted,
+            num_preempted=self.num_preemptions - num_preempted_before,
         )
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
-            request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            seq = self.running[idx]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 idx += 1
                 continue
-            block_ids = self.kv.allocate_slots(request, num_new)
+            block_ids = self.kv.allocate_slots(seq, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
+                if victim is seq:
                     break
-                block_ids = self.kv.allocate_slots(request, num_new)
+                block_ids = self.kv.allocate_slots(seq, num_new)
             if block_ids is None:
                 break
-            scheduled.append(self._scheduled(request, num_new, block_ids))
+            scheduled.append(self._scheduled(seq, num_new, block_ids))
             budget -= num_new
             idx += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            computed = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else None
-            num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            block_ids = self.kv.allocate_slots(request, num_new, computed)
+            seq = self.waiting[0]
+            if self._can_share(seq):
+                block_ids = self._share_parent_blocks(seq, budget)
+            else:
+                seq.fork_parent = None
+                block_ids = self._allocate_fresh(seq, budget)
             if block_ids is None:
                 break
             self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_prompt_tokens = num_cached
-                self.kv.record_prefix_query(request.num_tokens, num_cached)
-            request.num_computed_tokens += num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new, block_ids))
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._scheduled(seq, num_new, block_ids))
             budget -= num_new
 
-    def _scheduled(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
-        samples = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request, num_new, block_ids, samples)
+    @staticmethod
+    def _can_share(seq: Sequence) -> bool:
+        """Whether `seq` is a fork whose parent still holds the blocks of its prefix (a parent that
+        finished or was preempted does not: the fork then starts like any new sequence, from the
+        prefix cache)."""
+        parent = seq.fork_parent
+        return (
+            parent is not None
+            and parent.status == SequenceStatus.RUNNING
+            and parent.num_computed_tokens >= seq.num_tokens - 1
+        )
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
+    def _share_parent_blocks(self, seq: Sequence, budget: int) -> list[int] | None:
+        """A fork shares the blocks of its parent's computed prefix and recomputes only its last
+        token, for logits of its own. None (nothing changed) when no block is free for its
+        copy-on-write."""
+        parent = seq.fork_parent
+        assert parent is not None
+        num_shared = seq.num_tokens - 1
+        self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
+        seq.num_computed_tokens = num_shared
+        block_ids = self.kv.allocate_slots(seq, min(1, budget))
+        if block_ids is None:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            return None
+        seq.fork_parent = None
+        return block_ids
+
+    def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
+        computed = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else None
+        num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
+        num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+        block_ids = self.kv.allocate_slots(seq, num_new, computed)
+        if block_ids is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            seq.num_cached_prompt_tokens = num_cached
+            self.kv.record_prefix_query(seq.num_tokens, num_cached)
+        seq.num_computed_tokens += num_cached
+        return block_ids
+
+    def _scheduled(self, seq: Sequence, num_new: int, block_ids: list[int]) -> ScheduledSequence:
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSequence(seq, num_new, block_ids, samples)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(seq)
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance every scheduled request and append the sampled tokens (one per sampling request,
-        in `output.sampling` order). Returns the requests that received a token."""
-        advanced: list[Request] = []
-        tokens = iter(sampled_token_ids)
+    def update(self, output: SchedulerOutput, sampled: SampledRows) -> int:
+        """Advance every scheduled sequence and hand each sampled token to its sequence (rows in
+        `output.sampling` order). Sequences that finish release their blocks. Returns the number
+        of tokens appended without sampling (forced by a grammar)."""
+        num_forced = 0
+        row = 0
         for item in output.scheduled:
-            request = item.request
-            token = next(tokens) if item.samples else None
-            if request.is_finished:  # finished (aborted, failed) since it was scheduled
+            seq = item.seq
+            samples_row = row if item.samples else None
+            row += int(item.samples)
+            if seq.is_finished:  # finished (aborted) since it was scheduled
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request)
-            if token is not None:
-                request.token_ids.append(token)
-                advanced.append(request)
-        return advanced
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+            if samples_row is not None:
+                error = sampled.errors.get(samples_row)
+                if error is not None:
+                    seq.finish(FinishReason.ERROR, error=error)
+                else:
+                    num_appended = seq.append(sampled.token_ids[samples_row], sampled.logprobs[samples_row])
+                    num_forced += max(num_appended - 1, 0)
+            if seq.is_finished:
+                self._release(seq)
+        return num_forced
 
     def finish(
         self,
-        request: Request,
+        seq: Sequence,
         reason: FinishReason,
         stop_reason: str | int | None = None,
         error: str | None = None,
     ) -> None:
-        """Finish `request` now and release its blocks."""
-        if request.is_finished:
-            return
-        request.finish(reason, stop_reason, error)
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv.free(request.request_id)
-        self.requests.pop(request.request_id, None)
+        """Finish `seq` now (an abort, a prune) and release its blocks."""
+        if not seq.is_finished:
+            seq.finish(reason, stop_reason, error)
+        self._release(seq)
 
-    def abort(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.finish(request, FinishReason.ABORT)
-        return request
+    def _release(self, seq: Sequence) -> None:
+        """The one place a finished sequence leaves the queues and gives its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)

@@ -4,13 +4,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from weft.outputs import LogprobsTensors, SamplerOutput
-from weft.params import LogitsProcessor, LogprobsMode
-from weft.request import Request
+from weft.params import LogitsProcessor, LogprobsMode, SamplingParams
 from weft.sample import ops
+
+# The token id reported for a row whose logits were not finite (a NaN, or every token at -inf).
+INVALID_TOKEN = -1
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of the sequence behind one logits row."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
+class LogitsMask(Protocol):
+    """A mask that some rows' constraint (a grammar) puts on the logits."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set disallowed logits ([B, V] float32) to -inf, in place."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +72,7 @@ class SamplingBatch:
     processed_rows: torch.Tensor | None  # [B] bool, rows whose logprobs are PROCESSED
 
     @classmethod
-    def build(cls, requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def build(cls, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
         params = [r.params for r in requests]
         greedy = [p.is_greedy for p in params]
 
@@ -86,7 +116,7 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
-def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.device) -> Penalties | None:
+def _penalties(requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Penalties | None:
     if not any(r.params.needs_penalties for r in requests):
         return None
     active = [r.params.needs_penalties for r in requests]
@@ -108,7 +138,7 @@ def _penalties(requests: Sequence[Request], vocab_size: int, device: torch.devic
 
 
 def _banned_until_min_tokens(
-    requests: Sequence[Request], device: torch.device
+    requests: Sequence[SamplingRow], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """EOS and stop tokens may not end a request before it has `min_tokens` output tokens."""
     rows: list[int] = []
@@ -127,26 +157,32 @@ def _banned_until_min_tokens(
 
 class Sampler:
     """Steps, in order:
-    1. raw logprobs, the model's own distribution (only when some row asks for logprobs);
-    2. ban EOS/stop tokens for rows below `min_tokens`;
-    3. third-party logits processors, on the rows that have them;
-    4. repetition, presence and frequency penalties;
-    5. temperature;
-    6. top-k, then top-p, then min-p filtering;
-    7. sample: argmax for greedy rows, Gumbel-max keyed by (seed, position) for the others;
-    8. gather the sampled token's logprob and rank, and the top-n alternatives.
-
-    The grammar bitmask (structured generation) is applied to the logits before the sampler runs,
-    after step 1's raw logprobs are taken by the caller when needed.
+    1. padding: ids past the tokenizer's vocabulary (rows of a padded embedding) are never sampled;
+    2. raw logprobs, the model's own distribution (only when some row asks for logprobs);
+    3. the grammar mask of the constrained rows (`LogitsMask`, filled while the forward ran);
+    4. ban EOS/stop tokens for rows below `min_tokens`;
+    5. third-party logits processors, on the rows that have them;
+    6. repetition, presence and frequency penalties;
+    7. temperature;
+    8. top-k, then top-p, then min-p filtering;
+    9. sample: argmax for greedy rows, Gumbel-max keyed by (seed, position) for the others; a row
+       whose logits are not finite (a NaN, or nothing left above -inf) gets `INVALID_TOKEN`, found
+       from the row maxima that the argmax computes anyway;
+    10. gather the sampled token's logprob and rank, and the top-n alternatives.
     """
 
+    def __init__(self, num_real_tokens: int | None = None) -> None:
+        self.num_real_tokens = num_real_tokens  # the tokenizer's vocabulary; None = every logit
+
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, raw_logprobs: torch.Tensor | None = None
+        self, logits: torch.Tensor, batch: SamplingBatch, mask: LogitsMask | None = None
     ) -> SamplerOutput:
-        """logits: [B, V] float32 (modified in place). raw_logprobs: [B, V], if the caller took them
-        before masking; otherwise they are computed here from `logits`."""
-        if batch.num_top_logprobs is not None and raw_logprobs is None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        """logits: [B, V] float32, modified in place."""
+        if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
+            logits[:, self.num_real_tokens :] = float("-inf")
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_top_logprobs is not None else None
+        if mask is not None:
+            mask.apply(logits)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         errors = self._run_processors(logits, batch)
@@ -189,11 +225,15 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = ops.row_argmax(logits)  # [B]
+        """[B, V] -> [B] int64, `INVALID_TOKEN` on rows that are not finite."""
+        maxima, greedy = logits.max(dim=-1)  # [B] each; a NaN row's maximum is NaN
+        invalid = maxima.isnan() | (maxima == float("-inf"))  # [B] bool
         if batch.all_greedy:
-            return greedy
-        sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
-        return torch.where(batch.is_greedy, greedy, sampled)
+            chosen = greedy
+        else:
+            sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
+            chosen = torch.where(batch.is_greedy, greedy, sampled)
+        return chosen.masked_fill(invalid, INVALID_TOKEN)
 
     def _gather(
         self,
@@ -208,7 +248,8 @@ class Sampler:
         if batch.processed_rows is not None:
             processed = torch.log_softmax(logits, dim=-1)
             logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
-        ids, values, ranks = ops.gather_logprobs(logprobs, token_ids, batch.num_top_logprobs)
+        valid_ids = token_ids.clamp(min=0)  # an invalid row's entries are never read
+        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],

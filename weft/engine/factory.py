@@ -1,0 +1,146 @@
+"""One way to build an engine, for `LLM`, the benchmarks, the tests and the server alike.
+
+`build_engine(EngineArgs(...))`, in order:
+  1. resolve the checkpoint: the bundled model, a local directory, or a Hugging Face model id;
+  2. read config.json (with the end-of-sequence tokens of generation_config.json) and the tokenizer;
+  3. settle `max_model_len` against the model's maximum;
+  4. load the model on its device in its dtype;
+  5. size the KV cache from the memory left after loading;
+  6. build the validated configs, then the engine (KV manager, scheduler, runner, sampler).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from weft.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    read_optional_json,
+    resolve_device,
+    resolve_dtype,
+)
+from weft.engine.engine import LLMEngine
+from weft.engine.runner import ModelRunner
+from weft.model.loader import load_config, load_model
+from weft.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192
+CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """The user-facing options of an engine (the keyword arguments of `LLM`)."""
+
+    model: str | Path | None = None  # None: the bundled model
+    dtype: str | torch.dtype | None = None  # float32 on CPU, bfloat16 on CUDA
+    device: str | torch.device | None = None
+    max_model_len: int | None = None  # the model's maximum, capped at DEFAULT_MAX_MODEL_LEN
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None  # 2 GiB on CPU, half the free memory on CUDA
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+    seed: int = 0
+    show_progress: bool = True
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    path = resolve_model_path(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model_config = _with_generation_eos(load_config(path), path)
+    tokenizer = Tokenizer.from_dir(path)
+    max_len = _max_model_len(args.max_model_len, model_config)
+    model = load_model(path, model_config, dtype, device, max_len, args.show_progress)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_kv_blocks or _default_num_blocks(model_config, args, dtype, device, max_len),
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), max_len
+    )
+    config = EngineConfig(model_config, cache, scheduler, device, dtype, args.seed, args.max_logprobs)
+    return LLMEngine(config, model, tokenizer)
+
+
+def default_model_path() -> Path:
+    """The directory of the small model bundled with weft (trained on Tiny Shakespeare)."""
+    return Path(__file__).resolve().parents[1] / "default_model"
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A local checkpoint directory for `model`: None means the bundled model; a path is used as
+    it is; anything else is a Hugging Face model id, downloaded when online."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(model).startswith((".", "/", "~")):
+        raise ConfigError(f"{path}: not a checkpoint directory")
+    return _download(str(model))
+
+
+def _download(model_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(model_id, allow_patterns=CHECKPOINT_PATTERNS))
+    except HFValidationError:
+        raise ConfigError(f"{model_id!r} is neither a local directory nor a valid model id") from None
+    except Exception as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = "offline (HF_HUB_OFFLINE=1)" if offline else "unreachable or unknown"
+        raise ConfigError(
+            f"{model_id!r} is not a local directory, and the Hugging Face hub is {hint} "
+            f"({type(exc).__name__}); "
+            "pass the path of a downloaded checkpoint directory instead"
+        ) from None
+
+
+def _with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """generation_config.json may name more end-of-sequence tokens than config.json."""
+    gen = read_optional_json(model_dir / "generation_config.json")
+    eos = gen.get("eos_token_id")
+    extra = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
+    return replace(config, eos_token_ids=merged)
+
+
+def _max_model_len(requested: int | None, config: ModelConfig) -> int:
+    if requested is not None and requested > config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    return min(requested or DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
+
+
+def _default_num_blocks(
+    config: ModelConfig, args: EngineArgs, dtype: torch.dtype, device: torch.device, max_len: int
+) -> int:
+    """As many blocks as the memory budget holds (default: 2 GiB on CPU, half of what is free on
+    CUDA once the model is loaded), but no more than every sequence at full length needs, and at
+    least one full-length sequence."""
+    per_block = ModelRunner.kv_bytes_per_block(config, args.block_size, dtype)
+    if args.kv_cache_memory_gb is not None:
+        budget = int(args.kv_cache_memory_gb * 1024**3)
+    elif device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] // 2
+    else:
+        budget = 2 * 1024**3
+    blocks_per_seq = -(-max_len // args.block_size)
+    return max(blocks_per_seq + 1, min(budget // per_block, blocks_per_seq * args.max_num_seqs))

@@ -1,0 +1,116 @@
+"""One user request: its prompt, its parameters, its sequences and the policy that runs them.
+
+A policy decides, after each step, which sequences to fork and which to prune, and which sequences
+the request's output reports. The engine applies its decisions (`GroupUpdate`) through the
+scheduler; neither the scheduler nor the sampler knows about policies. Parallel sampling (`n`) is
+the first policy; best_of, beam search and choice scoring are further ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from weft.engine.sequence import FinishReason, Sequence
+from weft.outputs import RequestOutput
+from weft.params import OutputKind, SamplingParams
+
+
+class Spawner:
+    """Hands out sequence ids and seeds: the one place that numbers sequences."""
+
+    def __init__(self, seed: int) -> None:
+        self._ids = itertools.count()
+        self._seeds = random.Random(seed)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def seed_for(self, params: SamplingParams, index: int) -> int:
+        """Sample `index` of a seeded request uses `seed + index`; an unseeded one draws a seed."""
+        return self._seeds.getrandbits(62) if params.seed is None else params.seed + index
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        return parent.fork(self.next_id(), index, self.seed_for(parent.params, index))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupUpdate:
+    """A policy's decisions after a step."""
+
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child) to schedule
+    prunes: list[Sequence] = field(default_factory=list)  # to release silently
+
+
+class GroupPolicy(Protocol):
+    def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
+        """The group's first sequence is ready (its grammar compiled, or failed); create the rest."""
+        ...
+
+    def after_step(self, group: SequenceGroup) -> GroupUpdate: ...
+
+
+@dataclass(slots=True)
+class ParallelSampling:
+    """`n` independent samples of one prompt. The first computes the prompt; the others are forks
+    of it taken before it sampled anything, admitted once its prompt is computed, so that they
+    share its KV blocks and recompute only the last prompt token for logits of their own."""
+
+    num_samples: int
+    pending: list[Sequence] = field(default_factory=list)
+
+    def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
+        self.pending = [spawner.fork(first, index) for index in range(1, self.num_samples)]
+        group.add(self.pending)
+
+    def after_step(self, group: SequenceGroup) -> GroupUpdate:
+        if not self.pending:
+            return GroupUpdate()
+        first = group.sequences[0]
+        if not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
+            return GroupUpdate()
+        pending, self.pending = self.pending, []
+        if first.finish_reason == FinishReason.ERROR and first.num_output_tokens == 0:
+            for child in pending:  # e.g. its grammar is invalid: every sample fails the same way
+                child.finish(FinishReason.ERROR, error=first.error)
+            return GroupUpdate()
+        return GroupUpdate(forks=[(first, child) for child in pending])
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    request_id: str  # the user's id, any string
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    policy: GroupPolicy
+    sequences: list[Sequence] = field(default_factory=list)  # in output order; pruned ones removed
+
+    def add(self, sequences: list[Sequence]) -> None:
+        for seq in sequences:
+            seq.group = self
+        self.sequences.extend(sequences)
+
+    def remove(self, seq: Sequence) -> None:
+        self.sequences.remove(seq)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    def make_output(self) -> RequestOutput | None:
+        finished = self.finished
+        kind = self.params.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        first = self.sequences[0] if self.sequences else None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion(kind) for s in self.sequences],
+            finished=finished,
+            num_cached_tokens=first.num_cached_prompt_tokens if first else 0,
+        )

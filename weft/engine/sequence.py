@@ -1,0 +1,320 @@
+"""One stream of tokens being generated: its tokens, progress, grammar, text, stop state and logprobs.
+
+A `Sequence` is the single owner of everything that belongs to one stream. `append()` is the one
+place where a sampled token is accepted; `fork()` copies the whole state at any depth (the grammar
+matcher forked from its current state, never recompiled or replayed). The KV blocks of a sequence
+belong to the KV manager, keyed by `seq_id`; the scheduler releases them when the sequence finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING
+
+from weft.outputs import CompletionOutput, Logprob, PositionLogprobs
+from weft.params import OutputKind, SamplingParams
+from weft.structured.grammar import GrammarMatcher
+from weft.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+if TYPE_CHECKING:
+    from weft.engine.group import SequenceGroup
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token, a stop string, or a finished grammar
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"
+    ERROR = "error"  # this sequence failed (for example its grammar); the batch went on
+    PRUNED = "pruned"  # released by its group's policy (a beam that fell out); never reported
+
+
+class SequenceStatus(IntEnum):
+    """Ordered so that every status >= FINISHED_STOPPED is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+    FINISHED_PRUNED = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+_FINISHED_STATUS = {
+    FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: SequenceStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: SequenceStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: SequenceStatus.FINISHED_ERROR,
+    FinishReason.PRUNED: SequenceStatus.FINISHED_PRUNED,
+}
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One sampled position: ids [k+1] (sampled first), their logprobs, the sampled token's rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceLimits:
+    """What every sequence of an engine stops at."""
+
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class OutputCursor:
+    """How much of a sequence's output has been handed out already (for DELTA outputs)."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    num_logprobs: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sequence. `token_ids` holds the prompt followed by the output; `num_computed_tokens`
+    counts the leading tokens whose KV entries are in the cache, and catches up with `num_tokens`.
+    There is no prefill or decode mode: a prompt, a resumed preempted sequence and tokens appended
+    without sampling are all simply tokens not yet computed."""
+
+    seq_id: int  # internal, unique within the engine
+    index: int  # its place in the request's output
+    params: SamplingParams
+    prompt_token_ids: list[int]  # shared with the group and the other sequences; never modified
+    limits: SequenceLimits
+    seed: int  # the request's seed (+ index), or one drawn for it: randomness is keyed by (seed, position)
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    token_ids: list[int]
+    group: SequenceGroup | None = None
+    matcher: GrammarMatcher | None = None
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    fork_parent: Sequence | None = None  # set until the scheduler admits a fork: share its blocks
+    sent: OutputCursor = field(default_factory=OutputCursor)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def create(
+        cls,
+        seq_id: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        limits: SequenceLimits,
+        seed: int,
+        tokenizer: Tokenizer,
+    ) -> Sequence:
+        wants_logprobs = params.logprobs is not None
+        return cls(
+            seq_id=seq_id,
+            index=0,
+            params=params,
+            prompt_token_ids=prompt_token_ids,
+            limits=limits,
+            seed=seed,
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+            stop_matcher=StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
+            token_ids=list(prompt_token_ids),
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+        )
+
+    # ---- counts -----------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.limits.eos_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    # ---- the life cycle ---------------------------------------------------------------------
+
+    def finish(
+        self, reason: FinishReason, stop_reason: str | int | None = None, error: str | None = None
+    ) -> None:
+        """Mark the sequence finished and drop its matcher. Its KV blocks are released by the
+        scheduler, which sees the status (`Scheduler.update`, `Scheduler.finish`)."""
+        self.status = _FINISHED_STATUS[reason]
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+        self.matcher = None
+        self.fork_parent = None
+
+    def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
+        """A child that continues exactly as this sequence would from here: copied tokens, text,
+        logprobs and stop state, the matcher forked from its current state. It has computed
+        nothing yet; the scheduler shares this sequence's KV blocks with it when it admits it."""
+        return replace(
+            self,
+            seq_id=seq_id,
+            index=index,
+            seed=seed,
+            detokenizer=self.detokenizer.fork(),
+            token_ids=list(self.token_ids),
+            matcher=None if self.matcher is None else self.matcher.fork(),
+            num_computed_tokens=0,
+            status=SequenceStatus.WAITING,
+            finish_reason=None,
+            stop_reason=None,
+            error=None,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            fork_parent=self,
+            sent=replace(self.sent),
+        )
+
+    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> int:
+        """Accept one sampled token. Steps, in order:
+        1. the grammar consumes it (a rejected token fails the sequence and is dropped);
+        2. tokens the grammar now forces are appended without sampling (fast-forward);
+        3. token stop rules: stop tokens, EOS, max_tokens, max_model_len, a finished grammar;
+        4. detokenize the new tokens and record the sampled token's logprobs;
+        5. stop strings, matched across token boundaries.
+        Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones)."""
+        self.token_ids.append(token_id)
+        new_tokens, grammar_done = [token_id], False
+        if self.matcher is not None:
+            new_tokens, grammar_done = self._advance_grammar()
+        if not self.is_finished:
+            self._apply_token_stop_rules(grammar_done)
+        if logprobs is not None and new_tokens:
+            self._add_logprobs(logprobs)
+        self._append_text(new_tokens)
+        return len(new_tokens)
+
+    def _advance_grammar(self) -> tuple[list[int], bool]:
+        """Feed the sampled token to the matcher, then append the tokens the grammar forces (not
+        for sequences that want logprobs, whose every token must be sampled). Returns the new
+        output tokens and whether the grammar is complete."""
+        matcher = self.matcher
+        assert matcher is not None
+        if not matcher.consume(self.token_ids[-1:]) or matcher.error is not None:
+            self.token_ids.pop()
+            self.finish(FinishReason.ERROR, error=matcher.error or "the grammar rejected the sampled token")
+            return [], False
+        new_tokens = self.token_ids[-1:]
+        if not matcher.is_finished and self.params.fast_forward and self.params.logprobs is None:
+            forced = matcher.forced_tokens()[: self._room_left()]
+            if forced:
+                self.token_ids.extend(forced)
+                new_tokens += forced
+                if not matcher.consume(forced) or matcher.error is not None:
+                    self.finish(
+                        FinishReason.ERROR, error=matcher.error or "the grammar rejected a forced token"
+                    )
+                    return new_tokens, False
+        return new_tokens, matcher.is_finished
+
+    def _room_left(self) -> int:
+        room = self.limits.max_model_len - self.num_tokens
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - self.num_output_tokens)
+        return max(room, 0)
+
+    def _apply_token_stop_rules(self, grammar_done: bool) -> None:
+        params = self.params
+        num_output = self.num_output_tokens
+        last = self.token_ids[-1]
+        if num_output >= params.min_tokens and num_output > 0:
+            if last in params.stop_token_ids:  # type: ignore[operator]
+                return self.finish(FinishReason.STOP, stop_reason=last)
+            if not params.ignore_eos and last in self.limits.eos_token_ids:
+                return self.finish(FinishReason.STOP)
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return self.finish(FinishReason.LENGTH)
+        if self.num_tokens >= self.limits.max_model_len:
+            return self.finish(FinishReason.LENGTH)
+        if grammar_done:
+            return self.finish(FinishReason.STOP)
+        return None
+
+    def _append_text(self, new_tokens: list[int]) -> None:
+        before = len(self.text)
+        self.text += self.detokenizer.update(new_tokens)
+        if self.is_finished:
+            self.text += self.detokenizer.flush()
+        match = self.stop_matcher.check(self.text, len(self.text) - before)
+        if match is None or self.finish_reason == FinishReason.ERROR:
+            return
+        self.text = match.text
+        self.finish(FinishReason.STOP, stop_reason=match.stop)  # also over LENGTH on the same token
+
+    def _add_logprobs(self, item: TokenLogprobs) -> None:
+        if self.logprobs is None or self.cumulative_logprob is None:
+            return
+        decode = self.detokenizer.tokenizer.decode
+        num_top = self.params.logprobs or 0
+        chosen_id, chosen_lp = item.token_ids[0], item.logprobs[0]
+        position: PositionLogprobs = {chosen_id: Logprob(chosen_lp, item.rank, decode([chosen_id], False))}
+        top = zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True)
+        for rank, (tid, lp) in enumerate(top, start=1):
+            position.setdefault(tid, Logprob(lp, rank, decode([tid], False)))
+        self.logprobs.append(position)
+        self.cumulative_logprob += chosen_lp
+
+    # ---- output -----------------------------------------------------------------------------
+
+    def completion(self, kind: OutputKind) -> CompletionOutput:
+        """The completion so far (CUMULATIVE/FINAL_ONLY) or what is new since the last call (DELTA)."""
+        finished = self.is_finished
+        # While stop strings may still match, hold back text that could be the start of one.
+        sent = self.sent
+        visible = (
+            len(self.text) if finished else max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
+        )
+        token_ids = self.output_token_ids
+        logprobs = self.logprobs
+        if kind == OutputKind.DELTA:
+            text = self.text[sent.num_chars : visible]
+            token_ids = token_ids[sent.num_tokens :]
+            logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
+        else:
+            text = self.text[:visible]
+        sent.num_chars, sent.num_tokens = visible, self.num_output_tokens
+        sent.num_logprobs = len(self.logprobs or [])
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(token_ids),
+            finish_reason=self.finish_reason.value if self.finish_reason else None,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            error=self.error,
+        )
