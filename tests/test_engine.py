@@ -3,6 +3,8 @@ streaming, preemption, errors."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -256,3 +258,104 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(llm):
         0
     ]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+# ---- sequences, groups and the output router ------------------------------------------------
+
+
+def test_n_beyond_max_num_seqs_with_a_grammar_completes(tiny_llama):
+    llm = LLM(str(tiny_llama), show_progress=False, max_num_seqs=2)
+    params = SamplingParams(n=3, regex="[0-9]{3}", temperature=1.0, seed=4, max_tokens=10)
+    outputs = llm.generate(["a", "b"], params, use_tqdm=False)
+    for out in outputs:
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for completion in out.outputs:
+            assert completion.finish_reason == "stop" and re.fullmatch("[0-9]{3}", completion.text)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_request_ids_with_hash_signs_do_not_collide(llm):
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=4))
+    engine.add_request("x#1", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["x", "x#1"]
+    assert [len(c.token_ids) for c in finished["x"].outputs] == [4, 4]
+    assert len(finished["x#1"].outputs) == 1 and len(finished["x#1"].outputs[0].token_ids) == 6
+
+
+def test_a_stream_keeps_its_deltas_while_generate_runs(llm):
+    params = SamplingParams(max_tokens=20, seed=1, ignore_eos=True)
+    solo = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0]
+    stream = llm.stream(PROMPTS[3], params)
+    first = next(stream)
+    others = llm.generate(
+        [PROMPTS[0], PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    rest = list(stream)
+    assert all(o.finished for o in others)
+    chunks = [first, *rest]
+    assert "".join(c.outputs[0].text for c in chunks) == solo.text
+    assert [t for c in chunks for t in c.outputs[0].token_ids] == solo.token_ids
+
+
+def test_two_streams_interleaved(llm):
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    solo = [o.outputs[0].text for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    a, b = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    texts_a, texts_b = [next(a).outputs[0].text], []
+    texts_b += [c.outputs[0].text for c in b]
+    texts_a += [c.outputs[0].text for c in a]
+    assert ["".join(texts_a), "".join(texts_b)] == solo
+
+
+def test_non_finite_logits_fail_only_their_request(llm):
+    def nan_row(token_ids, logits):
+        return torch.full_like(logits, float("nan"))
+
+    def all_masked(token_ids, logits):
+        return torch.full_like(logits, float("-inf"))
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=0, max_tokens=6, logits_processors=[nan_row]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=6, logits_processors=[all_masked]),
+        SamplingParams(temperature=0, max_tokens=6),
+    ]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outputs[1:3]:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "error" and "not finite" in completion.error
+        assert completion.token_ids == []
+    expected = llm.generate(
+        [PROMPTS[0], PROMPTS[3]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    assert texts([outputs[0], outputs[3]]) == texts(expected)
+
+
+def test_too_many_logprobs_is_rejected_before_queueing(llm):
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate(PROMPTS[0], SamplingParams(logprobs=1_000_000), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate(PROMPTS[0], SamplingParams(logprobs=21), use_tqdm=False)
+    assert len(llm.generate(PROMPTS[0], SamplingParams(logprobs=20, max_tokens=2), use_tqdm=False)) == 1
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(PROMPTS[0], SamplingParams(stop_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_invalid_unicode_is_a_value_error_naming_the_field(llm):
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        llm.generate("a\ud800b", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=["x\udfffy"])
+    with pytest.raises(ValueError, match=r"messages\[0\].content"):
+        llm.chat([{"role": "user", "content": 42}], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"messages\[1\].content"):
+        llm.chat([{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}])
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2.5]], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -72,20 +73,21 @@ def structured_spec(
     if json_object:
         return StructuredSpec(StructuredKind.JSON_SCHEMA, '{"type": "object"}')
     if regex is not None:
-        _check(isinstance(regex, str) and regex != "", "regex", regex, "must be a non-empty string")
+        _check(_text(regex), "regex", regex, "must be a non-empty string of valid Unicode")
         return StructuredSpec(StructuredKind.REGEX, regex)
     if grammar is not None:
         _check(
-            isinstance(grammar, str) and grammar.strip() != "",
+            _text(grammar) and grammar.strip() != "",
             "grammar",
             grammar,
             "must be a non-empty string",
         )
         return StructuredSpec(_grammar_kind(grammar, GrammarSyntax(grammar_syntax)), grammar)
     if choice is not None:
+        _check(isinstance(choice, list | tuple), "choice", choice, "must be a list of strings")
         options = list(choice)
         _check(
-            bool(options) and all(isinstance(c, str) and c for c in options),
+            bool(options) and all(_text(c) for c in options),
             "choice",
             choice,
             "must be a non-empty list of non-empty strings",
@@ -115,7 +117,10 @@ def _schema_text(schema: Any) -> str:
         type(schema).__name__,
         "must be a dict, a JSON string or a Pydantic model class",
     )
-    return json.dumps(schema)  # key order kept: it is the order of the generated properties
+    try:
+        return json.dumps(schema)  # key order kept: it is the order of the generated properties
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"SamplingParams.json_schema cannot be written as JSON: {exc}") from None
 
 
 class LogprobsMode(StrEnum):
@@ -169,56 +174,96 @@ class SamplingParams:
     structured: StructuredSpec | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 means greedy)")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (disabled) or a positive count")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        self._check_numbers()
+        self._check_lengths()
+        self._normalize()
+
+    def _check_numbers(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            self.presence_penalty,
-            "must be in [-2, 2]",
+            _real(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            self.temperature,
+            "must be a finite number >= 0 (0 means greedy)",
+        )
+        _check(_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            self.top_k,
+            "must be -1 or 0 (disabled) or a positive count",
+        )
+        _check(_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(
+            _real(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be a finite number > 0",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
+        _check(
+            self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - self.n),
+            "seed",
+            self.seed,
+            f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - n]",
         )
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            self.frequency_penalty,
-            "must be in [-2, 2]",
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            "logprobs",
+            self.logprobs,
+            "must be None or an integer >= 0",
         )
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "json_object",
+            "fast_forward",
+        ):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
+
+    def _check_lengths(self) -> None:
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "must be None or an integer >= 1",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            self.min_tokens,
+            "must be an integer >= 0",
+        )
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             self.min_tokens,
             f"must be <= max_tokens ({self.max_tokens})",
         )
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
-        self._normalize()
 
     def _normalize(self) -> None:
-        stop = self.stop
-        stop_list = [stop] if isinstance(stop, str) else list(stop or [])
-        for s in stop_list:
-            _check(isinstance(s, str) and s != "", "stop", s, "entries must be non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop_list))
-        ids = tuple(int(t) for t in (self.stop_token_ids or ()))
-        object.__setattr__(self, "stop_token_ids", ids)
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
-        object.__setattr__(self, "logprobs_mode", LogprobsMode(self.logprobs_mode))
-        object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "logits_processors", _processors(self.logits_processors))
+        object.__setattr__(self, "logprobs_mode", _enum(LogprobsMode, self.logprobs_mode, "logprobs_mode"))
+        object.__setattr__(self, "output_kind", _enum(OutputKind, self.output_kind, "output_kind"))
+        object.__setattr__(
+            self, "grammar_syntax", _enum(GrammarSyntax, self.grammar_syntax, "grammar_syntax")
+        )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        for fn in self.logits_processors:
-            _check(
-                callable(fn),
-                "logits_processors",
-                fn,
-                "entries must be callables (token_ids, logits) -> logits",
-            )
         spec = structured_spec(
             self.json_schema, self.json_object, self.regex, self.grammar, self.grammar_syntax, self.choice
         )
@@ -243,6 +288,75 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are int64 (sample i of n uses seed + i)
+
+
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        shown = repr(value)
+        raise ValueError(f"SamplingParams.{name} {rule}, got {shown[:80]}{'...' if len(shown) > 80 else ''}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool, not NaN or +-inf, not an int too large for a float)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _text(value: object) -> bool:
+    """A non-empty string that is valid Unicode (no lone surrogates)."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    _check(isinstance(stop, list | tuple), "stop", stop, "must be a string or a list of strings")
+    assert isinstance(stop, list | tuple)
+    for s in stop:
+        _check(_text(s), "stop", s, "entries must be non-empty strings of valid Unicode")
+    return tuple(stop)
+
+
+def _token_ids(ids: object, name: str) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    _check(isinstance(ids, list | tuple), name, ids, "must be a list of token ids")
+    assert isinstance(ids, list | tuple)
+    for t in ids:
+        _check(_is_int(t) and 0 <= t <= SEED_MAX, name, t, "entries must be integers >= 0")
+    return tuple(ids)
+
+
+def _processors(fns: object) -> tuple[LogitsProcessor, ...]:
+    _check(isinstance(fns, list | tuple), "logits_processors", fns, "must be a list of callables")
+    assert isinstance(fns, list | tuple)
+    for fn in fns:
+        _check(
+            callable(fn), "logits_processors", fn, "entries must be callables (token_ids, logits) -> logits"
+        )
+    return tuple(fns)
+
+
+def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
+    try:
+        return kind(value) if isinstance(value, str) else kind[""]
+    except (ValueError, KeyError):
+        allowed = ", ".join(repr(k.value) for k in kind)
+        _check(False, name, value, f"must be one of {allowed}")

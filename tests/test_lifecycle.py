@@ -1,0 +1,130 @@
+"""The life cycle of sequences against the KV manager, randomized: add, fork, prune, step (with
+preemption under a small pool), abort and finish in any order keep reference counts, the free
+queue and the prefix-cache hashes consistent, and never lose or double-free a block."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weft.config import CacheConfig, SchedulerConfig
+from weft.engine.factory import default_model_path
+from weft.engine.kv_cache import KVCacheManager
+from weft.engine.scheduler import SampledRows, Scheduler
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
+from weft.params import SamplingParams
+from weft.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.from_dir(default_model_path())
+BLOCK_SIZE = 4
+MAX_LEN = 40
+LIMITS = SequenceLimits(max_model_len=MAX_LEN, eos_token_ids=frozenset({0}))
+
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 14), st.integers(5, 7), st.integers(1, 24)),
+    st.tuples(st.just("fork"), st.integers(0, 50)),
+    st.tuples(st.just("prune"), st.integers(0, 50)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("step"), st.integers(5, 8)),
+    st.tuples(st.just("step"), st.integers(5, 8)),
+)
+
+
+class World:
+    def __init__(self, num_blocks: int, max_seqs: int, budget: int) -> None:
+        cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, enable_prefix_caching=True)
+        self.kv = KVCacheManager(cache)
+        self.sched = Scheduler(SchedulerConfig(max_seqs, budget, MAX_LEN), self.kv)
+        self.ids = itertools.count()
+        self.live: list[Sequence] = []
+
+    def add(self, num_prompt: int, token: int, max_tokens: int) -> None:
+        prompt = [token] * (num_prompt // 2) + list(range(5, 5 + num_prompt - num_prompt // 2))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        seq = Sequence.create(next(self.ids), params, prompt, LIMITS, seed=1, tokenizer=TOKENIZER)
+        self.sched.add(seq)
+        self.live.append(seq)
+
+    def pick(self, idx: int) -> Sequence | None:
+        alive = [s for s in self.live if not s.is_finished]
+        return alive[idx % len(alive)] if alive else None
+
+    def fork(self, idx: int) -> None:
+        parent = self.pick(idx)
+        if parent is not None:
+            child = parent.fork(next(self.ids), index=1, seed=2)
+            self.sched.add_forked([child])
+            self.live.append(child)
+
+    def finish(self, idx: int, reason: FinishReason) -> None:
+        seq = self.pick(idx)
+        if seq is not None:
+            self.sched.finish(seq, reason)
+
+    def step(self, token: int) -> None:
+        out = self.sched.schedule()
+        rows = len(out.sampling)
+        self.sched.update(out, SampledRows([token] * rows, [None] * rows, {}))
+
+
+def check_invariants(world: World) -> None:
+    kv, pool = world.kv, world.kv.pool
+    refs = Counter(b.block_id for table in kv.tables.values() for b in table.blocks)
+    for block in pool.blocks:
+        assert block.ref_cnt == refs[block.block_id], f"block {block.block_id}: ref count drifted"
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0), "free queue out of sync"
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash == block_hash and len(block.token_ids) == BLOCK_SIZE
+    running = {s.seq_id for s in world.sched.running}
+    assert set(kv.tables) == running, "only running sequences hold blocks"
+    for seq in world.sched.running:
+        table = kv.tables[seq.seq_id]
+        assert len(table.blocks) * BLOCK_SIZE >= seq.num_computed_tokens
+        parent = None
+        for i, block_hash in enumerate(table.hashes):
+            tokens = tuple(seq.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            parent = hash((parent, tokens))
+            assert block_hash == parent, "a sequence's hash chain does not match its tokens"
+        assert len(table.hashes) * BLOCK_SIZE <= seq.num_computed_tokens
+    for seq in world.live:
+        assert seq.num_computed_tokens <= seq.num_tokens
+        assert not (seq.is_finished and (seq in world.sched.running or seq in world.sched.waiting))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    first=st.lists(
+        st.tuples(st.integers(1, 14), st.integers(5, 7), st.integers(1, 24)), min_size=1, max_size=6
+    ),
+    ops=st.lists(OPS, min_size=1, max_size=40),
+    num_blocks=st.integers(11, 18),
+    max_seqs=st.integers(2, 6),
+    budget=st.integers(4, 32),
+)
+def test_random_life_cycles_keep_the_kv_cache_consistent(first, ops, num_blocks, max_seqs, budget):
+    world = World(num_blocks, max_seqs, budget)
+    for num_prompt, token, max_tokens in first:
+        world.add(num_prompt, token, max_tokens)
+    for op in ops:
+        if op[0] == "add":
+            world.add(op[1], op[2], op[3])
+        elif op[0] == "fork":
+            world.fork(op[1])
+        elif op[0] == "prune":
+            world.finish(op[1], FinishReason.PRUNED)
+        elif op[0] == "abort":
+            world.finish(op[1], FinishReason.ABORT)
+        else:
+            world.step(op[1])
+        check_invariants(world)
+    for _ in range(400):  # every sequence finishes (max_tokens), none is lost on the way
+        if world.sched.num_unfinished == 0:
+            break
+        world.step(9)
+        check_invariants(world)
+    assert world.sched.num_unfinished == 0
+    assert all(s.is_finished for s in world.live), "a sequence was lost"
+    assert world.kv.num_used_blocks == 0 and not world.kv.tables
