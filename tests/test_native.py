@@ -10,9 +10,11 @@ import torch
 
 import weft.native as native
 from weft.config import RopeConfig
-from weft.model.attention import build_attention_metadata, paged_attention
-from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, apply_rope_, weight_layout
-from weft.structured.bitmask import apply_bitmask_inplace
+from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, kernels_for
+from weft.model.attention import PagedAttention
+from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout
+
+NATIVE, TORCH = PagedAttention(NATIVE_CPU_KERNELS), PagedAttention(TORCH_KERNELS)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,26 +31,25 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_torch(dtype, monkeypatch):
-    norm = RMSNorm(96, 1e-6)
-    norm.weight.data = torch.randn(96).to(dtype)
+def test_rms_norm_matches_torch(dtype):
+    weight = torch.randn(96).to(dtype)
     x = torch.randn(7, 2 * 96).to(dtype)[:, 5:101]  # strided rows
-    native_out = norm(x)
-    monkeypatch.setitem(native._state, "ok", False)
-    expected = norm(x)
+    native_out = NATIVE_CPU_KERNELS.rms_norm(x, weight, 1e-6)
+    expected = TORCH_KERNELS.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_matches_torch(dtype, monkeypatch):
-    rotary = RotaryEmbedding(64, 512, RopeConfig(theta=10000.0))
+def test_rope_matches_torch(dtype):
     positions = torch.tensor([0, 1, 5, 200, 511, 3])
     qkv = torch.randn(6, 9, 64).to(dtype)  # q: 4 heads, k: 2 heads, v: 3 heads, untouched
-    native_out = qkv.clone()
-    apply_rope_(native_out[:, :6], rotary.tables(positions, dtype))
-    monkeypatch.setitem(native._state, "ok", False)
-    expected = qkv.clone()
-    apply_rope_(expected[:, :6], rotary.tables(positions, dtype))
+    outputs = []
+    for kernels in (NATIVE_CPU_KERNELS, TORCH_KERNELS):
+        rotary = RotaryEmbedding(64, 512, RopeConfig(theta=10000.0), kernels=kernels)
+        out = qkv.clone()
+        kernels.apply_rope_(out[:, :6], rotary.tables(positions, dtype))
+        outputs.append(out)
+    native_out, expected = outputs
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert torch.equal(native_out[:, 6:], qkv[:, 6:])
 
@@ -71,52 +72,49 @@ def _random_paged_batch(context_lens, num_heads, num_kv_heads, dtype, block_size
     kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
     kv_new = torch.randn(len(context_lens), 2, num_kv_heads, head_dim, generator=gen).to(dtype)
-    meta, _ = build_attention_metadata([1] * len(context_lens), context_lens, tables, block_size, q.device)
+    meta, _ = NATIVE.build_metadata([1] * len(context_lens), context_lens, tables, block_size, q.device)
     return q, kv_new, kv_cache, meta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
-def test_decode_attention_matches_gather_and_sdpa(dtype, heads, monkeypatch):
+def test_decode_attention_matches_gather_and_sdpa(dtype, heads):
     q, kv_new, kv_cache, meta = _random_paged_batch([1, 4, 5, 17, 33], *heads, dtype)
     native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
-    native_out = paged_attention(q, kv_new, native_cache, meta, 0.25)
-    monkeypatch.setitem(native._state, "ok", False)
-    expected = paged_attention(q, kv_new, torch_cache, meta, 0.25)
+    native_out = NATIVE(q, kv_new, native_cache, meta, 0.25)
+    expected = TORCH(q, kv_new, torch_cache, meta, 0.25)
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert torch.equal(native_cache, torch_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_attention_with_specialised_head_sizes(dtype, head_dim, monkeypatch):
+def test_decode_attention_with_specialised_head_sizes(dtype, head_dim):
     """Head sizes 64 and 128 with full 16-token blocks take the kernel's unrolled (and, where the
     CPU has AVX-512, vectorised 16-tokens-at-once) score loop."""
     q, kv_new, kv_cache, meta = _random_paged_batch([1, 16, 17, 40, 64], 9, 3, dtype, 16, head_dim)
     native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
-    native_out = paged_attention(q, kv_new, native_cache, meta, head_dim**-0.5)
-    monkeypatch.setitem(native._state, "ok", False)
-    expected = paged_attention(q, kv_new, torch_cache, meta, head_dim**-0.5)
+    native_out = NATIVE(q, kv_new, native_cache, meta, head_dim**-0.5)
+    expected = TORCH(q, kv_new, torch_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-def _mixed_step(native_on: bool, monkeypatch, dtype=torch.float32):
+def _mixed_step(backend: PagedAttention, dtype=torch.float32):
     """One step with decode rows, short multi-token rows (attended token by token with the kernel)
     and a long prompt chunk; the cache gets the step's keys and values written first."""
-    monkeypatch.setitem(native._state, "ok", native_on)
     query_lens, context_lens, block_size = [1, 3, 8, 20, 1], [9, 12, 8, 29, 40], 4
     gen = torch.Generator().manual_seed(7)
     tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
     kv_cache = torch.randn(num_blocks, block_size, 2, 2, 16, generator=gen).to(dtype)
     q = torch.randn(sum(query_lens), 6, 16, generator=gen).to(dtype)
     kv_new = torch.randn(sum(query_lens), 2, 2, 16, generator=gen).to(dtype)
-    meta, _ = build_attention_metadata(query_lens, context_lens, tables, block_size, q.device)
-    return paged_attention(q, kv_new, kv_cache, meta, 0.25), meta
+    meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
+    return backend(q, kv_new, kv_cache, meta, 0.25), meta
 
 
-def test_short_multi_token_rows_attend_token_by_token(monkeypatch):
-    native_out, native_meta = _mixed_step(True, monkeypatch)
-    torch_out, torch_meta = _mixed_step(False, monkeypatch)
+def test_short_multi_token_rows_attend_token_by_token():
+    native_out, native_meta = _mixed_step(NATIVE)
+    torch_out, torch_meta = _mixed_step(TORCH)
     torch.testing.assert_close(native_out, torch_out, rtol=1e-5, atol=1e-5)
     # with the kernel: 1 + 3 + 8 + 1 tokens in one single-query group, the 20-token chunk apart
     assert [g.num_seqs for g in native_meta.groups] == [13, 1]
@@ -126,7 +124,7 @@ def test_short_multi_token_rows_attend_token_by_token(monkeypatch):
 def test_decode_attention_softmax_is_exact_for_extreme_scores():
     """Large score gaps (the exp approximation's range) still give the exact softmax."""
     q, kv_new, kv_cache, meta = _random_paged_batch([9, 30], 2, 2, torch.float32)
-    out = paged_attention(q * 40, kv_new, kv_cache, meta, 1.0)
+    out = NATIVE(q * 40, kv_new, kv_cache, meta, 1.0)
     group = meta.groups[0]
     for b, n in enumerate([9, 30]):
         rows = kv_cache[group.block_table[b]].flatten(0, 1)[:n]  # [n, 2, KVH, D]
@@ -136,7 +134,7 @@ def test_decode_attention_softmax_is_exact_for_extreme_scores():
 
 
 @pytest.mark.parametrize("use_rows", [True, False])
-def test_bitmask_kernel_matches_torch(use_rows, monkeypatch):
+def test_bitmask_kernel_matches_torch(use_rows):
     gen = torch.Generator().manual_seed(3)
     vocab, num_words = 1000, 32  # 24 bits of the last word are past the vocabulary
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, num_words), generator=gen, dtype=torch.int64).to(
@@ -146,9 +144,8 @@ def test_bitmask_kernel_matches_torch(use_rows, monkeypatch):
     logits = torch.randn(5 if use_rows else 3, vocab, generator=gen)
     rows = torch.tensor([4, 0, 2]) if use_rows else None
     native_out, torch_out = logits.clone(), logits.clone()
-    apply_bitmask_inplace(native_out, bitmask, rows)
-    monkeypatch.setitem(native._state, "ok", False)
-    apply_bitmask_inplace(torch_out, bitmask, rows)
+    NATIVE_CPU_KERNELS.apply_token_bitmask_(native_out, bitmask, rows)
+    TORCH_KERNELS.apply_token_bitmask_(torch_out, bitmask, rows)
     assert torch.equal(native_out, torch_out)
     assert native_out.isinf().any() and not native_out[1 if use_rows else 0].isinf().all()
 
@@ -165,7 +162,8 @@ def test_silu_mul_matches_torch():
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends, and zero
     gate, up = gate_up.split(300, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    out = torch.ops.weft.silu_mul(gate_up)
+    torch.testing.assert_close(TORCH_KERNELS.silu_mul(gate_up), expected)
+    out = NATIVE_CPU_KERNELS.silu_mul(gate_up)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     strided = torch.ops.weft.silu_mul(torch.cat([gate_up, gate_up], dim=1)[:, :600])  # rows 1200 apart
     torch.testing.assert_close(strided, expected, rtol=1e-6, atol=1e-6)
@@ -217,11 +215,13 @@ def test_linear_layouts_agree():
 
 def test_weight_layout_by_device_and_dtype(monkeypatch):
     cpu = torch.device("cpu")
-    assert weight_layout(cpu, torch.float32) is WeightLayout.PANELS
-    assert weight_layout(cpu, torch.bfloat16) is WeightLayout.OUT_IN
-    assert weight_layout(torch.device("cuda"), torch.float32) is WeightLayout.OUT_IN
+    assert kernels_for(cpu) is NATIVE_CPU_KERNELS
+    assert weight_layout(NATIVE_CPU_KERNELS, cpu, torch.float32) is WeightLayout.PANELS
+    assert weight_layout(NATIVE_CPU_KERNELS, cpu, torch.bfloat16) is WeightLayout.OUT_IN
+    assert weight_layout(TORCH_KERNELS, torch.device("cuda"), torch.float32) is WeightLayout.OUT_IN
+    assert weight_layout(TORCH_KERNELS, cpu, torch.float32) is WeightLayout.IN_OUT
     monkeypatch.setitem(native._state, "ok", False)
-    assert weight_layout(cpu, torch.float32) is WeightLayout.IN_OUT
+    assert kernels_for(cpu) is TORCH_KERNELS
 
 
 def test_kernels_reject_bad_input():

@@ -15,7 +15,8 @@ from pydantic import BaseModel, Field
 
 from weft import LLM, SamplingParams
 from weft.bench.schema_corpus import load_sample, validation_error
-from weft.structured.bitmask import apply_bitmask_inplace, unpack_bitmask
+from weft.kernels import TORCH_KERNELS
+from weft.structured.bitmask import unpack_bitmask
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,7 @@ def test_grammar_outputs_are_accepted(llm, name):
 def _lark_parse(path: Path, text: str) -> None:
     """An independent parser: the `lark` package on the same grammar file."""
     import lark
+
     lark.Lark(path.read_text(), start="start", parser="earley").parse(text)
 
 
@@ -283,7 +285,7 @@ def test_bitmask_matches_reference():
     logits = torch.randn(5, vocab, generator=gen)
     original = logits.clone()
     rows = torch.tensor([4, 0, 2])
-    apply_bitmask_inplace(logits, bitmask, rows)
+    TORCH_KERNELS.apply_token_bitmask_(logits, bitmask, rows)
     for k, row in enumerate(rows.tolist()):
         want = original[row].masked_fill(~expected[k].bool(), float("-inf"))
         assert torch.equal(logits[row], want)

@@ -41,6 +41,17 @@ def test_imports_go_one_way(subpackage):
                 assert not module.startswith(banned), f"{path.relative_to(ROOT)} imports {module}"
 
 
+# The core modules that every package may import import none of the packages above them.
+CORE = ["config.py", "params.py", "outputs.py", "tokenizer.py", "kernels.py", "native/__init__.py"]
+ABOVE_CORE = ["weft.engine", "weft.model", "weft.sample", "weft.structured", "weft.llm", "weft.server"]
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_modules_import_no_package_above_them(module):
+    for imported in imported_modules(PACKAGE / module):
+        assert not imported.startswith(tuple(ABOVE_CORE)), f"weft/{module} imports {imported}"
+
+
 def _tool(name: str) -> list[str]:
     if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed (pip install -e '.[test]')")

@@ -84,7 +84,8 @@ class LLMEngine:
             backend = LLGuidanceBackend(
                 self.tokenizer.tokenizer.to_str(), self.vocab_size, sorted(self.eos_token_ids)
             )
-            self._grammars = GrammarManager(backend, self.config.scheduler.max_num_seqs)
+            max_rows = self.config.scheduler.max_num_seqs
+            self._grammars = GrammarManager(backend, max_rows, self.model.kernels)
         return self._grammars
 
     # ---- requests -------------------------------------------------------------------------

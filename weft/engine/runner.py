@@ -3,13 +3,14 @@ forward pass and returns the logits of the rows that sample this step."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.scheduler import SchedulerOutput
-from weft.model.attention import AttentionMetadata, build_attention_metadata
+from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.llama import KVCache, LlamaForCausalLM
 
 
@@ -33,12 +34,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = cache_config.block_size
-        shape = (
-            cache_config.num_blocks,
-            cache_config.block_size,
-            2,  # keys and values
-            model_config.num_kv_heads,
-            model_config.head_dim,
+        self.attention = model.attention  # the backend: the cache layout and the step's metadata
+        shape = self.attention.kv_cache_shape(
+            cache_config.num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
         # Zero-filled: slots never written are masked out, but 0 * garbage could still be NaN.
         self.kv_caches: list[KVCache] = [
@@ -47,8 +45,8 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-        return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+        shape = PagedAttention.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim)
+        return math.prod(shape) * model_config.num_layers * torch.tensor([], dtype=dtype).element_size()
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
@@ -63,7 +61,7 @@ class ModelRunner:
             context_lens.append(start + item.num_new_tokens)
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
-        attn, positions = build_attention_metadata(
+        attn, positions = self.attention.build_metadata(
             query_lens, context_lens, [s.block_ids for s in sched.scheduled], self.block_size, self.device
         )
         return ModelInput(

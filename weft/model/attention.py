@@ -7,10 +7,13 @@ are written with one `index_copy_` at their slots, and each sequence's blocks ar
 is built once per step and shared by all layers. Single-token rows and multi-token rows of a step
 attend in separate calls, so decode rows are never padded to a prompt chunk's length.
 
-On CPU, decode rows (one query each) take weft's native kernel (`weft/native`), which reads each
-sequence's keys and values in place through its block table instead of gathering them first. Rows
-with a few new tokens (fast-forwarded grammar tokens) join them token by token: token i of a row is
-a one-query row whose context ends at itself.
+Decode rows (one query each) take the kernel set's `paged_decode_attention` when it has one (on CPU,
+weft's native kernel, which reads each sequence's keys and values in place through its block table
+instead of gathering them first). Rows with a few new tokens (fast-forwarded grammar tokens) then
+join them token by token: token i of a row is a one-query row whose context ends at itself.
+
+`PagedAttention` is the backend: it owns the cache layout (`kv_cache_shape`), builds a step's
+metadata and attends, with the kernel set chosen for the device at load.
 """
 
 from __future__ import annotations
@@ -20,11 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.native import use_kernels
-
-# With the native decode kernel, rows of up to this many new tokens (fast-forwarded grammar tokens,
-# short prompt chunks) attend token by token through it rather than through a padded, masked SDPA.
-MAX_TOKENWISE_QUERY_LEN = 8
+from weft.kernels import TORCH_KERNELS, TorchKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +67,13 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    max_tokenwise_query_len: int = 1,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
     `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
-    `query_lens[i]` of them.
+    `query_lens[i]` of them. Rows of up to `max_tokenwise_query_len` new tokens attend token by
+    token, as single-query rows (the kernel set's choice).
     """
     num_seqs = len(query_lens)
     q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
@@ -86,7 +87,7 @@ def build_attention_metadata(
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
     shape = _StepShape(q_lens, ctx_lens, seq_idx, table, block_size)
-    max_short = MAX_TOKENWISE_QUERY_LEN if use_kernels(device) else 1
+    max_short = max_tokenwise_query_len
     short = (q_lens <= max_short)[seq_idx]  # [T] bool: tokens that attend as single-query rows
     groups: tuple[AttentionGroup, ...]
     if not bool(short.any()):
@@ -152,16 +153,17 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    kernels: TorchKernels = TORCH_KERNELS,
 ) -> torch.Tensor:  # [T, H * D]
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _, num_kv_heads, _ = kv_cache.shape
     kv_cache.view(num_blocks * block_size, 2, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
     if len(meta.groups) == 1:
-        return _attend(q, kv_cache, meta.groups[0], scale)
+        return _attend(q, kv_cache, meta.groups[0], scale, kernels)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         assert group.token_idx is not None
-        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale)
+        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels)
     return out
 
 
@@ -170,13 +172,15 @@ def _attend(
     kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
     group: AttentionGroup,
     scale: float,
+    kernels: TorchKernels,
 ) -> torch.Tensor:  # [Tg, H * D]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
-    if max_q == 1 and head_dim <= 256 and use_kernels(q.device):  # decode rows: read the cache in place
-        out = torch.ops.weft.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
-        return out.view(num_seqs, num_heads * head_dim)
+    if max_q == 1:  # decode rows: read the cache in place, where the kernel set can
+        out = kernels.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
+        if out is not None:
+            return out.view(num_seqs, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
@@ -200,3 +204,40 @@ def _attend(
     if group.query_scatter_idx is not None:
         out = out.index_select(0, group.query_scatter_idx)
     return out  # [Tg, H * D]
+
+
+class PagedAttention:
+    """The attention backend: the KV-cache layout, a step's metadata, and attention over it, with
+    the kernel set chosen for the device at load."""
+
+    def __init__(self, kernels: TorchKernels = TORCH_KERNELS) -> None:
+        self.kernels = kernels
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One layer's cache: keys and values side by side, so a step writes them in one copy."""
+        return (num_blocks, block_size, 2, num_kv_heads, head_dim)
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """See `build_attention_metadata`."""
+        max_tokenwise = self.kernels.max_tokenwise_query_len
+        return build_attention_metadata(
+            query_lens, context_lens, block_tables, block_size, device, max_tokenwise
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        kv: torch.Tensor,  # [T, 2, KVH, D]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H * D]
+        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from weft.config import RopeConfig, RopeType
-from weft.native import use_kernels
+from weft.kernels import TORCH_KERNELS, RopeTables, TorchKernels
 
 
 class WeightLayout(enum.Enum):
@@ -62,27 +61,22 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def weight_layout(device: torch.device, dtype: torch.dtype) -> WeightLayout:
+def weight_layout(kernels: TorchKernels, device: torch.device, dtype: torch.dtype) -> WeightLayout:
     """The `Linear` weight layout for a model on `device` in `dtype` (see `Linear`)."""
     if device.type != "cpu" or dtype != torch.float32:
         return WeightLayout.OUT_IN
-    return WeightLayout.PANELS if use_kernels(device) else WeightLayout.IN_OUT
+    return WeightLayout.PANELS if kernels.packs_linear_weights(device, dtype) else WeightLayout.IN_OUT
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: TorchKernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if x.dim() == 2 and x.stride(1) == 1 and use_kernels(x.device):
-            return torch.ops.weft.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Half precision: normalise in float32 as the reference implementations do.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -116,9 +110,15 @@ class RotaryEmbedding(nn.Module):
     sin: torch.Tensor  # [max_positions, D/2] float32
 
     def __init__(
-        self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device | None = None
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope: RopeConfig,
+        device: torch.device | None = None,
+        kernels: TorchKernels = TORCH_KERNELS,
     ):
         super().__init__()
+        self.kernels = kernels
         inv_freq = rope_inv_freq(head_dim, rope)  # [D/2]
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
         # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
@@ -127,29 +127,7 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The rotation of one step's tokens at `positions` ([T] int64), shared by all layers."""
-        if use_kernels(positions.device):
-            return RopeTables(positions, self.cos, self.sin, native=True)
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
-        return RopeTables(positions, cos, sin, native=False)
+        return self.kernels.rope_tables(self.cos, self.sin, positions, dtype)
 
 
-@dataclass(frozen=True, slots=True)
-class RopeTables:
-    positions: torch.Tensor  # [T] int64
-    # native: the whole tables [P, D/2] float32; else the step's rows [T, 1, D/2] in x's dtype
-    cos: torch.Tensor
-    sin: torch.Tensor
-    native: bool
-
-
-def apply_rope_(x: torch.Tensor, rope: RopeTables) -> None:
-    """Rotate x in place. x: [T, heads, D] (a view into the fused q/k/v output)."""
-    if rope.native:
-        torch.ops.weft.rope_(x, rope.positions, rope.cos, rope.sin, x.shape[1])
-        return
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated1 = x1 * rope.cos - x2 * rope.sin
-    x2.mul_(rope.cos).addcmul_(x1, rope.sin)
-    x1.copy_(rotated1)
+__all__ = ["Linear", "RMSNorm", "RopeTables", "RotaryEmbedding", "WeightLayout", "weight_layout"]

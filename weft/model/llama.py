@@ -14,13 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weft.config import ModelConfig
-from weft.model.attention import AttentionMetadata, paged_attention
-from weft.model.layers import Linear, RMSNorm, RopeTables, RotaryEmbedding, apply_rope_
-from weft.native import use_kernels
+from weft.kernels import RopeTables, TorchKernels
+from weft.model.attention import AttentionMetadata, PagedAttention
+from weft.model.layers import Linear, RMSNorm, RotaryEmbedding
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
@@ -33,8 +32,9 @@ class DecoderSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
         super().__init__()
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
             config.num_kv_heads,
@@ -45,8 +45,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o = Linear(self.q_size, config.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        kernels = backend.kernels
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
 
     def forward(
         self,
@@ -61,35 +62,33 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
             qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
-        apply_rope_(qkv[:, : num_q + num_kv], rope)  # q and k together, in place
+        self.backend.kernels.apply_rope_(qkv[:, : num_q + num_kv], rope)  # q and k together, in place
         q = qkv[:, :num_q]  # [T, H, D]
         kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
-        out = paged_attention(q, kv, kv_cache, meta, self.scale)
+        out = self.backend(q, kv, kv_cache, meta, self.scale)
         return self.o(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: TorchKernels) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.kernels = kernels
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up(x)  # [T, 2I]: gate | up
-        if gate_up.dtype == torch.float32 and use_kernels(x.device):
-            return self.down(torch.ops.weft.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down(F.silu(gate) * up)
+        return self.down(self.kernels.silu_mul(gate_up))  # [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec) -> None:
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, spec)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        kernels = backend.kernels
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.attn = Attention(config, spec, backend)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = MLP(config, kernels)
 
     def forward(
         self,
@@ -103,14 +102,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: DecoderSpec, max_positions: int, kernels: TorchKernels
+    ) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels  # the device's kernel set, chosen once at load
+        self.attention = PagedAttention(kernels)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, self.attention) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
         )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)

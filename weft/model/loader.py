@@ -26,10 +26,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
-from weft.model.layers import Linear, WeightLayout, weight_layout
+from weft.kernels import kernels_for
+from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
-from weft.native import use_kernels
 
 
 class CheckpointError(ValueError):
@@ -111,22 +111,24 @@ def load_model(
     max_positions: int,
     show_progress: bool = True,
 ) -> LlamaForCausalLM:
+    """Steps: choose the device's kernel set (on CPU this builds weft's kernels, so the first step
+    does not), read the tensors, build the model on the meta device, load the converted weights,
+    move to the device and dtype, tie the embeddings, and put linear weights in the layout the
+    kernel set streams fastest."""
+    kernels = kernels_for(device)
     arch = resolve_architecture(config)
     weights = _Weights()
     for name, path, tensor in read_tensors(safetensors_files(model_dir), show_progress):
         weights.add(name, path, tensor)
     with torch.device("meta"):
-        model = arch.model_class(config, arch.spec, max_positions)
+        model = arch.model_class(config, arch.spec, max_positions, kernels)
     state = _convert(weights, arch.spec, config)
     model.load_state_dict(state, assign=True, strict=True)
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary = type(model.rotary)(config.head_dim, max_positions, config.rope, device)  # off meta
+    model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)  # off meta
     if config.tie_word_embeddings:
-        model.lm_head.weight = cast(
-            nn.Parameter, model.embed.weight
-        )  # one tensor, after the dtype conversion too
-    use_kernels(device)  # on CPU: build (or load) weft's kernels now, not inside the first step
-    layout = weight_layout(device, dtype)
+        model.lm_head.weight = cast(nn.Parameter, model.embed.weight)  # one tensor, after the dtype too
+    layout = weight_layout(kernels, device, dtype)
     if layout is not WeightLayout.OUT_IN:
         for module in model.modules():
             if isinstance(module, Linear):

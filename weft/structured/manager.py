@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels import TorchKernels
 from weft.params import StructuredSpec
-from weft.structured.bitmask import apply_bitmask_inplace, bitmask_words
+from weft.structured.bitmask import bitmask_words
 from weft.structured.grammar import (
     CompiledGrammar,
     GrammarBackend,
@@ -34,17 +35,25 @@ class PendingFill:
     future: Future[None]
     bitmask: torch.Tensor  # [R, W] int32, CPU
     rows: torch.Tensor | None  # [R] int64 logits rows, None when every row is constrained
+    kernels: TorchKernels
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the fill, then mask the constrained rows of `logits` ([B, V]) in place."""
         self.future.result()
         rows = None if self.rows is None else self.rows.to(logits.device)
-        apply_bitmask_inplace(logits, self.bitmask, rows)
+        self.kernels.apply_token_bitmask_(logits, self.bitmask, rows)
 
 
 class GrammarManager:
-    def __init__(self, backend: GrammarBackend, max_num_rows: int, num_compile_threads: int = 2) -> None:
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        max_num_rows: int,
+        kernels: TorchKernels,
+        num_compile_threads: int = 2,
+    ) -> None:
         self.backend = backend
+        self.kernels = kernels  # applies the mask on the logits' device
         self.compiler = GrammarCompiler(backend, num_compile_threads)
         self._bitmask = torch.full((max_num_rows, bitmask_words(backend.vocab_size)), -1, dtype=torch.int32)
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-bitmask")
@@ -71,7 +80,7 @@ class GrammarManager:
         pairs = [(matcher, k) for k, (_, matcher) in enumerate(constrained)]
         future = self._filler.submit(self.backend.fill_bitmask, pairs, bitmask)
         rows = None if len(constrained) == len(matchers) else torch.tensor([i for i, _ in constrained])
-        return PendingFill(future, bitmask, rows)
+        return PendingFill(future, bitmask, rows, self.kernels)
 
 
 def compile_error(future: Future[CompiledGrammar]) -> str | None:

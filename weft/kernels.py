@@ -1,0 +1,160 @@
+"""The operations whose implementation depends on the device, chosen once per device.
+
+`kernels_for(device)` returns one object that the model's layers, its attention and the grammar
+mask call; nothing else asks which device or which build it runs on. Two sets exist:
+
+- `TorchKernels`: plain torch operations, on any device and dtype. It is the reference the others
+  are tested against (`tests/test_native.py`), and the fallback when weft's CPU kernels cannot be
+  built (no C++ compiler) or are turned off (`WEFT_NATIVE=0`).
+- `NativeCpuKernels`: weft's C++ kernels (`weft/native`) for CPU tensors: fused RMSNorm, rotary
+  embedding in place, SiLU-and-multiply, decode attention that reads the paged cache in place, the
+  grammar bitmask, and the float32 panel GEMM of every linear layer.
+
+A CUDA kernel set (paged attention in Triton, say) is a third subclass, chosen here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from weft.native import use_kernels
+
+
+@dataclass(frozen=True, slots=True)
+class RopeTables:
+    """The rotation of one step's tokens, shared by all layers."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # the step's rows [T, 1, D/2] in x's dtype, or (native) the whole table [P, D/2]
+    sin: torch.Tensor  # the same shape as cos
+
+
+class TorchKernels:
+    """Plain torch: any device, any dtype."""
+
+    name = "torch"
+    # Rows of up to this many new tokens attend through `paged_decode_attention`, token by token;
+    # longer ones (and all rows when it is unavailable) through SDPA over gathered blocks.
+    max_tokenwise_query_len = 1
+
+    def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether linear weights are packed into column panels for `packed_linear`."""
+        return False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # Half precision: normalise in float32 as the reference implementations do.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+        return weight * normed.to(x.dtype)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate | up) -> [T, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeTables:
+        """cos, sin: [P, D/2] float32 tables; positions: [T] int64."""
+        return RopeTables(
+            positions, cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+        )
+
+    def apply_rope_(self, x: torch.Tensor, rope: RopeTables) -> None:
+        """Rotate x ([T, heads, D], a view into the fused q/k/v output) in place, rotate-half layout."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated1 = x1 * rope.cos - x2 * rope.sin
+        x2.mul_(rope.cos).addcmul_(x1, rope.sin)
+        x1.copy_(rotated1)
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,  # [B, H, D], one query per sequence
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+        block_table: torch.Tensor,  # [B, max_blocks] int64
+        context_lens: torch.Tensor,  # [B] int64
+        scale: float,
+    ) -> torch.Tensor | None:  # [B, H, D], or None: not available, use the gather + SDPA path
+        return None
+
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
+    ) -> None:
+        """Set disallowed logits ([B, V] float32) to -inf in place. bitmask: [R, ceil(V / 32)] int32,
+        bit j of word w allows token 32 * w + j; rows: [R] int64, the logits row of each bitmask row,
+        or None when R == B. Unpacks the bits with tensor operations (no loop over rows or tokens)."""
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])  # [R, V]
+        if rows is None:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+class NativeCpuKernels(TorchKernels):
+    """weft's C++ kernels for CPU tensors; anything they do not cover falls back to torch."""
+
+    name = "native-cpu"
+    max_tokenwise_query_len = 8  # fast-forwarded grammar tokens and short chunks: token by token
+
+    def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1:
+            return torch.ops.weft.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype == torch.float32:
+            return torch.ops.weft.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeTables:
+        return RopeTables(positions, cos, sin)  # the kernel looks the positions up itself
+
+    def apply_rope_(self, x: torch.Tensor, rope: RopeTables) -> None:
+        torch.ops.weft.rope_(x, rope.positions, rope.cos, rope.sin, x.shape[1])
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        if q.shape[-1] > 256:  # head sizes above 256 take the torch path
+            return None
+        return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale)
+
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
+    ) -> None:
+        """One kernel call, which skips words that allow all or none of their tokens."""
+        if logits.dtype != torch.float32 or bitmask.device != logits.device:
+            return super().apply_token_bitmask_(logits, bitmask, rows)
+        empty = torch.empty(0, dtype=torch.int64)
+        torch.ops.weft.apply_token_bitmask_(logits, bitmask, empty if rows is None else rows)
+        return None
+
+
+TORCH_KERNELS = TorchKernels()
+NATIVE_CPU_KERNELS = NativeCpuKernels()
+
+
+def kernels_for(device: torch.device) -> TorchKernels:
+    """The kernel set for `device` (on CPU this builds weft's kernels on first use)."""
+    return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool, True = allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
