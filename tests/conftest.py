@@ -4,12 +4,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import build_checkpoint
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# Devices the numeric tests run weft on, in float32 against the CPU reference: the CPU always, and
+# a CUDA GPU where there is one.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def shared_data(relative: str) -> Path:

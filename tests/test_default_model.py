@@ -24,7 +24,7 @@ MAX_PERPLEXITY = 150.0
 
 @pytest.fixture(scope="module")
 def bundled() -> LLM:
-    return LLM(show_progress=False)
+    return LLM(show_progress=False, device="cpu", dtype="float32")  # compared with the CPU reference
 
 
 def test_checkpoint_files_are_standard_and_small():

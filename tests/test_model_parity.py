@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import DEVICES
 
 from weft import LLM, SamplingParams
 
-# The parity tests run weft on CPU in float32, as the reference does, on any machine.
+# The reference runs on CPU in float32; weft runs in float32 too, on the CPU and, where there is
+# one, on a CUDA GPU (LLM's default there would be bfloat16).
 ON_CPU = {"device": "cpu", "dtype": "float32"}
 VOCAB_ALL = 100_000  # max_logprobs high enough for a whole (tiny) vocabulary
 ARCHS = ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3"]
@@ -45,11 +47,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers_batched(checkpoint_factory, arch):
+def test_logits_match_transformers_batched(checkpoint_factory, arch, device):
     path = checkpoint_factory(arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(str(path), show_progress=False, max_logprobs=VOCAB_ALL, **ON_CPU)
+    llm = LLM(str(path), show_progress=False, max_logprobs=VOCAB_ALL, device=device, dtype="float32")
     for actual, prompt in zip(weft_logprobs(llm, PROMPTS), PROMPTS, strict=True):
         assert_close(actual, reference_logprobs(reference, prompt))
     assert llm.stats()["kv_blocks_used"] == 0

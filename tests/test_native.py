@@ -4,6 +4,7 @@ transformers), and the fallback switch."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ def test_kernels_reject_bad_input():
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.weft.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6)
     panels = torch.ops.weft.pack_linear_weight(torch.randn(64, 24))
-    with pytest.raises(RuntimeError, match="for inputs of 16 features"):
+    with pytest.raises(RuntimeError, match="differ in input features"):
         torch.ops.weft.packed_linear(torch.randn(2, 16), panels, None, 64)
     with pytest.raises(RuntimeError, match="out_features does not match"):
         torch.ops.weft.packed_linear(torch.randn(2, 24), panels, None, 65)
@@ -252,17 +253,87 @@ def test_kernels_reject_bad_input():
         )
 
 
+def test_kernels_reject_out_of_range_indices():
+    """Indices that would read outside a tensor are rejected before any memory is touched."""
+    q, _, kv_cache, meta = _random_paged_batch([5, 9], 4, 2, torch.float32)
+    group = meta.groups[0]
+    bad_table = group.block_table.clone()
+    bad_table[1, 0] = kv_cache.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="block id is outside the cache"):
+        torch.ops.weft.paged_decode_attention(q, kv_cache, bad_table, group.context_lens, 1.0)
+    with pytest.raises(RuntimeError, match="empty dimension"):
+        torch.ops.weft.paged_decode_attention(
+            q[:, :0], kv_cache[:, :, :, :0].contiguous(), group.block_table, group.context_lens, 1.0
+        )
+    cos, sin = torch.ones(16, 8), torch.zeros(16, 8)
+    with pytest.raises(RuntimeError, match="outside the cos/sin tables"):
+        torch.ops.weft.rope_(torch.randn(2, 3, 16), torch.tensor([0, 16]), cos, sin, 3)
+    with pytest.raises(RuntimeError, match=r"\[P, D / 2\]"):
+        torch.ops.weft.rope_(torch.randn(2, 3, 16), torch.tensor([0, 1]), torch.ones(16, 4), sin, 3)
+    with pytest.raises(RuntimeError, match="rows must be"):
+        torch.ops.weft.apply_token_bitmask_(
+            torch.zeros(4, 32), torch.zeros(2, 1, dtype=torch.int32), torch.tensor([[0, 1]])
+        )
+    misaligned = torch.empty(2 * 24 * 32 + 1)[1:].view(2, 24, 32)
+    with pytest.raises(RuntimeError, match="64-byte aligned"):
+        torch.ops.weft.packed_linear(torch.randn(2, 24), misaligned, None, 64)
+
+
+def test_kernels_at_many_threads():
+    """The kernels split their work by thread count: the same results with 16 threads as with the
+    machine's, and the same rejections."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(16)
+    try:
+        test_kernels_reject_bad_input()
+        test_kernels_reject_out_of_range_indices()
+        test_decode_attention_matches_gather_and_sdpa(torch.float32, (8, 2))
+        test_short_multi_token_rows_attend_token_by_token()
+        for rows in (1, 13, 40):
+            test_packed_linear_matches_f_linear(rows, True)
+        test_bitmask_kernel_matches_torch(True)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.sanitize
+def test_native_tests_pass_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """Opt-in (`pytest -m sanitize`, a few minutes): build the kernels with ASan and UBSan and run
+    this file's tests against that build in a child process, with the sanitizer runtime preloaded."""
+    import subprocess
+    import sys
+
+    libs = [
+        subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        for name in ("libasan.so", "libubsan.so")
+    ]
+    env = {
+        **os.environ,
+        "WEFT_NATIVE_SANITIZE": "1",
+        "WEFT_CACHE_DIR": str(tmp_path),
+        "LD_PRELOAD": " ".join(libs),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+    }
+    test_file = str(Path(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not sanitize", test_file]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert any(tmp_path.iterdir()), "the sanitized build was not made"
+
+
 def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypatch):
     from weft import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama), show_progress=False)
+    llm = LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32")
     assert llm.engine.model.lm_head.layout is WeightLayout.PANELS
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]
     with_kernels = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setitem(native._state, "ok", False)  # loads with [in, out] weights, runs plain torch
-    without = LLM(str(tiny_llama), show_progress=False).generate(prompts, params, use_tqdm=False)
-    for a, b in zip(with_kernels, without, strict=True):
+    without = LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32")
+    without_outputs = without.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(with_kernels, without_outputs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
 

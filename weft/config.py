@@ -249,10 +249,12 @@ def read_optional_json(path: Path) -> dict[str, Any]:
 class NativeConfig:
     """Where weft's CPU kernels are built, and whether to use them (environment variables:
     `WEFT_NATIVE=0` turns them off; `WEFT_CACHE_DIR` moves the build cache, by default
-    `$XDG_CACHE_HOME/weft` or `~/.cache/weft`)."""
+    `$XDG_CACHE_HOME/weft` or `~/.cache/weft`; `WEFT_NATIVE_SANITIZE=1` builds them with
+    AddressSanitizer and UndefinedBehaviorSanitizer, for tests run with libasan preloaded)."""
 
     enabled: bool
     cache_dir: Path
+    sanitize: bool = False
 
     @classmethod
     def from_env(cls) -> NativeConfig:
@@ -261,4 +263,5 @@ class NativeConfig:
         return cls(
             enabled=os.environ.get("WEFT_NATIVE", "1") != "0",
             cache_dir=Path(os.environ.get("WEFT_CACHE_DIR", default)),
+            sanitize=os.environ.get("WEFT_NATIVE_SANITIZE", "0") == "1",
         )

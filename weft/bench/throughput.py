@@ -85,12 +85,13 @@ def build_checkpoint(config_path: Path, dtype: torch.dtype, out: Path) -> Path:
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out, safe_serialization=True)
-    if DEFAULT_TOKENIZER.is_file():
+    if DEFAULT_TOKENIZER.is_file() and config.vocab_size >= 49152:  # the SmolLM2 tokenizer fits
         (out / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
-    else:  # any tokenizer will do: the benchmark feeds token ids
+    else:  # the benchmark feeds token ids: any tokenizer with one entry per id of the model will do
         from tokenizers import Tokenizer, models
 
-        Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(out / "tokenizer.json"))
+        vocab = {f"<t{i}>": i for i in range(config.vocab_size)}
+        Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(out / "tokenizer.json"))
     return out
 
 
@@ -112,7 +113,15 @@ def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
 
     def run(num_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-        return _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        lengths = {len(o.outputs[0].token_ids) for o in outputs}
+        if lengths != {num_tokens}:  # never report a rate that was not measured
+            raise RuntimeError(
+                f"weft generated {sorted(lengths)} tokens per sequence instead of {num_tokens}"
+            )
+        return seconds
 
     return Timing(prefill_s=run(1), total_s=run(output_len))
 
@@ -123,16 +132,21 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timin
 
     def run(num_tokens: int) -> float:
         with torch.inference_mode():
-            return _timed(
-                lambda: model.generate(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    do_sample=False,
-                    max_new_tokens=num_tokens,
-                    min_new_tokens=num_tokens,
-                    pad_token_id=0,
-                )
+            start = time.perf_counter()
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                pad_token_id=0,
             )
+            seconds = time.perf_counter() - start
+        if out.shape[1] - input_ids.shape[1] != num_tokens:
+            raise RuntimeError(
+                f"transformers generated {out.shape[1] - input_ids.shape[1]} tokens, not {num_tokens}"
+            )
+        return seconds
 
     return Timing(prefill_s=run(1), total_s=run(output_len))
 
@@ -200,7 +214,7 @@ def _load_transformers(path: Path, dtype: torch.dtype):
 
 def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
-    vocab = min(llm.config.model.vocab_size, llm.tokenizer.vocab_size)
+    vocab = llm.config.model.vocab_size  # prompts are token ids drawn from the config's vocabulary
     warm = torch.randint(3, vocab, (1, 8), generator=gen).tolist()
     time_weft(llm, warm, 4)
     if hf is not None:

@@ -32,6 +32,15 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for is in
 if platform.machine() in ("x86_64", "AMD64"):
     _CFLAGS.append("-mprefer-vector-width=512")  # loops use all of AVX-512 where the CPU has it
 _LDFLAGS = ["-fopenmp"]  # resolves to the libgomp that torch has already loaded
+_SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+
+
+def build_flags(config: NativeConfig) -> tuple[list[str], list[str]]:
+    """Compiler and linker flags: optimised, plus the sanitizers when asked for."""
+    extra = _SANITIZE if config.sanitize else []
+    return [*_CFLAGS, *extra], [*_LDFLAGS, *extra]
+
+
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -54,7 +63,7 @@ def build_dir(config: NativeConfig) -> Path:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    versions = f"{torch.__version__}|{platform.python_version()}|{platform.machine()}|{_CFLAGS}|{_LDFLAGS}"
+    versions = f"{torch.__version__}|{platform.python_version()}|{platform.machine()}|{build_flags(config)}"
     digest.update(versions.encode())
     return config.cache_dir / f"kernels-{digest.hexdigest()[:16]}"
 
@@ -76,11 +85,12 @@ def _load(config: NativeConfig) -> bool:
             file=sys.stderr,
             flush=True,
         )
+        cflags, ldflags = build_flags(config)
         cpp_extension.load(
             name=_NAME,
             sources=[str(source) for source in SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS,
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,

@@ -15,11 +15,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+// Every check runs before any memory is touched; messages are plain literals (nothing formatted).
+inline bool on_cpu(std::initializer_list<at::Tensor> tensors) {
+  for (const auto& t : tensors) {
+    if (!t.device().is_cpu()) return false;
+  }
+  return true;
+}
+
 
 // exp(x) for x <= 0 (the softmax, the sigmoid): Cephes' range reduction and polynomial, within 2
 // ulp of std::exp. exp16 below is the same computation on 16 lanes; GCC did not vectorize the
@@ -87,8 +97,10 @@ void rms_norm_kernel(const T* xp, int64_t row_stride, const T* wp, T* op, int64_
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(on_cpu({x, weight}), "rms_norm: x and weight must be CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with contiguous rows");
-  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight must be [H] of x's dtype");
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_rms_norm", [&] {
@@ -125,6 +137,7 @@ void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(on_cpu({gate_up}), "silu_mul: gate_up must be a CPU tensor");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
                   gate_up.scalar_type() == at::kFloat,
               "silu_mul: gate_up must be float32 [T, 2 * I] with contiguous rows");
@@ -166,12 +179,20 @@ void rope_kernel(T* xp, int64_t tokens, int64_t t_stride, int64_t h_stride, int6
 
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope_: x must be [T, heads, D] with contiguous heads");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
-              "rope_: cos and sin must be contiguous float32 tables");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == x.size(0),
+  TORCH_CHECK(on_cpu({x, positions, cos, sin}), "rope_: every tensor must be on the CPU");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope_: x must be [T, heads, D] with contiguous heads and an even D");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == x.size(2) / 2,
+              "rope_: cos and sin must be contiguous float32 tables [P, D / 2]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1 &&
+                  positions.size(0) == x.size(0),
               "rope_: positions must be [T] int64");
-  TORCH_CHECK(num_heads <= x.size(1), "rope_: num_heads exceeds the heads of x");
+  TORCH_CHECK(num_heads >= 0 && num_heads <= x.size(1), "rope_: num_heads exceeds the heads of x");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_: a position is outside the cos/sin tables");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_rope", [&] {
     rope_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.stride(0), x.stride(1), num_heads, x.size(2) / 2,
                           positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -412,6 +433,8 @@ void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int6
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(on_cpu({q, kv_cache, block_table, context_lens}),
+              "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
               "paged_decode_attention: kv_cache must be contiguous [blocks, block_size, 2, KVH, D] of q's dtype");
@@ -426,6 +449,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.head_dim = q.size(2);
   sh.block_size = kv_cache.size(1);
   sh.num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(sh.num_kv_heads > 0 && sh.block_size > 0 && sh.head_dim > 0 && kv_cache.size(2) == 2,
+              "paged_decode_attention: kv_cache has an empty dimension");
   TORCH_CHECK(kv_cache.size(4) == sh.head_dim && sh.num_heads % sh.num_kv_heads == 0,
               "paged_decode_attention: q and kv_cache disagree on head_dim or head counts");
   TORCH_CHECK(sh.head_dim <= 256, "paged_decode_attention: head_dim above 256 is not supported");
@@ -439,9 +464,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t wanted = (2 * at::get_num_threads() + q.size(0) - 1) / std::max<int64_t>(q.size(0), 1);
   sh.num_splits = std::max<int64_t>(1, std::min(wanted, sh.max_blocks / 4));
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     TORCH_CHECK(lens[b] > 0 && lens[b] <= sh.max_blocks * sh.block_size,
                 "paged_decode_attention: a context length exceeds the block table");
+    for (int64_t i = 0; i < (lens[b] + sh.block_size - 1) / sh.block_size; ++i) {
+      const int64_t block = table[b * sh.max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < kv_cache.size(0), "paged_decode_attention: a block id is outside the cache");
+    }
   }
   auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
@@ -456,13 +486,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 // or empty when row r of the mask is row r of the logits. Words that allow all or none of their 32
 // tokens take a shortcut.
 void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(on_cpu({logits, bitmask, rows}), "apply_token_bitmask_: every tensor must be on the CPU");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "apply_token_bitmask_: logits must be float32 [B, V] with contiguous rows");
   TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
               "apply_token_bitmask_: bitmask must be a contiguous int32 [R, W]");
   const int64_t num_rows = bitmask.size(0), num_words = bitmask.size(1), vocab = logits.size(1);
   const bool all_rows = rows.numel() == 0;
-  TORCH_CHECK(all_rows ? num_rows == logits.size(0) : (rows.scalar_type() == at::kLong && rows.numel() == num_rows),
+  TORCH_CHECK(all_rows ? num_rows == logits.size(0)
+                       : (rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                          rows.numel() == num_rows),
               "apply_token_bitmask_: rows must be [R] int64 (or empty with one mask row per logits row)");
   const int64_t* row_idx = all_rows ? nullptr : rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < num_rows; ++r) {

@@ -81,8 +81,8 @@ constexpr TileFn kTileKernels[kMaxTileRows + 1] = {
 
 // W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded past column N.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_linear_weight: weight must be a float32 [out, in] matrix");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "pack_linear_weight: weight must be a float32 [out, in] matrix on the CPU");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
   auto padded = at::zeros({panels * kPanel, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
@@ -98,14 +98,20 @@ int64_t tile_rows(int64_t rows) {
 // y = x @ W.T + b: x [M, K] float32, panels from pack_linear_weight, bias [N] or none.
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features) {
+  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
+              "packed_linear: x, the weight and the bias must be CPU tensors");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "packed_linear: x must be a float32 [M, K] matrix");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat && panels.size(1) == x_in.size(1),
-              "packed_linear: weight must come from pack_linear_weight for inputs of ", x_in.size(1), " features");
+                  panels.scalar_type() == at::kFloat,
+              "packed_linear: weight must come from pack_linear_weight");
+  TORCH_CHECK(panels.size(1) == x_in.size(1), "packed_linear: x and the packed weight differ in input features");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0,
+              "packed_linear: the packed weight must be 64-byte aligned (a whole tensor, not a view)");
   const int64_t num_panels = panels.size(0), k = panels.size(1), n = out_features;
   TORCH_CHECK(n > (num_panels - 1) * kPanel && n <= num_panels * kPanel,
               "packed_linear: out_features does not match the packed weight");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat),
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->is_contiguous() && bias->numel() == n &&
+                                     bias->scalar_type() == at::kFloat),
               "packed_linear: bias must be a contiguous float32 [out_features]");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t m = x.size(0);
