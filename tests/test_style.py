@@ -52,6 +52,20 @@ def test_core_modules_import_no_package_above_them(module):
         assert not imported.startswith(tuple(ABOVE_CORE)), f"weft/{module} imports {imported}"
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def test_functions_are_short():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                num_lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if num_lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({num_lines} lines)")
+    assert not long, "functions over 60 lines: " + ", ".join(long)
+
+
 def _tool(name: str) -> list[str]:
     if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
