@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weft import SamplingParams
+from weft.params import FLOAT_FIELDS
 
 BAD_NUMBERS = [math.nan, math.inf, -math.inf, 10**400, "1", None, [1], True]
 
@@ -79,14 +80,7 @@ def test_any_value_constructs_or_names_the_field(field, value):
     except ValueError as exc:
         assert field in str(exc) or "output constraint" in str(exc), str(exc)
         return
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
+    for name in FLOAT_FIELDS:
         assert math.isfinite(getattr(params, name))
     assert params.seed is None or -(2**63) <= params.seed < 2**63
 

@@ -245,14 +245,7 @@ class SamplingParams:
         )
 
     def _normalize(self) -> None:
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
+        for name in FLOAT_FIELDS:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
@@ -288,6 +281,14 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are int64 (sample i of n uses seed + i)
 
 
