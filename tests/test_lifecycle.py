@@ -82,6 +82,7 @@ def check_invariants(world: World) -> None:
     assert set(kv.tables) == running, "only running sequences hold blocks"
     for seq in world.sched.running:
         table = kv.tables[seq.seq_id]
+        assert table.block_ids == [b.block_id for b in table.blocks], "cached block ids drifted"
         assert len(table.blocks) * BLOCK_SIZE >= seq.num_computed_tokens
         parent = None
         for i, block_hash in enumerate(table.hashes):

@@ -126,7 +126,7 @@ def test_greedy_takes_argmax(logits):
 
 def test_top_k_keeps_whole_tie_at_cutoff():
     row = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    filtered = ops.apply_top_k(row, torch.tensor([2]))
+    filtered = ops.apply_top_k(row, torch.tensor([2]), 2)
     assert torch.isfinite(filtered).tolist() == [[True, False, True, True, False]]
 
 

@@ -49,6 +49,7 @@ class Tokenizer:
         self.chat_template: str | None = _chat_template(config)
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -73,6 +74,14 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (special tokens included), decoded once per id and cached:
+        logprobs show it for every alternative of every position."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any

@@ -35,6 +35,7 @@ from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatch
+from weft.sample.transfer import pack_sampled, to_host
 from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
 from weft.structured.manager import GrammarManager, compile_error
@@ -242,20 +243,21 @@ class LLMEngine:
 
 
 def _sampled_rows(out: SamplerOutput) -> SampledRows:
-    """The sampler's results on the host: one transfer of the token ids (and of the logprobs, when
-    some row asked for them). A row with `INVALID_TOKEN` fails with a message."""
-    token_ids = out.token_ids.tolist()
+    """The sampler's results on the host, in one transfer (`to_host`). A row with `INVALID_TOKEN`
+    fails with a message."""
+    top = out.top_logprobs
+    if top is None:
+        token_ids: list[int] = to_host(out.token_ids)
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+    else:
+        rows = to_host(pack_sampled(out.token_ids, top.token_ids, top.logprobs, top.ranks))
+        width = top.token_ids.shape[1]
+        token_ids = [int(row[0]) for row in rows]
+        logprobs = [
+            TokenLogprobs([int(t) for t in row[2 : 2 + width]], row[2 + width :], int(row[1])) for row in rows
+        ]
     errors = dict(out.errors)
     for row, token in enumerate(token_ids):
         if token == INVALID_TOKEN:
             errors.setdefault(row, NON_FINITE_ERROR)
-    return SampledRows(token_ids, _token_logprobs(out), errors)
-
-
-def _token_logprobs(out: SamplerOutput) -> list[TokenLogprobs | None]:
-    if out.top_logprobs is None:
-        return [None] * out.token_ids.shape[0]
-    ids = out.top_logprobs.token_ids.tolist()
-    values = out.top_logprobs.logprobs.tolist()
-    ranks = out.top_logprobs.ranks.tolist()
-    return [TokenLogprobs(i, v, r) for i, v, r in zip(ids, values, ranks, strict=True)]
+    return SampledRows(token_ids, logprobs, errors)

@@ -95,6 +95,7 @@ class SeqBlocks:
 
     blocks: list[Block] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`, kept in step with them
 
 
 class KVCacheManager:
@@ -119,7 +120,7 @@ class KVCacheManager:
 
     def block_ids(self, seq_id: int) -> list[int]:
         table = self.tables.get(seq_id)
-        return [] if table is None else [b.block_id for b in table.blocks]
+        return [] if table is None else list(table.block_ids)
 
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """Longest cached prefix of `seq`, in full blocks, leaving at least one token to compute
@@ -158,6 +159,8 @@ class KVCacheManager:
         num_new_blocks = max(0, num_needed - len(blocks) - len(hits))
         write_idx = num_computed // self.block_size
         needs_copy = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        if num_new_blocks == 0 and not needs_copy and not hits and seq.seq_id in self.tables:
+            return table.block_ids  # the common decode step: the last block has room
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + int(needs_copy) + num_revived > self.pool.num_free:
             return None
@@ -167,10 +170,11 @@ class KVCacheManager:
         if needs_copy:
             blocks[write_idx] = self._copy_on_write(blocks[write_idx])
         table.blocks = blocks
+        table.block_ids = [b.block_id for b in blocks]
         if computed is not None:
             table.hashes = table.hashes + computed.hashes
         self.tables[seq.seq_id] = table
-        return [b.block_id for b in blocks]
+        return table.block_ids
 
     def _copy_on_write(self, shared: Block) -> Block:
         private = self.pool.allocate()
@@ -199,7 +203,8 @@ class KVCacheManager:
         blocks = parent.blocks[:num_blocks]
         for block in blocks:
             self.pool.touch(block)
-        self.tables[child_id] = SeqBlocks(list(blocks), parent.hashes[: num_tokens // self.block_size])
+        hashes = parent.hashes[: num_tokens // self.block_size]
+        self.tables[child_id] = SeqBlocks(list(blocks), hashes, [b.block_id for b in blocks])
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, tail first, so that the tail is evicted first."""

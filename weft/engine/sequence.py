@@ -278,13 +278,14 @@ class Sequence:
     def _add_logprobs(self, item: TokenLogprobs) -> None:
         if self.logprobs is None or self.cumulative_logprob is None:
             return
-        decode = self.detokenizer.tokenizer.decode
+        text = self.detokenizer.tokenizer.token_text
         num_top = self.params.logprobs or 0
         chosen_id, chosen_lp = item.token_ids[0], item.logprobs[0]
-        position: PositionLogprobs = {chosen_id: Logprob(chosen_lp, item.rank, decode([chosen_id], False))}
+        position: PositionLogprobs = {chosen_id: Logprob(chosen_lp, item.rank, text(chosen_id))}
         top = zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True)
         for rank, (tid, lp) in enumerate(top, start=1):
-            position.setdefault(tid, Logprob(lp, rank, decode([tid], False)))
+            if tid not in position:
+                position[tid] = Logprob(lp, rank, text(tid))
         self.logprobs.append(position)
         self.cumulative_logprob += chosen_lp
 

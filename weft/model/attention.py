@@ -54,6 +54,8 @@ class AttentionMetadata:
 
 @dataclass(frozen=True, slots=True)
 class _StepShape:
+    q_list: list[int]  # [B] new tokens of each sequence, on the host: every decision is taken on these
+    ctx_list: list[int]  # [B] tokens of each sequence after this step
     q_lens: torch.Tensor  # [B] int64
     ctx_lens: torch.Tensor  # [B] int64
     seq_idx: torch.Tensor  # [T] int64, the row of each token
@@ -73,71 +75,89 @@ def build_attention_metadata(
 
     `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
     `query_lens[i]` of them. Rows of up to `max_tokenwise_query_len` new tokens attend token by
-    token, as single-query rows (the kernel set's choice).
+    token, as single-query rows (the kernel set's choice). Every decision (groups, sizes, masks) is
+    taken on the host lists; tensors are only built, never read back.
     """
-    num_seqs = len(query_lens)
+    num_seqs, num_tokens = len(query_lens), sum(query_lens)
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)  # [B, blocks]
     q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
     ctx_lens = torch.tensor(context_lens, dtype=torch.int64)  # [B]
-    seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
-    starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
-    positions = (ctx_lens - q_lens)[seq_idx] + torch.arange(int(q_lens.sum())) - starts[seq_idx]  # [T]
-    table = torch.zeros(num_seqs, max(len(t) for t in block_tables), dtype=torch.int64)
-    for i, blocks in enumerate(block_tables):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-    slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
-
-    shape = _StepShape(q_lens, ctx_lens, seq_idx, table, block_size)
-    max_short = max_tokenwise_query_len
-    short = (q_lens <= max_short)[seq_idx]  # [T] bool: tokens that attend as single-query rows
-    groups: tuple[AttentionGroup, ...]
-    if not bool(short.any()):
-        groups = (_group(shape, torch.arange(num_seqs), None, device),)
-    elif bool(short.all()):
-        all_tokens = torch.arange(len(seq_idx))
-        groups = (_group(_tokenwise(shape, positions, all_tokens), all_tokens, None, device),)
+    if num_tokens == num_seqs:  # decode only: one token per sequence
+        seq_idx, positions = torch.arange(num_seqs), ctx_lens - 1  # [T] each
     else:
-        short_idx, long_idx = torch.nonzero(short).flatten(), torch.nonzero(~short).flatten()
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
+        starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
+        positions = (ctx_lens - q_lens)[seq_idx] + torch.arange(num_tokens) - starts[seq_idx]  # [T]
+    slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
+    shape = _StepShape(query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size)
+    short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
+    groups: tuple[AttentionGroup, ...]
+    if not short_rows:
+        groups = (_group(shape, None, None, device),)
+    elif len(short_rows) == num_seqs:
+        groups = (_group(_tokenwise(shape, short_rows), None, None, device),)
+    else:
+        short_set = set(short_rows)
+        long_rows = [i for i in range(num_seqs) if i not in short_set]
+        short_idx = torch.nonzero((q_lens <= max_tokenwise_query_len)[seq_idx]).flatten()  # [Ts]
+        long_idx = torch.nonzero((q_lens > max_tokenwise_query_len)[seq_idx]).flatten()  # [Tl]
         groups = (
-            _group(_tokenwise(shape, positions, short_idx), torch.arange(len(short_idx)), short_idx, device),
-            _group(shape, torch.nonzero(q_lens > max_short).flatten(), long_idx, device),
+            _group(_tokenwise(shape, short_rows), None, short_idx, device),
+            _group(shape, long_rows, long_idx, device),
         )
     return AttentionMetadata(slot_mapping.to(device), groups), positions.to(device)
 
 
-def _tokenwise(shape: _StepShape, positions: torch.Tensor, token_idx: torch.Tensor) -> _StepShape:
-    """The tokens `token_idx` ([Tg] int64) as sequences of one query each: token i of a row sees the
+def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
+    """The tokens of the sequences `rows` as sequences of one query each: token i of a row sees the
     row's context up to and including itself, through the row's block table."""
-    num_tokens = len(token_idx)
+    token_rows: list[int] = []
+    token_ctx: list[int] = []
+    for row in rows:
+        q, ctx = shape.q_list[row], shape.ctx_list[row]
+        token_rows += [row] * q
+        token_ctx += range(ctx - q + 1, ctx + 1)
+    num_tokens = len(token_rows)
+    all_rows = num_tokens == len(shape.q_list) and rows == list(range(num_tokens))
     return _StepShape(
+        q_list=[1] * num_tokens,
+        ctx_list=token_ctx,
         q_lens=torch.ones(num_tokens, dtype=torch.int64),
-        ctx_lens=positions[token_idx] + 1,
+        ctx_lens=shape.ctx_lens if all_rows else torch.tensor(token_ctx, dtype=torch.int64),
         seq_idx=torch.arange(num_tokens),
-        table=shape.table[shape.seq_idx[token_idx]],
+        table=shape.table if all_rows else shape.table[torch.tensor(token_rows, dtype=torch.int64)],
         block_size=shape.block_size,
     )
 
 
 def _group(
-    shape: _StepShape, rows: torch.Tensor, token_idx: torch.Tensor | None, device: torch.device
+    shape: _StepShape, rows: list[int] | None, token_idx: torch.Tensor | None, device: torch.device
 ) -> AttentionGroup:
-    """The attention metadata of the sequences `rows` ([Bg] int64), whose tokens are `token_idx`."""
-    q_lens, ctx_lens = shape.q_lens[rows], shape.ctx_lens[rows]  # [Bg]
-    max_q, kv_len = int(q_lens.max()), int(ctx_lens.max())
+    """The attention metadata of the sequences `rows` (None: all of them, in order), whose tokens
+    are `token_idx` ([Tg] int64; None: all of the step's)."""
+    q_list = shape.q_list if rows is None else [shape.q_list[r] for r in rows]
+    ctx_list = shape.ctx_list if rows is None else [shape.ctx_list[r] for r in rows]
+    q_lens, ctx_lens, table = shape.q_lens, shape.ctx_lens, shape.table
+    if rows is not None:
+        index = torch.tensor(rows, dtype=torch.int64)
+        q_lens, ctx_lens, table = q_lens[index], ctx_lens[index], table[index]
+    max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
+    is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
     scatter_idx, mask = None, None
-    is_causal = max_q > 1 and bool((q_lens == max_q).all()) and bool((ctx_lens == q_lens).all())
     if max_q > 1 and not is_causal:
-        local_seq = torch.repeat_interleave(torch.arange(len(rows)), q_lens)  # [Tg]
+        local_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [Tg]
         starts = torch.cumsum(q_lens, 0) - q_lens
-        scatter_idx = local_seq * max_q + torch.arange(int(q_lens.sum())) - starts[local_seq]
-    if (len(rows) > 1 or max_q > 1) and not is_causal:
+        scatter_idx = local_seq * max_q + torch.arange(sum(q_list)) - starts[local_seq]
+    if (num_seqs > 1 or max_q > 1) and not is_causal:
         q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [Bg, max_q]
         k_pos = torch.arange(kv_len)  # [kv_len]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
         mask = mask.unsqueeze(1)  # [Bg, 1, max_q, kv_len]
     return AttentionGroup(
         token_idx=None if token_idx is None else token_idx.to(device),
-        block_table=shape.table[rows, :num_blocks].contiguous().to(device),
+        block_table=table[:, :num_blocks].contiguous().to(device),
         context_lens=ctx_lens.to(device),
         query_scatter_idx=None if scatter_idx is None else scatter_idx.to(device),
         attn_mask=None if mask is None else mask.to(device),

@@ -74,13 +74,14 @@ def apply_penalties(
     return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's `top_k` largest logits (top_k [B] int64, 0 = keep all). Tokens tied with the
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep each row's `top_k` largest logits (top_k [B] int64, 0 = keep all; `max_k` the largest
+    effective k, known on the host, so nothing is read back from the device). Tokens tied with the
     k-th logit are all kept: a cut-off that falls inside a tie keeps the whole tie, so the result
     does not depend on the order of equal values."""
     vocab_size = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [B]
-    max_k = int(k.max())
+    max_k = min(max_k, vocab_size)
     top_values = torch.topk(logits, max_k, dim=-1).values  # [B, max_k]
     kth = top_values.gather(1, (k - 1)[:, None])  # [B, 1]
     return logits.masked_fill(logits < kth, float("-inf"))

@@ -59,6 +59,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [B] float32, 1 for greedy rows (they take the argmax)
     is_greedy: torch.Tensor  # [B] bool
     top_k: torch.Tensor | None  # [B] int64, 0 = off; None when no row uses it
+    max_top_k: int  # the largest effective k over the rows (the vocabulary for rows without top-k)
     top_p: torch.Tensor | None  # [B] float32; None when no row uses it
     min_p: torch.Tensor | None  # [B] float32; None when no row uses it
     seeds: torch.Tensor  # [B] int64
@@ -90,6 +91,7 @@ class SamplingBatch:
             ),
             is_greedy=column(greedy, torch.bool),
             top_k=column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
+            max_top_k=min(vocab_size, max(k if k > 0 else vocab_size for k in top_k)) if top_k else 0,
             top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
             min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
             seeds=column([r.seed for r in requests], torch.int64),
@@ -217,7 +219,7 @@ class Sampler:
 
     def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.top_k is not None:
-            logits = ops.apply_top_k(logits, batch.top_k)
+            logits = ops.apply_top_k(logits, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
             logits = ops.apply_top_p(logits, batch.top_p)
         if batch.min_p is not None:

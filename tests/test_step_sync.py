@@ -1,0 +1,65 @@
+"""A step reads the device back exactly once: the sampled tokens (and their logprobs) in one
+transfer. On CPU every tensor is on the "device", so the test counts every conversion of a tensor
+to Python values during `engine.step()`; on a GPU each would be a synchronization."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import weft.engine.engine as engine_module
+from weft import LLM, SamplingParams
+
+CONVERSIONS = ("tolist", "item", "__bool__", "__int__", "__float__")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32")
+
+
+def counting(monkeypatch, counts: Counter) -> None:
+    for name in CONVERSIONS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            counts[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    to_host = engine_module.to_host
+
+    def counted_to_host(tensor):
+        counts["to_host"] += 1
+        return to_host(tensor)
+
+    monkeypatch.setattr(engine_module, "to_host", counted_to_host)
+
+
+def test_each_step_reads_the_device_back_once(llm, monkeypatch):
+    engine = llm.engine
+    requests = {
+        "greedy": SamplingParams(temperature=0, max_tokens=12),
+        "top": SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=1, max_tokens=12),
+        "logprobs": SamplingParams(
+            temperature=0.7, seed=2, logprobs=5, logprobs_mode="processed", max_tokens=12
+        ),
+        "regex": SamplingParams(regex="[a-z]{3,20}", temperature=0.8, seed=3, max_tokens=12),
+        "penalties": SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, seed=4, max_tokens=12),
+        "n": SamplingParams(n=2, seed=5, max_tokens=12, min_tokens=3, stop=["e"]),
+    }
+    for request_id, params in requests.items():
+        engine.add_request(request_id, "First Citizen:", params)
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        counts: Counter = Counter()
+        with monkeypatch.context() as patch:
+            counting(patch, counts)
+            engine.step()
+        num_steps += 1
+        assert counts["to_host"] <= 1, counts
+        conversions = {k: v for k, v in counts.items() if k != "to_host"}
+        assert conversions == ({"tolist": 1} if counts["to_host"] else {}), conversions
+    assert num_steps >= 12
