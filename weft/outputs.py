@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True, slots=True)
-class Logprob:
-    """The log-probability of one token, its rank in its distribution (1 = most likely) and its text."""
+class Logprob(NamedTuple):
+    """The log-probability of one token, its rank in its distribution (1 = most likely) and its text.
+    A named tuple: one is made per alternative per position, and this is the cheapest immutable
+    record Python has."""
 
     logprob: float
     rank: int

@@ -27,7 +27,7 @@ from weft.engine.kv_cache import KVCacheManager
 from weft.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int

@@ -47,6 +47,7 @@ class SequenceStatus(IntEnum):
         return self >= SequenceStatus.FINISHED_STOPPED
 
 
+_FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
 _FINISHED_STATUS = {
     FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: SequenceStatus.FINISHED_LENGTH,
@@ -163,7 +164,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED
 
     # ---- the life cycle ---------------------------------------------------------------------
 
@@ -299,20 +300,20 @@ class Sequence:
         visible = (
             len(self.text) if finished else max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
         )
-        token_ids = self.output_token_ids
         logprobs = self.logprobs
-        if kind == OutputKind.DELTA:
+        if kind == OutputKind.DELTA:  # O(new tokens), not O(all of them)
             text = self.text[sent.num_chars : visible]
-            token_ids = token_ids[sent.num_tokens :]
+            token_ids = self.token_ids[len(self.prompt_token_ids) + sent.num_tokens :]
             logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
         else:
             text = self.text[:visible]
+            token_ids = self.output_token_ids
         sent.num_chars, sent.num_tokens = visible, self.num_output_tokens
         sent.num_logprobs = len(self.logprobs or [])
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=list(token_ids),
+            token_ids=token_ids,  # a fresh slice already
             finish_reason=self.finish_reason.value if self.finish_reason else None,
             stop_reason=self.stop_reason,
             cumulative_logprob=self.cumulative_logprob,
