@@ -12,6 +12,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from weft.config import ConfigError, read_optional_json
 
@@ -50,6 +51,7 @@ class Tokenizer:
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self._token_texts: dict[int, str] = {}
+        self.is_byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)  # GPT-2 style bytes
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
+from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
 from weft.outputs import CompletionOutput, Logprob, PositionLogprobs
 from weft.params import OutputKind, SamplingParams
 from weft.structured.grammar import GrammarMatcher
@@ -96,7 +97,7 @@ class Sequence:
     prompt_token_ids: list[int]  # shared with the group and the other sequences; never modified
     limits: SequenceLimits
     seed: int  # the request's seed (+ index), or one drawn for it: randomness is keyed by (seed, position)
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer
     stop_matcher: StopStringMatcher
     token_ids: list[int]
     group: SequenceGroup | None = None
@@ -133,7 +134,7 @@ class Sequence:
             prompt_token_ids=prompt_token_ids,
             limits=limits,
             seed=seed,
-            detokenizer=IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+            detokenizer=new_detokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
             stop_matcher=StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
             token_ids=list(prompt_token_ids),
             logprobs=[] if wants_logprobs else None,
