@@ -9,7 +9,8 @@ Steps, in order:
   2. replace the model runner's forward with a stand-in that returns logits rows at once (copies of
      one fixed random block); the model inputs are still prepared, as that is host work;
   3. for each batch size and workload: add the batch, step until every row is decoding, then time
-     `--steps` decode steps with every phase of the step timed (exclusive of the phases inside it);
+     `--steps` decode steps plain (the median is the step's time) and `--steps` more with every
+     phase timed (exclusive of the phases inside it; the host phases are scaled to the plain time);
   4. print, per batch size, the host cost per step and per row and each phase's share.
 
 Host phases are the engine's work in Python (schedule, prepare inputs, start the grammar mask fill,
@@ -247,45 +248,88 @@ def measure_case(
     clock: PhaseClock,
     profiler: cProfile.Profile | None = None,
 ) -> dict[str, Any]:
-    """Time `steps` decode steps of `batch` rows of one workload; seconds per phase, per step."""
+    """Time `steps` decode steps of `batch` rows of one workload, twice: plain (the step time, median)
+    and instrumented (each phase's share; its timers cost a little, so the host phases are scaled to
+    the plain step's host time)."""
     from weft import OutputKind, SamplingParams
 
     engine = llm.engine
     kwargs = WORKLOADS[workload]
     num_prompts = max(1, batch // kwargs.get("n", 1))
     # DELTA outputs, as a server streams them: each step reports only what is new.
-    params = SamplingParams(max_tokens=steps + 12, ignore_eos=True, output_kind=OutputKind.DELTA, **kwargs)
+    params = SamplingParams(
+        max_tokens=2 * steps + 12, ignore_eos=True, output_kind=OutputKind.DELTA, **kwargs
+    )
     gen = torch.Generator().manual_seed(batch)
-    for i, prompt in enumerate(
-        torch.randint(1000, 100_000, (num_prompts, PROMPT_LEN), generator=gen).tolist()
+    ids = [f"{workload}-{batch}-{i}" for i in range(num_prompts)]
+    for request_id, prompt in zip(
+        ids, torch.randint(1000, 100_000, (num_prompts, PROMPT_LEN), generator=gen).tolist(), strict=True
     ):
-        engine.add_request(f"{workload}-{batch}-{i}", prompt, params)
+        engine.add_request(request_id, prompt, params)
     while engine.stats().num_waiting or engine.stats().extra["num_computing_prompts"]:
         engine.step()
     for _ in range(2):  # forks admitted, first decode steps
         engine.step()
-    clock.seconds.clear()
-    rows, total = 0, 0.0
     clock.enabled = True
+    host_s, device_s, rows = _timed_steps(engine, steps, clock, None)  # only the device phases timed
+    clock.seconds.clear()
+    with instrumented(engine, clock):
+        detail_host, detail_device, _ = _timed_steps(engine, steps, clock, profiler)
+    clock.enabled = False
+    timed = sum(clock.seconds.values())
+    clock.seconds["other"] = max(sum(detail_host) + sum(detail_device) - timed, 0.0)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return {
+        "workload": workload,
+        "batch": batch,
+        "rows_per_step": rows,
+        "host_s": _median(host_s),
+        "phases": _phase_shares(clock, steps, _median(host_s), _median(device_s)),
+    }
+
+
+def _timed_steps(
+    engine: Any, steps: int, clock: PhaseClock, profiler: cProfile.Profile | None
+) -> tuple[list[float], list[float], float]:
+    """Host and device seconds of each of `steps` engine steps, and the mean number of rows."""
+    host, device, rows = [], [], 0
     for _ in range(steps):
         rows += engine.stats().num_running
+        before = sum(clock.seconds.get(name, 0.0) for name in DEVICE_PHASES)
         if profiler is not None:
             profiler.enable()
         start = time.perf_counter()
         engine.step()
-        total += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
         if profiler is not None:
             profiler.disable()
-    clock.enabled = False
-    for i in range(num_prompts):
-        engine.abort_request(f"{workload}-{batch}-{i}")
+        spent = sum(clock.seconds.get(name, 0.0) for name in DEVICE_PHASES) - before
+        host.append(elapsed - spent)
+        device.append(spent)
+    return host, device, rows / steps
+
+
+def _phase_shares(clock: PhaseClock, steps: int, host_s: float, device_s: float) -> dict[str, float]:
+    """Seconds per step of each phase: the device phases as timed, the host phases as shares of the
+    instrumented run scaled to the plain run's host time (the timers themselves cost a little)."""
     phases = {name: seconds / steps for name, seconds in clock.seconds.items()}
-    phases["other"] = total / steps - sum(phases.values())
-    return {"workload": workload, "batch": batch, "rows_per_step": rows / steps, "phases": phases}
+    timed_host = sum(v for k, v in phases.items() if k not in DEVICE_PHASES)
+    scale = host_s / max(timed_host, 1e-12)
+    shares = {name: phases.get(name, 0.0) * scale for name in HOST_PHASES}
+    device_timed = sum(phases.get(name, 0.0) for name in DEVICE_PHASES)
+    shares.update(
+        {name: phases.get(name, 0.0) * device_s / max(device_timed, 1e-12) for name in DEVICE_PHASES}
+    )
+    return shares
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def host_seconds(result: dict[str, Any]) -> float:
-    return sum(result["phases"].get(name, 0.0) for name in HOST_PHASES)
+    return float(result["host_s"])
 
 
 def print_table(results: list[dict[str, Any]], batch: int) -> None:
@@ -343,12 +387,11 @@ def _measure_all(
     engine.sampler = _TimedSampler(engine.sampler, clock)
     profiler = cProfile.Profile() if args.profile else None
     results = []
-    with instrumented(engine, clock):
-        measure_case(llm, "greedy", 1, 2, clock)  # warm-up: first calls, grammar backend
-        for batch in batch_sizes:
-            for workload in workloads:
-                print(f"  batch {batch}: {workload}", flush=True)
-                results.append(measure_case(llm, workload, batch, args.steps, clock, profiler))
+    measure_case(llm, "greedy", 1, 2, clock)  # warm-up: first calls
+    for batch in batch_sizes:
+        for workload in workloads:
+            print(f"  batch {batch}: {workload}", flush=True)
+            results.append(measure_case(llm, workload, batch, args.steps, clock, profiler))
     if profiler is not None:
         profiler.dump_stats(str(args.profile))
         print(f"profile of the timed steps written to {args.profile} (python -m pstats {args.profile})")
