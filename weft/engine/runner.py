@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weft.config import CacheConfig, ModelConfig
@@ -65,10 +66,10 @@ class ModelRunner:
             query_lens, context_lens, [s.block_ids for s in sched.scheduled], self.block_size, self.device
         )
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device),
             positions=positions,
             attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)).to(self.device),
         )
 
     @torch.inference_mode()

@@ -18,8 +18,10 @@ metadata and attends, with the kernel set chosen for the device at load.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -54,12 +56,15 @@ class AttentionMetadata:
 
 @dataclass(frozen=True, slots=True)
 class _StepShape:
-    q_list: list[int]  # [B] new tokens of each sequence, on the host: every decision is taken on these
+    """One step's sequences on the host (numpy: building small arrays there costs a fraction of
+    building torch tensors op by op); every decision is taken on the lists."""
+
+    q_list: list[int]  # [B] new tokens of each sequence
     ctx_list: list[int]  # [B] tokens of each sequence after this step
-    q_lens: torch.Tensor  # [B] int64
-    ctx_lens: torch.Tensor  # [B] int64
-    seq_idx: torch.Tensor  # [T] int64, the row of each token
-    table: torch.Tensor  # [B, max_blocks] int64
+    q_lens: np.ndarray  # [B] int64
+    ctx_lens: np.ndarray  # [B] int64
+    seq_idx: np.ndarray  # [T] int64, the row of each token
+    table: np.ndarray  # [B, max_blocks] int64, padded with block 0
     block_size: int
 
 
@@ -75,20 +80,19 @@ def build_attention_metadata(
 
     `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
     `query_lens[i]` of them. Rows of up to `max_tokenwise_query_len` new tokens attend token by
-    token, as single-query rows (the kernel set's choice). Every decision (groups, sizes, masks) is
-    taken on the host lists; tensors are only built, never read back.
+    token, as single-query rows (the kernel set's choice). Arrays are built on the host with numpy
+    and moved to the device once each; nothing is read back from a device.
     """
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
-    width = max(len(t) for t in block_tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)  # [B, blocks]
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
-    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)  # [B]
+    q_lens = np.array(query_lens, dtype=np.int64)  # [B]
+    ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
+    table = _padded(block_tables)  # [B, max_blocks]
     if num_tokens == num_seqs:  # decode only: one token per sequence
-        seq_idx, positions = torch.arange(num_seqs), ctx_lens - 1  # [T] each
+        seq_idx, positions = np.arange(num_seqs), ctx_lens - 1  # [T] each
     else:
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
-        starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
-        positions = (ctx_lens - q_lens)[seq_idx] + torch.arange(num_tokens) - starts[seq_idx]  # [T]
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [T]
+        starts = np.cumsum(q_lens) - q_lens  # [B]
+        positions = (ctx_lens - q_lens)[seq_idx] + np.arange(num_tokens) - starts[seq_idx]  # [T]
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
     shape = _StepShape(query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size)
     short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
@@ -100,13 +104,30 @@ def build_attention_metadata(
     else:
         short_set = set(short_rows)
         long_rows = [i for i in range(num_seqs) if i not in short_set]
-        short_idx = torch.nonzero((q_lens <= max_tokenwise_query_len)[seq_idx]).flatten()  # [Ts]
-        long_idx = torch.nonzero((q_lens > max_tokenwise_query_len)[seq_idx]).flatten()  # [Tl]
+        short_tokens = (q_lens <= max_tokenwise_query_len)[seq_idx]  # [T] bool
         groups = (
-            _group(_tokenwise(shape, short_rows), None, short_idx, device),
-            _group(shape, long_rows, long_idx, device),
+            _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
+            _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
         )
-    return AttentionMetadata(slot_mapping.to(device), groups), positions.to(device)
+    return AttentionMetadata(_to(slot_mapping, device), groups), _to(positions, device)
+
+
+def _padded(block_tables: list[list[int]]) -> np.ndarray:
+    """[B, max_blocks] int64 from ragged lists, padded with block 0, without a loop over rows."""
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))  # [B]
+    width = int(lens.max())
+    if bool((lens == width).all()):
+        return np.array(block_tables, dtype=np.int64).reshape(len(block_tables), width)
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
+    rows = np.repeat(np.arange(len(block_tables)), lens)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    table[rows, cols] = flat
+    return table
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
@@ -123,16 +144,16 @@ def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
     return _StepShape(
         q_list=[1] * num_tokens,
         ctx_list=token_ctx,
-        q_lens=torch.ones(num_tokens, dtype=torch.int64),
-        ctx_lens=shape.ctx_lens if all_rows else torch.tensor(token_ctx, dtype=torch.int64),
-        seq_idx=torch.arange(num_tokens),
-        table=shape.table if all_rows else shape.table[torch.tensor(token_rows, dtype=torch.int64)],
+        q_lens=np.ones(num_tokens, dtype=np.int64),
+        ctx_lens=shape.ctx_lens if all_rows else np.array(token_ctx, dtype=np.int64),
+        seq_idx=np.arange(num_tokens),
+        table=shape.table if all_rows else shape.table[np.array(token_rows, dtype=np.int64)],
         block_size=shape.block_size,
     )
 
 
 def _group(
-    shape: _StepShape, rows: list[int] | None, token_idx: torch.Tensor | None, device: torch.device
+    shape: _StepShape, rows: list[int] | None, token_idx: np.ndarray | None, device: torch.device
 ) -> AttentionGroup:
     """The attention metadata of the sequences `rows` (None: all of them, in order), whose tokens
     are `token_idx` ([Tg] int64; None: all of the step's)."""
@@ -140,27 +161,27 @@ def _group(
     ctx_list = shape.ctx_list if rows is None else [shape.ctx_list[r] for r in rows]
     q_lens, ctx_lens, table = shape.q_lens, shape.ctx_lens, shape.table
     if rows is not None:
-        index = torch.tensor(rows, dtype=torch.int64)
+        index = np.array(rows, dtype=np.int64)
         q_lens, ctx_lens, table = q_lens[index], ctx_lens[index], table[index]
     max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
     is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
     scatter_idx, mask = None, None
     if max_q > 1 and not is_causal:
-        local_seq = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [Tg]
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        scatter_idx = local_seq * max_q + torch.arange(sum(q_list)) - starts[local_seq]
+        local_seq = np.repeat(np.arange(num_seqs), q_lens)  # [Tg]
+        starts = np.cumsum(q_lens) - q_lens
+        scatter_idx = local_seq * max_q + np.arange(sum(q_list)) - starts[local_seq]
     if (num_seqs > 1 or max_q > 1) and not is_causal:
-        q_pos = (ctx_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [Bg, max_q]
-        k_pos = torch.arange(kv_len)  # [kv_len]
+        q_pos = (ctx_lens - q_lens)[:, None] + np.arange(max_q)[None, :]  # [Bg, max_q]
+        k_pos = np.arange(kv_len)  # [kv_len]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
-        mask = mask.unsqueeze(1)  # [Bg, 1, max_q, kv_len]
+        mask = mask[:, None]  # [Bg, 1, max_q, kv_len]
     return AttentionGroup(
-        token_idx=None if token_idx is None else token_idx.to(device),
-        block_table=table[:, :num_blocks].contiguous().to(device),
-        context_lens=ctx_lens.to(device),
-        query_scatter_idx=None if scatter_idx is None else scatter_idx.to(device),
-        attn_mask=None if mask is None else mask.to(device),
+        token_idx=None if token_idx is None else _to(token_idx, device),
+        block_table=_to(table[:, :num_blocks], device),
+        context_lens=_to(ctx_lens, device),
+        query_scatter_idx=None if scatter_idx is None else _to(scatter_idx, device),
+        attn_mask=None if mask is None else _to(mask, device),
         max_query_len=max_q,
         kv_len=kv_len,
         is_causal=is_causal,
