@@ -81,6 +81,8 @@ class ByteLevelDetokenizer:
 
     def _bytes(self, token_ids: Sequence[int]) -> bytes:
         skip = self.token_bytes.special_ids if self.skip_special_tokens else ()
+        if len(token_ids) == 1:  # the common case: one sampled token
+            return b"" if token_ids[0] in skip else self.token_bytes(token_ids[0])
         return b"".join(self.token_bytes(t) for t in token_ids if t not in skip)
 
     def update(self, new_token_ids: Sequence[int]) -> str:

@@ -216,10 +216,11 @@ class LLMEngine:
         for group in groups:
             if self.groups.get(group.request_id) is not group:
                 continue  # aborted
-            output = group.make_output()
+            finished = group.finished
+            output = group.make_output(finished)
             if output is not None:
                 outputs.append(output)
-            if group.finished:
+            if finished:
                 del self.groups[group.request_id]
         return outputs
 

@@ -100,8 +100,9 @@ class SequenceGroup:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.sequences)
 
-    def make_output(self) -> RequestOutput | None:
-        finished = self.finished
+    def make_output(self, finished: bool) -> RequestOutput | None:
+        """The request's output now (`finished`: whether every sequence has finished), or None for
+        a FINAL_ONLY request that is still running."""
         kind = self.params.output_kind
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None

@@ -250,9 +250,10 @@ class Sequence:
         return max(room, 0)
 
     def _apply_token_stop_rules(self, grammar_done: bool) -> None:
-        params = self.params
-        num_output = self.num_output_tokens
-        last = self.token_ids[-1]
+        params, token_ids = self.params, self.token_ids
+        num_tokens = len(token_ids)
+        num_output = num_tokens - len(self.prompt_token_ids)
+        last = token_ids[-1]
         if num_output >= params.min_tokens and num_output > 0:
             if last in params.stop_token_ids:  # type: ignore[operator]
                 return self.finish(FinishReason.STOP, stop_reason=last)
@@ -260,18 +261,20 @@ class Sequence:
                 return self.finish(FinishReason.STOP)
         if params.max_tokens is not None and num_output >= params.max_tokens:
             return self.finish(FinishReason.LENGTH)
-        if self.num_tokens >= self.limits.max_model_len:
+        if num_tokens >= self.limits.max_model_len:
             return self.finish(FinishReason.LENGTH)
         if grammar_done:
             return self.finish(FinishReason.STOP)
         return None
 
     def _append_text(self, new_tokens: list[int]) -> None:
-        before = len(self.text)
-        self.text += self.detokenizer.update(new_tokens)
-        if self.is_finished:
-            self.text += self.detokenizer.flush()
-        match = self.stop_matcher.check(self.text, len(self.text) - before)
+        new_text = self.detokenizer.update(new_tokens)
+        if self.status >= _FIRST_FINISHED:
+            new_text += self.detokenizer.flush()
+        if not new_text:
+            return
+        self.text += new_text
+        match = self.stop_matcher.check(self.text, len(new_text))
         if match is None or self.finish_reason == FinishReason.ERROR:
             return
         self.text = match.text

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from weft.outputs import LogprobsTensors, SamplerOutput
@@ -78,7 +80,7 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params]
 
         def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _column(values, dtype, device)
 
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
@@ -110,12 +112,23 @@ class SamplingBatch:
         )
 
 
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [B] tensor from host values, built with numpy (torch.tensor of a list costs several times
+    more) and moved to the device once."""
+    return torch.from_numpy(np.array(values, dtype=_NUMPY[dtype])).to(device)
+
+
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), pad, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+    """[B, longest] int64 from ragged rows, padded with `pad`, without a loop over rows."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))  # [B]
+    out = np.full((len(rows), max(1, int(lens.max()))), pad, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    out[np.repeat(np.arange(len(rows)), lens), cols] = flat
+    return torch.from_numpy(out).to(device)
 
 
 def _penalties(requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Penalties | None:
@@ -133,9 +146,9 @@ def _penalties(requests: Sequence[SamplingRow], vocab_size: int, device: torch.d
             vocab_size,
             device,
         ),
-        repetition=torch.tensor([r.params.repetition_penalty for r in requests], device=device),
-        presence=torch.tensor([r.params.presence_penalty for r in requests], device=device),
-        frequency=torch.tensor([r.params.frequency_penalty for r in requests], device=device),
+        repetition=_column([r.params.repetition_penalty for r in requests], torch.float32, device),
+        presence=_column([r.params.presence_penalty for r in requests], torch.float32, device),
+        frequency=_column([r.params.frequency_penalty for r in requests], torch.float32, device),
     )
 
 
@@ -154,7 +167,7 @@ def _banned_until_min_tokens(
             tokens.extend(stop_ids)
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+    return _column(rows, torch.int64, device), _column(tokens, torch.int64, device)
 
 
 class Sampler:
