@@ -228,3 +228,22 @@ def test_row_argmax_takes_the_first_of_tied_maxima():
     wide = torch.zeros(3, 49152)
     wide[:, [17, 40000]] = 2.0  # ties far apart in a real-size vocabulary
     assert ops.row_argmax(wide).tolist() == [17, 17, 17]
+
+
+def test_only_the_rows_that_ask_get_logprobs():
+    """Rows without logprobs pay nothing: the logprobs cover the asking rows only, with the same
+    values as when every row asks."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, VOCAB, generator=gen)
+    asking = SamplingParams(temperature=0, logprobs=2)
+    plain = SamplingParams(temperature=0)
+    mixed = [Row(p, i, [1, 2], []) for i, p in enumerate([plain, asking, plain, asking])]
+    out = Sampler()(logits.clone(), SamplingBatch.build(mixed, VOCAB, torch.device("cpu")))
+    everyone = [Row(asking, i, [1, 2], []) for i in range(4)]
+    full = Sampler()(logits.clone(), SamplingBatch.build(everyone, VOCAB, torch.device("cpu")))
+    assert out.top_logprobs is not None and full.top_logprobs is not None
+    assert out.top_logprobs.rows == (1, 3) and full.top_logprobs.rows == (0, 1, 2, 3)
+    assert out.top_logprobs.token_ids.shape == (2, 3)
+    torch.testing.assert_close(out.top_logprobs.logprobs, full.top_logprobs.logprobs[[1, 3]])
+    assert torch.equal(out.top_logprobs.token_ids, full.top_logprobs.token_ids[[1, 3]])
+    assert torch.equal(out.token_ids, full.token_ids)

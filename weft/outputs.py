@@ -50,11 +50,13 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class LogprobsTensors:
-    """Logprobs of a batch of sampled rows. Column 0 is the sampled token, columns 1..k the top-k."""
+    """Logprobs of the sampled rows that asked for them. Column 0 is the sampled token, columns
+    1..k the top-k; `rows` names the batch row of each of the R rows."""
 
-    token_ids: torch.Tensor  # [B, k+1] int64
-    logprobs: torch.Tensor  # [B, k+1] float32
-    ranks: torch.Tensor  # [B] int64, rank of the sampled token (1 = argmax)
+    token_ids: torch.Tensor  # [R, k+1] int64
+    logprobs: torch.Tensor  # [R, k+1] float32
+    ranks: torch.Tensor  # [R] int64, rank of the sampled token (1 = argmax)
+    rows: tuple[int, ...]  # [R] the batch row of each row here
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatch
-from weft.sample.transfer import pack_sampled, to_host
+from weft.sample.transfer import pack_sampled, to_host, unpack_sampled
 from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
 from weft.structured.manager import GrammarManager, compile_error
@@ -251,12 +251,9 @@ def _sampled_rows(out: SamplerOutput) -> SampledRows:
         token_ids: list[int] = to_host(out.token_ids)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
     else:
-        rows = to_host(pack_sampled(out.token_ids, top.token_ids, top.logprobs, top.ranks))
-        width = top.token_ids.shape[1]
-        token_ids = [int(row[0]) for row in rows]
-        logprobs = [
-            TokenLogprobs([int(t) for t in row[2 : 2 + width]], row[2 + width :], int(row[1])) for row in rows
-        ]
+        flat = to_host(pack_sampled(out.token_ids, top.token_ids, top.logprobs, top.ranks))
+        token_ids, per_row = unpack_sampled(flat, out.token_ids.shape[0], top.rows, top.token_ids.shape[1])
+        logprobs = [None if r is None else TokenLogprobs(*r) for r in per_row]
     errors = dict(out.errors)
     for row, token in enumerate(token_ids):
         if token == INVALID_TOKEN:

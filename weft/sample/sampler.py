@@ -72,7 +72,9 @@ class SamplingBatch:
     all_greedy: bool
     scales: bool  # some sampled row has a temperature other than 1
     num_top_logprobs: int | None  # max top-n over rows; None when no row wants logprobs
-    processed_rows: torch.Tensor | None  # [B] bool, rows whose logprobs are PROCESSED
+    logprob_rows: tuple[int, ...]  # [R] the rows that want logprobs (the others pay nothing for them)
+    logprob_index: torch.Tensor | None  # [R] int64 of those rows; None when R == B
+    processed_rows: torch.Tensor | None  # [R] bool, which of them want PROCESSED logprobs
 
     @classmethod
     def build(cls, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -86,7 +88,8 @@ class SamplingBatch:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        processed = [p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
+        logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
+        processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
         return cls(
             temperature=column(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], torch.float32
@@ -108,7 +111,11 @@ class SamplingBatch:
             all_greedy=all(greedy),
             scales=any(not g and p.temperature != 1.0 for g, p in zip(greedy, params, strict=True)),
             num_top_logprobs=max(wanted) if wanted else None,
-            processed_rows=column(processed, torch.bool) if any(processed) and wanted else None,
+            logprob_rows=logprob_rows,
+            logprob_index=column(logprob_rows, torch.int64) if 0 < len(logprob_rows) < len(params) else None,
+            processed_rows=column([processed[i] for i in logprob_rows], torch.bool)
+            if any(processed)
+            else None,
         )
 
 
@@ -195,7 +202,9 @@ class Sampler:
         """logits: [B, V] float32, modified in place."""
         if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
             logits[:, self.num_real_tokens :] = float("-inf")
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_top_logprobs is not None else None
+        raw_logprobs = None  # [R, V]: only the rows that want logprobs
+        if batch.num_top_logprobs is not None:
+            raw_logprobs = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
         if mask is not None:
             mask.apply(logits)
         if batch.banned is not None:
@@ -259,14 +268,21 @@ class Sampler:
     ) -> SamplerOutput:
         if batch.num_top_logprobs is None or raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-        logprobs = raw_logprobs
+        logprobs = raw_logprobs  # [R, V]
         if batch.processed_rows is not None:
-            processed = torch.log_softmax(logits, dim=-1)
+            processed = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
             logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
-        valid_ids = token_ids.clamp(min=0)  # an invalid row's entries are never read
+        valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
         ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],
-            top_logprobs=LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks),
+            top_logprobs=LogprobsTensors(
+                token_ids=ids, logprobs=values, ranks=ranks, rows=batch.logprob_rows
+            ),
         )
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The rows `index` of `x` ([B, ...]), or all of them."""
+    return x if index is None else x.index_select(0, index)
