@@ -86,7 +86,8 @@ class LLMEngine:
                 self.tokenizer.tokenizer.to_str(), self.vocab_size, sorted(self.eos_token_ids)
             )
             max_rows = self.config.scheduler.max_num_seqs
-            self._grammars = GrammarManager(backend, max_rows, self.model.kernels)
+            pinned = self.config.device.type == "cuda"
+            self._grammars = GrammarManager(backend, max_rows, self.model.kernels, pin_memory=pinned)
         return self._grammars
 
     # ---- requests -------------------------------------------------------------------------

@@ -51,12 +51,20 @@ class GrammarManager:
         max_num_rows: int,
         kernels: TorchKernels,
         num_compile_threads: int = 2,
+        pin_memory: bool = False,
     ) -> None:
         self.backend = backend
         self.kernels = kernels  # applies the mask on the logits' device
         self.compiler = GrammarCompiler(backend, num_compile_threads)
-        self._bitmask = torch.full((max_num_rows, bitmask_words(backend.vocab_size)), -1, dtype=torch.int32)
+        # A pinned buffer lets the copy to a GPU run without blocking. Refilling it next step is safe:
+        # the step's one transfer to the host waits for the stream, and so for that copy.
+        self.pin_memory = pin_memory
+        self._bitmask = self._new_bitmask(max_num_rows)
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-bitmask")
+
+    def _new_bitmask(self, num_rows: int) -> torch.Tensor:  # [R, W] int32, CPU
+        words = bitmask_words(self.backend.vocab_size)
+        return torch.full((num_rows, words), -1, dtype=torch.int32, pin_memory=self.pin_memory)
 
     def submit(self, spec: StructuredSpec) -> Future[CompiledGrammar]:
         """Compile `spec` on a worker thread (or take it from the cache)."""
@@ -75,7 +83,7 @@ class GrammarManager:
         if not constrained:
             return None
         if len(constrained) > self._bitmask.shape[0]:  # never index past the rows: grow instead
-            self._bitmask = torch.full((len(constrained), self._bitmask.shape[1]), -1, dtype=torch.int32)
+            self._bitmask = self._new_bitmask(len(constrained))
         bitmask = self._bitmask[: len(constrained)]
         pairs = [(matcher, k) for k, (_, matcher) in enumerate(constrained)]
         future = self._filler.submit(self.backend.fill_bitmask, pairs, bitmask)
