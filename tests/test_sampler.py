@@ -247,3 +247,53 @@ def test_only_the_rows_that_ask_get_logprobs():
     torch.testing.assert_close(out.top_logprobs.logprobs, full.top_logprobs.logprobs[[1, 3]])
     assert torch.equal(out.top_logprobs.token_ids, full.top_logprobs.token_ids[[1, 3]])
     assert torch.equal(out.token_ids, full.token_ids)
+
+
+def _assert_same_batch(a: SamplingBatch, b: SamplingBatch) -> None:
+    for name in SamplingBatch.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), name
+        elif name == "penalties" and x is not None:
+            for field in ("prompt_ids", "output_ids", "repetition", "presence", "frequency"):
+                assert torch.equal(getattr(x, field), getattr(y, field)), field
+        elif name == "banned" and x is not None:
+            assert all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
+        else:
+            assert x == y, name
+
+
+def test_batch_builder_matches_a_fresh_build_as_rows_join_leave_and_grow():
+    """The builder keeps the static columns while the rows are the same, and its batches always
+    equal one built from scratch (randomized joins, leaves, reorders and growing outputs)."""
+    import random
+
+    from weft.sample.sampler import SamplingBatchBuilder
+
+    rng = random.Random(0)
+    choices = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=3, seed=1),
+        SamplingParams(top_p=0.8, min_p=0.1, logprobs=2),
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, min_tokens=2),
+        SamplingParams(temperature=1.2, logprobs=1, logprobs_mode="processed"),
+    ]
+    pool = [Row(rng.choice(choices), i, [1 + i % 5, 2], []) for i in range(12)]
+    rows = pool[:4]
+    builder, reused = SamplingBatchBuilder(), 0
+    for _ in range(60):
+        action = rng.random()
+        if action < 0.15:
+            rows = [*rows, rng.choice([r for r in pool if all(r is not x for x in rows)] or pool)]
+        elif action < 0.3 and len(rows) > 1:
+            victim = rng.choice(rows)
+            rows = [r for r in rows if r is not victim]
+        elif action < 0.35:
+            rows = rng.sample(rows, len(rows))
+        for row in rows:
+            row.output_token_ids.append(rng.randrange(VOCAB))
+        before = builder._static
+        batch = builder.build(rows, VOCAB, torch.device("cpu"))
+        reused += builder._static is before
+        _assert_same_batch(batch, SamplingBatch.build(rows, VOCAB, torch.device("cpu")))
+    assert reused > 20  # the steady state really reuses

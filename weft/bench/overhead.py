@@ -155,7 +155,6 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
     """Time the phases of `engine.step()`; everything is put back afterwards."""
     import weft.engine.engine as engine_module
     from weft.engine.sequence import Sequence
-    from weft.sample.sampler import SamplingBatch
     from weft.structured.manager import PendingFill
 
     class_patches = [
@@ -165,12 +164,11 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
         (engine_module, "_sampled_rows", "transfer"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in class_patches]
-    build = SamplingBatch.__dict__["build"]
     grammars = engine.grammars
     try:
         for owner, name, phase in class_patches:
             setattr(owner, name, clock.wrap(getattr(owner, name), phase))
-        setattr(SamplingBatch, "build", classmethod(clock.wrap(build.__func__, "batch")))  # noqa: B010
+        engine.sampling_batches.build = clock.wrap(engine.sampling_batches.build, "batch")
         engine.scheduler.schedule = clock.wrap(engine.scheduler.schedule, "schedule")
         engine.scheduler.update = clock.wrap(engine.scheduler.update, "update")
         grammars.start_fill = clock.wrap(grammars.start_fill, "mask start")
@@ -179,11 +177,11 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
-        setattr(SamplingBatch, "build", build)  # noqa: B010
         for obj, name in (
             (engine.scheduler, "schedule"),
             (engine.scheduler, "update"),
             (grammars, "start_fill"),
+            (engine.sampling_batches, "build"),
         ):
             obj.__dict__.pop(name, None)
         engine.__dict__.pop("_emit", None)

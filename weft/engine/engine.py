@@ -34,7 +34,7 @@ from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLo
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
-from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatch
+from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
 from weft.sample.transfer import pack_sampled, to_host, unpack_sampled
 from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
@@ -61,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, config.model, config.cache, config.device, config.dtype)
         self.sampler = Sampler(min(tokenizer.vocab_size, config.model.vocab_size))
+        self.sampling_batches = SamplingBatchBuilder()
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -199,7 +200,7 @@ class LLMEngine:
         if self._grammars is not None:
             fill = self._grammars.start_fill([seq.matcher for seq in seqs])
         logits = self.runner.execute(sched)  # [S, V]
-        batch = SamplingBatch.build(seqs, logits.shape[-1], logits.device)
+        batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
         rows = _sampled_rows(self.sampler(logits, batch, fill))
         self.num_sampled_tokens += len(seqs) - len(rows.errors)
         self.num_forced_tokens += self.scheduler.update(sched, rows)

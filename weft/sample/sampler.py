@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -77,7 +78,40 @@ class SamplingBatch:
     processed_rows: torch.Tensor | None  # [R] bool, which of them want PROCESSED logprobs
 
     @classmethod
-    def build(cls, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def build(
+        cls,
+        requests: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        static: StaticColumns | None = None,
+    ) -> SamplingBatch:
+        """This step's batch; `static` (from `SamplingBatchBuilder`) saves rebuilding the columns
+        that do not change while the same sequences run."""
+        static = static or StaticColumns.build(requests, vocab_size, device)
+        return cls(
+            **static.columns,
+            positions=_column([r.num_tokens for r in requests], torch.int64, device),
+            penalties=_penalties(requests, static, vocab_size, device),
+            banned=_banned_until_min_tokens(requests, device),
+            processors=[
+                (i, r.params.logits_processors, r.output_token_ids)
+                for i, r in enumerate(requests)
+                if r.params.logits_processors
+            ],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StaticColumns:
+    """The per-row parameter tensors and flags of a batch that stay the same while the same
+    sequences run in the same order (the steady decoding state)."""
+
+    columns: dict[str, Any]  # SamplingBatch fields
+    prompt_ids: torch.Tensor | None  # [B, Lp] int64 padded with V, for the penalties; None if unused
+    penalty_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, presence, frequency
+
+    @classmethod
+    def build(cls, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> StaticColumns:
         params = [r.params for r in requests]
         greedy = [p.is_greedy for p in params]
 
@@ -90,33 +124,69 @@ class SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
         processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
-        return cls(
-            temperature=column(
+        columns = {
+            "temperature": column(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], torch.float32
             ),
-            is_greedy=column(greedy, torch.bool),
-            top_k=column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
-            max_top_k=min(vocab_size, max(k if k > 0 else vocab_size for k in top_k)) if top_k else 0,
-            top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            seeds=column([r.seed for r in requests], torch.int64),
-            positions=column([r.num_tokens for r in requests], torch.int64),
-            penalties=_penalties(requests, vocab_size, device),
-            banned=_banned_until_min_tokens(requests, device),
-            processors=[
-                (i, r.params.logits_processors, r.output_token_ids)
-                for i, r in enumerate(requests)
-                if r.params.logits_processors
-            ],
-            all_greedy=all(greedy),
-            scales=any(not g and p.temperature != 1.0 for g, p in zip(greedy, params, strict=True)),
-            num_top_logprobs=max(wanted) if wanted else None,
-            logprob_rows=logprob_rows,
-            logprob_index=column(logprob_rows, torch.int64) if 0 < len(logprob_rows) < len(params) else None,
-            processed_rows=column([processed[i] for i in logprob_rows], torch.bool)
+            "is_greedy": column(greedy, torch.bool),
+            "top_k": column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
+            "max_top_k": min(vocab_size, max(k if k > 0 else vocab_size for k in top_k)) if top_k else 0,
+            "top_p": column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            "min_p": column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
+            "seeds": column([r.seed for r in requests], torch.int64),
+            "all_greedy": all(greedy),
+            "scales": any(not g and p.temperature != 1.0 for g, p in zip(greedy, params, strict=True)),
+            "num_top_logprobs": max(wanted) if wanted else None,
+            "logprob_rows": logprob_rows,
+            "logprob_index": column(logprob_rows, torch.int64)
+            if 0 < len(logprob_rows) < len(params)
+            else None,
+            "processed_rows": column([processed[i] for i in logprob_rows], torch.bool)
             if any(processed)
             else None,
+        }
+        return cls(columns, *_penalty_statics(requests, vocab_size, device))
+
+
+def _penalty_statics(
+    requests: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    active = [r.params.needs_penalties for r in requests]
+    if not any(active):
+        return None, None
+    prompt = _pad(
+        [r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)], vocab_size, device
+    )
+    scales = tuple(
+        _column([getattr(r.params, name) for r in requests], torch.float32, device)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    )
+    return prompt, scales  # type: ignore[return-value]
+
+
+class SamplingBatchBuilder:
+    """Builds each step's `SamplingBatch`, rebuilding the static columns only when the rows change
+    (a sequence joins, leaves or moves): in the steady decoding state only the positions and the
+    per-token parts (penalty counts, min_tokens bans) are new."""
+
+    def __init__(self) -> None:
+        self._params: list[SamplingParams] = []
+        self._seeds: list[int] = []
+        self._static: StaticColumns | None = None
+
+    def build(self, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
+        params = [r.params for r in requests]
+        seeds = [r.seed for r in requests]
+        same = (
+            self._static is not None
+            and len(params) == len(self._params)
+            and all(map(operator.is_, params, self._params))
+            and seeds == self._seeds
         )
+        if not same:
+            self._static = StaticColumns.build(requests, vocab_size, device)
+            self._params, self._seeds = params, seeds
+        return SamplingBatch.build(requests, vocab_size, device, self._static)
 
 
 _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
@@ -138,24 +208,23 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(out).to(device)
 
 
-def _penalties(requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> Penalties | None:
-    if not any(r.params.needs_penalties for r in requests):
+def _penalties(
+    requests: Sequence[SamplingRow], static: StaticColumns, vocab_size: int, device: torch.device
+) -> Penalties | None:
+    if static.prompt_ids is None or static.penalty_scales is None:
         return None
     active = [r.params.needs_penalties for r in requests]
+    repetition, presence, frequency = static.penalty_scales
     return Penalties(
-        prompt_ids=_pad(
-            [r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
-            vocab_size,
-            device,
-        ),
+        prompt_ids=static.prompt_ids,
         output_ids=_pad(
             [r.output_token_ids if a else [] for r, a in zip(requests, active, strict=True)],
             vocab_size,
             device,
         ),
-        repetition=_column([r.params.repetition_penalty for r in requests], torch.float32, device),
-        presence=_column([r.params.presence_penalty for r in requests], torch.float32, device),
-        frequency=_column([r.params.frequency_penalty for r in requests], torch.float32, device),
+        repetition=repetition,
+        presence=presence,
+        frequency=frequency,
     )
 
 
