@@ -101,3 +101,30 @@ def test_bench_throughput_with_only_a_config_measures_real_rates(tiny_llama, tmp
     assert [r["batch"] for r in results] == [1, 2]
     for r in results:
         assert 1 < r["weft_decode_tps"] < 1e6 and 1 < r["weft_prefill_tps"] < 1e7
+
+
+def test_bench_overhead_measures_every_phase(tmp_path):
+    """The overhead benchmark runs end to end (on the bundled tokenizer, for speed) and reports a
+    host time and every phase of the step for each case."""
+    from weft.bench.overhead import DEVICE_PHASES, HOST_PHASES
+    from weft.engine.factory import default_model_path
+
+    out = tmp_path / "overhead.json"
+    args = ["--tokenizer", str(default_model_path()), "--batch-sizes", "1,4", "--steps", "3"]
+    code = main(["bench", "overhead", *args, "--workloads", "greedy,json,top-5,n=4", "--json", str(out)])
+    assert code == 0
+    import json
+
+    results = json.loads(out.read_text())["results"]
+    assert [(r["batch"], r["workload"]) for r in results][:4] == [
+        (1, "greedy"),
+        (1, "json"),
+        (1, "top-5"),
+        (1, "n=4"),
+    ]
+    for r in results:
+        assert r["host_s"] > 0 and r["rows_per_step"] >= 1
+        assert set(HOST_PHASES + DEVICE_PHASES) <= set(r["phases"])
+        assert all(v >= 0 for v in r["phases"].values())
+    assert any(r["phases"]["mask start"] > 0 for r in results if r["workload"] == "json")
+    assert any(r["phases"]["logprobs"] > 0 for r in results if r["workload"] == "top-5")

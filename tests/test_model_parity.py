@@ -22,6 +22,11 @@ PROMPTS = [
 ]
 
 
+def parity_llm(path, **options) -> LLM:
+    """weft on CPU in float32 with logprobs over the whole (tiny) vocabulary."""
+    return LLM(str(path), show_progress=False, max_logprobs=VOCAB_ALL, **ON_CPU, **options)
+
+
 def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:  # [V]
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
@@ -63,14 +68,7 @@ def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     long_prompt = [(i * 37) % 380 + 3 for i in range(70)]
     # A 16-token budget forces the 70-token prompt through 5 chunks; blocks of 8 make prefix hits likely.
-    llm = LLM(
-        str(path),
-        show_progress=False,
-        max_num_batched_tokens=16,
-        block_size=8,
-        max_logprobs=VOCAB_ALL,
-        **ON_CPU,
-    )
+    llm = parity_llm(path, max_num_batched_tokens=16, block_size=8)
     (first,) = weft_logprobs(llm, [long_prompt])
     assert_close(first, reference_logprobs(reference, long_prompt))
     extended = [*long_prompt[:64], 5, 6, 7]
@@ -83,7 +81,7 @@ def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
 def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(str(path), show_progress=False, max_logprobs=VOCAB_ALL, **ON_CPU)
+    llm = parity_llm(path)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     for out, prompt in zip(outputs, PROMPTS[:3], strict=True):
@@ -99,14 +97,7 @@ def test_logits_match_in_mixed_decode_and_prefill_steps(checkpoint_factory):
     step; every generated position's distribution must still match the reference."""
     path = checkpoint_factory("llama")
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(
-        str(path),
-        show_progress=False,
-        max_num_batched_tokens=6,
-        block_size=4,
-        max_logprobs=VOCAB_ALL,
-        **ON_CPU,
-    )
+    llm = parity_llm(path, max_num_batched_tokens=6, block_size=4)
     vocab = llm.config.model.vocab_size
     outputs = llm.generate(
         PROMPTS, SamplingParams(max_tokens=4, temperature=0, logprobs=vocab), use_tqdm=False
@@ -125,6 +116,6 @@ def test_logits_match_for_equal_length_fresh_prompts(checkpoint_factory):
     path = checkpoint_factory("qwen2")
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     prompts = [[7 + i, 30, 31 + i, 99, 5, 6, 200 + i, 8] for i in range(3)]
-    llm = LLM(str(path), show_progress=False, max_logprobs=VOCAB_ALL, **ON_CPU)
+    llm = parity_llm(path)
     for actual, prompt in zip(weft_logprobs(llm, prompts), prompts, strict=True):
         assert_close(actual, reference_logprobs(reference, prompt))

@@ -259,10 +259,10 @@ def measure_case(
         max_tokens=2 * steps + 12, ignore_eos=True, output_kind=OutputKind.DELTA, **kwargs
     )
     gen = torch.Generator().manual_seed(batch)
+    vocab = engine.config.model.vocab_size  # prompts from the middle of it, away from special tokens
+    prompts = torch.randint(vocab // 8, vocab - vocab // 8, (num_prompts, PROMPT_LEN), generator=gen).tolist()
     ids = [f"{workload}-{batch}-{i}" for i in range(num_prompts)]
-    for request_id, prompt in zip(
-        ids, torch.randint(1000, 100_000, (num_prompts, PROMPT_LEN), generator=gen).tolist(), strict=True
-    ):
+    for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)
     while engine.stats().num_waiting or engine.stats().extra["num_computing_prompts"]:
         engine.step()
