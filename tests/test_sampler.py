@@ -297,3 +297,31 @@ def test_batch_builder_matches_a_fresh_build_as_rows_join_leave_and_grow():
         reused += builder._static is before
         _assert_same_batch(batch, SamplingBatch.build(rows, VOCAB, torch.device("cpu")))
     assert reused > 20  # the steady state really reuses
+
+
+def test_top_alternatives_break_ties_by_token_id():
+    """One documented rule: the top-n are ordered by logprob, then by token id, including which of
+    several tied tokens make the cut; the rank counts strictly better tokens."""
+    logits = torch.tensor(
+        [
+            [0.0, 2.0, 1.0, 2.0, 1.0, 1.0, -1.0, 2.0, 1.0, 0.0, 0.0, 1.0],
+            [float("-inf")] * 4 + [0.5] * 3 + [float("-inf")] * 5,
+        ]
+    )
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids, values = ops.top_by_logprob_then_id(logprobs, 5)
+    assert ids.tolist() == [[1, 3, 7, 2, 4], [4, 5, 6, 0, 1]]
+    torch.testing.assert_close(values, logprobs.gather(1, ids))
+    full_ids, _, ranks = ops.gather_logprobs(logprobs, torch.tensor([8, 6]), 5)
+    assert full_ids[:, 0].tolist() == [8, 6] and ranks.tolist() == [4, 1]
+    assert ops.top_by_logprob_then_id(logprobs, 0)[0].shape == (2, 0)
+
+
+def test_top_alternatives_match_a_full_stable_sort():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(-3, 3, (6, 40), generator=gen).float()  # many ties
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for n in (1, 4, 17, 40):
+        ids, _ = ops.top_by_logprob_then_id(logprobs, n)
+        expected = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :n]
+        assert torch.equal(ids, expected), n

@@ -114,12 +114,33 @@ def gather_logprobs(
     """The sampled token's logprob and rank, plus the top `num_top` alternatives.
 
     Returns (ids [B, num_top + 1], logprobs [B, num_top + 1], ranks [B]); column 0 is the sampled
-    token. Rank 1 is the most likely token; tied tokens share the best rank of the tie (the rank
-    counts tokens strictly more likely), so the reported rank never depends on tie order.
+    token. One rule everywhere: rank = 1 + the number of tokens with a strictly higher logprob (tied
+    tokens share the best rank of the tie), and the alternatives are the `num_top` most likely
+    tokens ordered by logprob, then by token id (`top_by_logprob_then_id`).
     """
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # [B]
-    top_values, top_ids = torch.topk(logprobs, num_top, dim=-1)  # [B, num_top]
+    top_ids, top_values = top_by_logprob_then_id(logprobs, num_top)  # [B, num_top] each
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     values = torch.cat([chosen, top_values], dim=1)
     return ids, values, ranks
+
+
+def top_by_logprob_then_id(logprobs: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `num_top` largest values of each row of `logprobs` ([B, V]) with ties broken by the
+    smaller token id, in that order: (ids [B, num_top] int64, values [B, num_top]). torch.topk
+    alone leaves both the choice among tied values at the cut and their order unspecified."""
+    num_rows = logprobs.shape[0]
+    if num_top == 0:
+        empty = logprobs.new_empty(num_rows, 0)
+        return empty.long(), empty
+    x = torch.nan_to_num(logprobs, nan=float("-inf"))  # [B, V]; a NaN row is an error row anyway
+    kth = torch.topk(x, num_top, dim=-1).values[:, -1:]  # [B, 1] the value at the cut
+    above = x > kth  # [B, V]
+    at_cut = x == kth  # [B, V]
+    room = num_top - above.sum(dim=-1, keepdim=True)  # [B, 1] tied tokens that still fit
+    selected = above | (at_cut & (at_cut.cumsum(dim=-1) <= room))  # [B, V], num_top per row
+    ids = selected.nonzero()[:, 1].view(num_rows, num_top)  # [B, num_top] in id order
+    values = x.gather(1, ids)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices  # ties keep id order
+    return ids.gather(1, order), logprobs.gather(1, ids.gather(1, order))
