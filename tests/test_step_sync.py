@@ -49,6 +49,7 @@ def test_each_step_reads_the_device_back_once(llm, monkeypatch):
         "regex": SamplingParams(regex="[a-z]{3,20}", temperature=0.8, seed=3, max_tokens=12),
         "penalties": SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, seed=4, max_tokens=12),
         "n": SamplingParams(n=2, seed=5, max_tokens=12, min_tokens=3, stop=["e"]),
+        "prompt": SamplingParams(prompt_logprobs=3, logprobs=2, max_tokens=12),
     }
     for request_id, params in requests.items():
         engine.add_request(request_id, "First Citizen:", params)

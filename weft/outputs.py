@@ -46,6 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # One entry per prompt token: None for the first, then the token and the top-k alternatives.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

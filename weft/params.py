@@ -162,6 +162,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
     logits_processors: Sequence[LogitsProcessor] = field(default=())
     json_schema: Any = None
@@ -209,12 +210,14 @@ class SamplingParams:
             self.seed,
             f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - n]",
         )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            "logprobs",
-            self.logprobs,
-            "must be None or an integer >= 0",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and value >= 0),
+                name,
+                value,
+                "must be None or an integer >= 0",
+            )
         for name in (
             "ignore_eos",
             "include_stop_str_in_output",

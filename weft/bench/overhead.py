@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from weft.bench.throughput import SHARED
+from weft.engine.runner import StepLogits
 
 LLAMA3_TOKENIZER = SHARED / "tokenizers" / "llama3"
 PROMPT_LEN = 64
@@ -133,12 +134,12 @@ class StandInRunner:
         self.logits = torch.randn(max_rows, vocab_size, generator=gen) * 3  # [max_rows, V] float32
         self.out = torch.empty_like(self.logits)  # reused, as a device allocator would (no frees)
 
-    def execute(self, sched: Any) -> torch.Tensor:
+    def execute(self, sched: Any) -> StepLogits:
         with self.clock.phase("prepare"):
             self.runner.prepare(sched)
         with self.clock.phase("forward*"):
             rows = len(sched.sampling)
-            return self.out[:rows].copy_(self.logits[:rows])
+            return StepLogits(self.out[:rows].copy_(self.logits[:rows]), None, None, [])
 
 
 class _TimedSampler:
@@ -161,7 +162,7 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
         (Sequence, "_append_text", "text+stop"),
         (Sequence, "_add_logprobs", "logprobs"),
         (PendingFill, "apply", "mask apply"),
-        (engine_module, "_sampled_rows", "transfer"),
+        (engine_module, "_to_host", "transfer"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in class_patches]
     grammars = engine.grammars

@@ -28,14 +28,15 @@ import torch
 from weft.config import EngineConfig
 from weft.engine.group import GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.runner import ModelRunner
+from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
 from weft.params import SamplingParams
+from weft.sample.prompt_logprobs import prompt_logprobs
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
-from weft.sample.transfer import pack_sampled, to_host, unpack_sampled
+from weft.sample.transfer import logprob_block, pack, to_host, unpack
 from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
 from weft.structured.manager import GrammarManager, compile_error
@@ -138,11 +139,13 @@ class LLMEngine:
                 f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         max_logprobs = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > max_logprobs:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} is more than this engine's max_logprobs "
-                f"({max_logprobs}); ask for fewer, or raise max_logprobs"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.{name}={value} is more than this engine's max_logprobs "
+                    f"({max_logprobs}); ask for fewer, or raise max_logprobs"
+                )
 
     def _start(self, group: SequenceGroup, first: Sequence) -> None:
         group.policy.start(group, first, self.spawner)
@@ -194,16 +197,31 @@ class LLMEngine:
         return [item.group for item in done]
 
     def _run(self, sched: SchedulerOutput) -> None:
-        """Forward, sample and update for one scheduled step."""
+        """Forward, sample, read back once, update, for one scheduled step."""
         seqs = sched.sampling
         fill = None
         if self._grammars is not None:
             fill = self._grammars.start_fill([seq.matcher for seq in seqs])
-        logits = self.runner.execute(sched)  # [S, V]
+        step = self.runner.execute(sched)
+        logits = step.logits  # [S, V]
         batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
-        rows = _sampled_rows(self.sampler(logits, batch, fill))
+        prompt = self._prompt_logprobs(step)
+        rows, prompt_items = _to_host(self.sampler(logits, batch, fill), prompt)
+        for span in step.prompt_spans:
+            span.seq.add_prompt_logprobs(span.first_token, prompt_items[: span.count])
+            prompt_items = prompt_items[span.count :]
         self.num_sampled_tokens += len(seqs) - len(rows.errors)
         self.num_forced_tokens += self.scheduler.update(sched, rows)
+
+    def _prompt_logprobs(self, step: StepLogits) -> torch.Tensor | None:
+        """The logprob block of this step's prompt tokens that were asked for, or None."""
+        if step.prompt_hidden is None or step.prompt_targets is None:
+            return None
+        num_top = max(span.seq.params.prompt_logprobs or 0 for span in step.prompt_spans)
+        ids, values, ranks = prompt_logprobs(
+            step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits
+        )
+        return logprob_block(ids, values, ranks)
 
     def _apply(self, update: GroupUpdate) -> None:
         if update.forks:
@@ -245,19 +263,25 @@ class LLMEngine:
         )
 
 
-def _sampled_rows(out: SamplerOutput) -> SampledRows:
-    """The sampler's results on the host, in one transfer (`to_host`). A row with `INVALID_TOKEN`
-    fails with a message."""
+def _to_host(
+    out: SamplerOutput, prompt_block: torch.Tensor | None
+) -> tuple[SampledRows, list[TokenLogprobs]]:
+    """The sampler's results and the prompt logprobs on the host, in one transfer (`to_host`). A
+    row with `INVALID_TOKEN` fails with a message."""
     top = out.top_logprobs
-    if top is None:
-        token_ids: list[int] = to_host(out.token_ids)
-        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
-    else:
-        flat = to_host(pack_sampled(out.token_ids, top.token_ids, top.logprobs, top.ranks))
-        token_ids, per_row = unpack_sampled(flat, out.token_ids.shape[0], top.rows, top.token_ids.shape[1])
-        logprobs = [None if r is None else TokenLogprobs(*r) for r in per_row]
+    blocks = [] if top is None else [logprob_block(top.token_ids, top.logprobs, top.ranks)]
+    if prompt_block is not None:
+        blocks.append(prompt_block)
+    flat = to_host(pack(out.token_ids, blocks))
+    num_rows = out.token_ids.shape[0]
+    token_ids, host_blocks = unpack(flat, num_rows, [(b.shape[0], b.shape[1]) for b in blocks])
+    logprobs: list[TokenLogprobs | None] = [None] * num_rows
+    if top is not None:
+        for row, item in zip(top.rows, host_blocks[0], strict=True):
+            logprobs[row] = TokenLogprobs(*item)
+    prompt_items = [TokenLogprobs(*item) for item in host_blocks[-1]] if prompt_block is not None else []
     errors = dict(out.errors)
     for row, token in enumerate(token_ids):
         if token == INVALID_TOKEN:
             errors.setdefault(row, NON_FINITE_ERROR)
-    return SampledRows(token_ids, logprobs, errors)
+    return SampledRows(token_ids, logprobs, errors), prompt_items

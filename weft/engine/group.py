@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from weft.engine.sequence import FinishReason, Sequence
-from weft.outputs import RequestOutput
+from weft.outputs import PositionLogprobs, RequestOutput
 from weft.params import OutputKind, SamplingParams
 
 
@@ -87,6 +87,7 @@ class SequenceGroup:
     params: SamplingParams
     policy: GroupPolicy
     sequences: list[Sequence] = field(default_factory=list)  # in output order; pruned ones removed
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry the prompt logprobs once
 
     def add(self, sequences: list[Sequence]) -> None:
         for seq in sequences:
@@ -114,4 +115,16 @@ class SequenceGroup:
             outputs=[s.completion(kind) for s in self.sequences],
             finished=finished,
             num_cached_tokens=first.num_cached_prompt_tokens if first else 0,
+            prompt_logprobs=self._prompt_logprobs(first),
         )
+
+    def _prompt_logprobs(self, first: Sequence | None) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs once all are computed (by the first sequence, which computes the
+        prompt); a DELTA output carries them once."""
+        if first is None or first.prompt_logprobs is None or first.needs_prompt_logprobs:
+            return None
+        if self.params.output_kind == OutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return first.prompt_logprobs

@@ -11,8 +11,19 @@ import torch
 
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.scheduler import SchedulerOutput
+from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.llama import KVCache, LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """Prompt tokens whose logprobs this step computes: tokens `first_token`.. of `seq`, predicted
+    by the hidden states of the `count` step rows before them."""
+
+    seq: Sequence
+    first_token: int
+    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +32,17 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64, the last token of each sampling sequence
+    prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is a prompt token
+    prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) prompt tokens
+    prompt_spans: list[PromptSpan]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    logits: torch.Tensor  # [S, V] float32, the sampling rows
+    prompt_hidden: torch.Tensor | None  # [N, hidden] for prompt logprobs (see ModelInput)
+    prompt_targets: torch.Tensor | None  # [N] int64
+    prompt_spans: list[PromptSpan]
 
 
 class ModelRunner:
@@ -54,9 +76,16 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        spans: list[PromptSpan] = []
         for item in sched.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
+            if seq.needs_prompt_logprobs:
+                self._prompt_span(
+                    seq, start, item.num_new_tokens, len(input_ids), prompt_rows, prompt_targets, spans
+                )
             input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
             query_lens.append(item.num_new_tokens)
             context_lens.append(start + item.num_new_tokens)
@@ -70,15 +99,45 @@ class ModelRunner:
             positions=positions,
             attn=attn,
             logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)).to(self.device),
+            prompt_rows=self._ids(prompt_rows) if prompt_rows else None,
+            prompt_targets=self._ids(prompt_targets) if prompt_rows else None,
+            prompt_spans=spans,
         )
 
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.int64)).to(self.device)
+
+    @staticmethod
+    def _prompt_span(
+        seq: Sequence,
+        start: int,
+        num_new: int,
+        first_row: int,
+        rows: list[int],
+        targets: list[int],
+        spans: list[PromptSpan],
+    ) -> None:
+        """Rows of this step whose next token is a prompt token without its logprob yet: the row of
+        position p predicts token p + 1."""
+        assert seq.prompt_logprobs is not None
+        first_token = max(start + 1, len(seq.prompt_logprobs))
+        last_token = min(start + num_new, seq.num_prompt_tokens - 1)  # inclusive
+        if last_token < first_token:
+            return
+        rows.extend(range(first_row + first_token - 1 - start, first_row + last_token - start))
+        targets.extend(seq.token_ids[first_token : last_token + 1])
+        spans.append(PromptSpan(seq, first_token, last_token - first_token + 1))
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns logits [S, V] float32 for the sampling sequences, in order."""
+    def execute(self, sched: SchedulerOutput) -> StepLogits:
+        """Run one step: logits [S, V] float32 for the sampling sequences, in order, and the hidden
+        states of the rows whose prompt logprobs are wanted (their logits are computed in chunks)."""
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, hidden]
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
+        return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its private copy."""

@@ -167,7 +167,9 @@ class Scheduler:
         return block_ids
 
     def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
-        computed = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else None
+        # A sequence that wants prompt logprobs computes its whole prompt: cached blocks have no logits.
+        use_cache = seq.num_computed_tokens == 0 and not seq.needs_prompt_logprobs
+        computed = self.kv.get_computed_blocks(seq) if use_cache else None
         num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
         num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
         block_ids = self.kv.allocate_slots(seq, num_new, computed)

@@ -9,6 +9,7 @@ belong to the KV manager, keyed by `seq_id`; the scheduler releases them when th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
@@ -110,6 +111,7 @@ class Sequence:
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     fork_parent: Sequence | None = None  # set until the scheduler admits a fork: share its blocks
@@ -139,6 +141,7 @@ class Sequence:
             token_ids=list(prompt_token_ids),
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     # ---- counts -----------------------------------------------------------------------------
@@ -166,6 +169,22 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status >= _FIRST_FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still lack their logprobs (so they must be computed, not cached)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens `first_token`, `first_token + 1`, ... (each entry's column 0 is
+        the actual token). Tokens already recorded (a recompute after preemption) are skipped."""
+        assert self.prompt_logprobs is not None
+        text = self.detokenizer.tokenizer.token_text
+        num_top = self.params.prompt_logprobs or 0
+        for offset, item in enumerate(items):
+            if first_token + offset != len(self.prompt_logprobs):
+                continue
+            self.prompt_logprobs.append(_position(item, num_top, text))
 
     # ---- the life cycle ---------------------------------------------------------------------
 
@@ -197,6 +216,7 @@ class Sequence:
             stop_reason=None,
             error=None,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             sent=replace(self.sent),
         )
@@ -283,16 +303,9 @@ class Sequence:
     def _add_logprobs(self, item: TokenLogprobs) -> None:
         if self.logprobs is None or self.cumulative_logprob is None:
             return
-        text = self.detokenizer.tokenizer.token_text
-        num_top = self.params.logprobs or 0
-        chosen_id, chosen_lp = item.token_ids[0], item.logprobs[0]
-        position: PositionLogprobs = {chosen_id: Logprob(chosen_lp, item.rank, text(chosen_id))}
-        top = zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True)
-        for rank, (tid, lp) in enumerate(top, start=1):
-            if tid not in position:
-                position[tid] = Logprob(lp, rank, text(tid))
+        position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_text)
         self.logprobs.append(position)
-        self.cumulative_logprob += chosen_lp
+        self.cumulative_logprob += item.logprobs[0]
 
     # ---- output -----------------------------------------------------------------------------
 
@@ -324,3 +337,14 @@ class Sequence:
             logprobs=logprobs,
             error=self.error,
         )
+
+
+def _position(item: TokenLogprobs, num_top: int, text: Callable[[int], str]) -> PositionLogprobs:
+    """One position's logprobs: the actual (or sampled) token first, then the top `num_top`."""
+    chosen_id = item.token_ids[0]
+    position: PositionLogprobs = {chosen_id: Logprob(item.logprobs[0], item.rank, text(chosen_id))}
+    top = zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True)
+    for rank, (tid, lp) in enumerate(top, start=1):
+        if tid not in position:
+            position[tid] = Logprob(lp, rank, text(tid))
+    return position
