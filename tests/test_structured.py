@@ -324,3 +324,27 @@ def test_structured_bench_counts_the_tokens_each_timed_step_computes(llm):
     ff = time_weft(llm, [prompt] * 3, [schema] * 3, 40, fast_forward=True)
     assert ff.num_forced > 0 and 0 < ff.num_tokens <= ff.num_total
     assert ff.whole_run_tokens_per_s > 0
+
+
+def test_constraint_logmass_is_the_model_mass_the_grammar_allowed(tiny_llama):
+    """With logprobs, each position reports log(sum of the model's probabilities of the tokens the
+    grammar allowed); checked at the first position against a fresh matcher's own mask."""
+    llm = LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32", max_logprobs=1000)
+    vocab = llm.config.model.vocab_size
+    regex = "[a-z]{2,6}[0-9]"
+    params = SamplingParams(regex=regex, logprobs=vocab, temperature=0, max_tokens=8)
+    out = llm.generate("Output:", params, use_tqdm=False)[0].outputs[0]
+    assert out.constraint_logmass is not None and len(out.constraint_logmass) == len(out.token_ids)
+    backend = llm.engine.grammars.backend
+    matcher = backend.new_matcher(backend.compile(params.structured))
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    backend.fill_bitmask([(matcher, 0)], bitmask)
+    allowed = unpack_bitmask(bitmask, vocab)[0]
+    first = out.logprobs[0]
+    raw = torch.tensor([first[t].logprob if t in first else float("-inf") for t in range(vocab)])
+    expected = torch.logsumexp(raw[allowed], dim=0).item()
+    assert out.constraint_logmass[0] == pytest.approx(expected, abs=1e-4)
+    for mass, token, position in zip(out.constraint_logmass, out.token_ids, out.logprobs, strict=True):
+        assert position[token].logprob - 1e-5 <= mass <= 1e-6
+    plain = llm.generate("Output:", SamplingParams(logprobs=1, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert plain.constraint_logmass == [0.0] * len(plain.token_ids)

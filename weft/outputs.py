@@ -32,6 +32,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
     error: str | None = None
+    # With logprobs: per generated position, the log of the model's probability mass on the tokens
+    # the constraint allowed (0.0 for unconstrained requests).
+    constraint_logmass: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,6 +62,7 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [R, k+1] float32
     ranks: torch.Tensor  # [R] int64, rank of the sampled token (1 = argmax)
     rows: tuple[int, ...]  # [R] the batch row of each row here
+    constraint_logmass: torch.Tensor | None = None  # [R] float32, log of the mass the grammar allowed
 
 
 @dataclass(frozen=True, slots=True)

@@ -269,7 +269,9 @@ def _to_host(
     """The sampler's results and the prompt logprobs on the host, in one transfer (`to_host`). A
     row with `INVALID_TOKEN` fails with a message."""
     top = out.top_logprobs
-    blocks = [] if top is None else [logprob_block(top.token_ids, top.logprobs, top.ranks)]
+    blocks = (
+        [] if top is None else [logprob_block(top.token_ids, top.logprobs, top.ranks, top.constraint_logmass)]
+    )
     if prompt_block is not None:
         blocks.append(prompt_block)
     flat = to_host(pack(out.token_ids, blocks))

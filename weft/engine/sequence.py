@@ -66,6 +66,7 @@ class TokenLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     rank: int
+    constraint_logmass: float = 0.0  # log of the mass the grammar allowed (0.0 unconstrained)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ class Sequence:
     error: str | None = None
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
+    constraint_logmass: list[float] | None = None  # per position, with logprobs
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
@@ -140,6 +142,7 @@ class Sequence:
             stop_matcher=StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
             token_ids=list(prompt_token_ids),
             logprobs=[] if wants_logprobs else None,
+            constraint_logmass=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -216,6 +219,7 @@ class Sequence:
             stop_reason=None,
             error=None,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            constraint_logmass=None if self.constraint_logmass is None else list(self.constraint_logmass),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             sent=replace(self.sent),
@@ -305,6 +309,9 @@ class Sequence:
             return
         position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_text)
         self.logprobs.append(position)
+        if self.constraint_logmass is not None:
+            constrained = self.params.structured is not None
+            self.constraint_logmass.append(item.constraint_logmass if constrained else 0.0)
         self.cumulative_logprob += item.logprobs[0]
 
     # ---- output -----------------------------------------------------------------------------
@@ -317,11 +324,12 @@ class Sequence:
         visible = (
             len(self.text) if finished else max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
         )
-        logprobs = self.logprobs
+        logprobs, logmass = self.logprobs, self.constraint_logmass
         if kind == OutputKind.DELTA:  # O(new tokens), not O(all of them)
             text = self.text[sent.num_chars : visible]
             token_ids = self.token_ids[len(self.prompt_token_ids) + sent.num_tokens :]
             logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
+            logmass = None if logmass is None else logmass[sent.num_logprobs :]
         else:
             text = self.text[:visible]
             token_ids = self.output_token_ids
@@ -336,6 +344,7 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=logprobs,
             error=self.error,
+            constraint_logmass=None if logmass is None else list(logmass),
         )
 
 

@@ -250,7 +250,8 @@ class Sampler:
     """Steps, in order:
     1. padding: ids past the tokenizer's vocabulary (rows of a padded embedding) are never sampled;
     2. raw logprobs, the model's own distribution (only when some row asks for logprobs);
-    3. the grammar mask of the constrained rows (`LogitsMask`, filled while the forward ran);
+    3. the grammar mask of the constrained rows (`LogitsMask`, filled while the forward ran), and for
+       the rows that want logprobs the model's log-probability mass on the tokens it allowed;
     4. ban EOS/stop tokens for rows below `min_tokens`;
     5. third-party logits processors, on the rows that have them;
     6. repetition, presence and frequency penalties;
@@ -274,8 +275,12 @@ class Sampler:
         raw_logprobs = None  # [R, V]: only the rows that want logprobs
         if batch.num_top_logprobs is not None:
             raw_logprobs = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
+        logmass = None  # [R]: the model's log-probability mass on what the grammar allowed
         if mask is not None:
             mask.apply(logits)
+            if raw_logprobs is not None:
+                allowed = _rows(logits, batch.logprob_index) > float("-inf")  # [R, V]
+                logmass = torch.logsumexp(raw_logprobs.masked_fill(~allowed, float("-inf")), dim=-1)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         errors = self._run_processors(logits, batch)
@@ -286,7 +291,7 @@ class Sampler:
             logits = logits / batch.temperature[:, None]
         logits = self._filter(logits, batch)
         token_ids = self._sample(logits, batch)
-        out = self._gather(logits, raw_logprobs, token_ids, batch)
+        out = self._gather(logits, raw_logprobs, token_ids, batch, logmass)
         return replace(out, errors=errors) if errors else out
 
     def _run_processors(self, logits: torch.Tensor, batch: SamplingBatch) -> dict[int, str]:
@@ -334,6 +339,7 @@ class Sampler:
         raw_logprobs: torch.Tensor | None,
         token_ids: torch.Tensor,
         batch: SamplingBatch,
+        logmass: torch.Tensor | None = None,
     ) -> SamplerOutput:
         if batch.num_top_logprobs is None or raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
@@ -347,7 +353,11 @@ class Sampler:
             token_ids=token_ids,
             logprobs=values[:, 0],
             top_logprobs=LogprobsTensors(
-                token_ids=ids, logprobs=values, ranks=ranks, rows=batch.logprob_rows
+                token_ids=ids,
+                logprobs=values,
+                ranks=ranks,
+                rows=batch.logprob_rows,
+                constraint_logmass=logmass,
             ),
         )
 

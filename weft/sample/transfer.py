@@ -28,9 +28,13 @@ def logprob_block(
     top_ids: torch.Tensor,  # [R, k+1] int64, the actual or sampled token first
     top_logprobs: torch.Tensor,  # [R, k+1] float32
     ranks: torch.Tensor,  # [R] int64
-) -> torch.Tensor:  # [R, 1 + 2 (k+1)] float64
-    """Rows of (rank, k+1 ids, k+1 logprobs); float64 holds every id, rank and float32 exactly."""
-    return torch.cat([ranks[:, None].double(), top_ids.double(), top_logprobs.double()], dim=1)
+    extra: torch.Tensor | None = None,  # [R] float32, one more value per row (0 when None)
+) -> torch.Tensor:  # [R, 2 + 2 (k+1)] float64
+    """Rows of (rank, extra, k+1 ids, k+1 logprobs); float64 holds every id, rank and float32
+    exactly."""
+    extra_column = ranks.new_zeros(ranks.shape, dtype=torch.float64) if extra is None else extra.double()
+    columns = [ranks[:, None].double(), extra_column[:, None], top_ids.double(), top_logprobs.double()]
+    return torch.cat(columns, dim=1)
 
 
 def pack(token_ids: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -42,15 +46,16 @@ def pack(token_ids: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(flat: list[Any], num_ids: int, shapes: list[tuple[int, int]]) -> tuple[list[int], list[list[Any]]]:
-    """The host side of `pack`: the ids, and each block as rows of (ids [k+1], logprobs [k+1], rank)."""
+    """The host side of `pack`: the ids, and each block as rows of (ids [k+1], logprobs [k+1], rank,
+    extra)."""
     token_ids = [int(t) for t in flat[:num_ids]]
     blocks, offset = [], num_ids
     for num_rows, width in shapes:
-        k = (width - 1) // 2
+        k = (width - 2) // 2
         rows = []
         for i in range(num_rows):
             chunk = flat[offset + i * width : offset + (i + 1) * width]
-            rows.append(([int(t) for t in chunk[1 : 1 + k]], chunk[1 + k :], int(chunk[0])))
+            rows.append(([int(t) for t in chunk[2 : 2 + k]], chunk[2 + k :], int(chunk[0]), chunk[1]))
         blocks.append(rows)
         offset += num_rows * width
     return token_ids, blocks
