@@ -46,6 +46,7 @@ CORE = [
     "config.py",
     "params.py",
     "outputs.py",
+    "fields.py",
     "tokenizer.py",
     "detokenize.py",
     "kernels.py",

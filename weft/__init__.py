@@ -5,6 +5,7 @@ llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
 print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
 """
 
+from weft.fields import FieldLogprobs, field_logprobs
 from weft.llm import LLM, default_model_path
 from weft.outputs import CompletionOutput, Logprob, RequestOutput
 from weft.params import LogprobsMode, OutputKind, SamplingParams
@@ -12,11 +13,13 @@ from weft.params import LogprobsMode, OutputKind, SamplingParams
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "FieldLogprobs",
     "Logprob",
     "LogprobsMode",
     "OutputKind",
     "RequestOutput",
     "SamplingParams",
     "default_model_path",
+    "field_logprobs",
 ]
 __version__ = "0.1.0"

@@ -35,6 +35,9 @@ class CompletionOutput:
     # With logprobs: per generated position, the log of the model's probability mass on the tokens
     # the constraint allowed (0.0 for unconstrained requests).
     constraint_logmass: list[float] | None = None
+    # With logprobs: where each token's text starts in the completion's full text (as in the
+    # OpenAI API's text_offset; a character split over tokens starts at the token that ends it).
+    text_offsets: list[int] | None = None
 
     @property
     def finished(self) -> bool:

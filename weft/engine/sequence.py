@@ -112,6 +112,7 @@ class Sequence:
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     constraint_logmass: list[float] | None = None  # per position, with logprobs
+    text_offsets: list[int] | None = None  # per position, with logprobs: where its text starts
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
@@ -143,6 +144,7 @@ class Sequence:
             token_ids=list(prompt_token_ids),
             logprobs=[] if wants_logprobs else None,
             constraint_logmass=[] if wants_logprobs else None,
+            text_offsets=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -220,6 +222,7 @@ class Sequence:
             error=None,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             constraint_logmass=None if self.constraint_logmass is None else list(self.constraint_logmass),
+            text_offsets=None if self.text_offsets is None else list(self.text_offsets),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             sent=replace(self.sent),
@@ -309,6 +312,8 @@ class Sequence:
             return
         position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_text)
         self.logprobs.append(position)
+        if self.text_offsets is not None:
+            self.text_offsets.append(len(self.text))  # the token's text is appended next
         if self.constraint_logmass is not None:
             constrained = self.params.structured is not None
             self.constraint_logmass.append(item.constraint_logmass if constrained else 0.0)
@@ -324,12 +329,13 @@ class Sequence:
         visible = (
             len(self.text) if finished else max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
         )
-        logprobs, logmass = self.logprobs, self.constraint_logmass
+        logprobs, logmass, offsets = self.logprobs, self.constraint_logmass, self.text_offsets
         if kind == OutputKind.DELTA:  # O(new tokens), not O(all of them)
             text = self.text[sent.num_chars : visible]
             token_ids = self.token_ids[len(self.prompt_token_ids) + sent.num_tokens :]
             logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
             logmass = None if logmass is None else logmass[sent.num_logprobs :]
+            offsets = None if offsets is None else offsets[sent.num_logprobs :]
         else:
             text = self.text[:visible]
             token_ids = self.output_token_ids
@@ -345,6 +351,7 @@ class Sequence:
             logprobs=logprobs,
             error=self.error,
             constraint_logmass=None if logmass is None else list(logmass),
+            text_offsets=None if offsets is None else list(offsets),
         )
 
 
