@@ -128,3 +128,13 @@ def test_bench_overhead_measures_every_phase(tmp_path):
         assert all(v >= 0 for v in r["phases"].values())
     assert any(r["phases"]["mask start"] > 0 for r in results if r["workload"] == "json")
     assert any(r["phases"]["logprobs"] > 0 for r in results if r["workload"] == "top-5")
+
+
+def test_generate_prints_logprob_tables(tiny_llama, capsys):
+    args = ["generate", "--model", str(tiny_llama), "--max-tokens", "3", "--temperature", "0", "Hello"]
+    assert main([*args, "--logprobs", "2", "--prompt-logprobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt tokens: probability, rank, alternatives" in out
+    generated = out.split("generated tokens: probability, rank, alternatives")[1].strip().splitlines()
+    rows = [line for line in generated if line.startswith("| ") and not line.startswith("| #")]
+    assert len(rows) == 3 and all(row.split(" | ")[3] == "1" for row in rows)  # greedy: rank 1

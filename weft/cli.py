@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 EPILOG = """examples:
   weft demo                                       free, JSON and choice completions side by side
@@ -82,6 +84,16 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=1, help="number of completions of the prompt (default: 1)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="print each token's probability and top-K"
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print each prompt token's probability and top-K",
+    )
     constraint = p.add_argument_group("output constraints (at most one)")
     constraint.add_argument(
         "--json-schema",
@@ -128,6 +140,8 @@ def run_generate(args: argparse.Namespace) -> int:
         grammar_syntax=args.grammar_syntax,
         choice=args.choice,
         fast_forward=not args.no_fast_forward,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     if args.stream and args.n == 1:
@@ -138,6 +152,8 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     (result,) = llm.generate(args.prompt, params)
+    if result.prompt_logprobs is not None:
+        print(logprob_table("prompt", result.prompt_token_ids, result.prompt_logprobs))
     for completion in result.outputs:
         if args.n > 1:
             print(f"--- completion {completion.index} ({completion.finish_reason})")
@@ -145,7 +161,28 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"weft: error: {completion.error}", file=sys.stderr)
             return 1
         print(completion.text if params.structured else args.prompt + completion.text)
+        if completion.logprobs is not None:
+            print(logprob_table("generated", completion.token_ids, list(completion.logprobs)))
     return 0
+
+
+def logprob_table(title: str, token_ids: Sequence[int], positions: list[Any]) -> str:
+    """A readable table of one logprob entry per token: the token, its probability and rank, and
+    the alternatives with theirs (`None` entries, the first prompt token, are skipped)."""
+    lines = [f"{title} tokens: probability, rank, alternatives", "| # | token | prob | rank | alternatives |"]
+    lines.append("|---:|---|---:|---:|---|")
+    for i, (token, position) in enumerate(zip(token_ids, positions, strict=True)):
+        if position is None:
+            continue
+        chosen = position[token]
+        others = [
+            f"{lp.decoded_token!r} {math.exp(lp.logprob):.3f}" for t, lp in position.items() if t != token
+        ]
+        probability = math.exp(chosen.logprob)
+        lines.append(
+            f"| {i} | {chosen.decoded_token!r} | {probability:.4f} | {chosen.rank} | {', '.join(others)} |"
+        )
+    return "\n".join(lines)
 
 
 def _read_file(path: str | None) -> str | None:
