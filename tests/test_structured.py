@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from pathlib import Path
 
@@ -348,3 +349,22 @@ def test_constraint_logmass_is_the_model_mass_the_grammar_allowed(tiny_llama):
         assert position[token].logprob - 1e-5 <= mass <= 1e-6
     plain = llm.generate("Output:", SamplingParams(logprobs=1, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert plain.constraint_logmass == [0.0] * len(plain.token_ids)
+
+
+def test_processed_logprobs_under_a_grammar_are_consistent(tiny_llama):
+    """In processed mode the distribution is the masked one: the allowed tokens' probabilities sum
+    to at most 1, disallowed ones are -inf, and the sampled token is present with its exact rank."""
+    llm = LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32", max_logprobs=1000)
+    vocab = llm.config.model.vocab_size
+    params = SamplingParams(
+        regex="[a-z]{3,8}", logprobs=vocab, logprobs_mode="processed", temperature=0.9, seed=2, max_tokens=6
+    )
+    out = llm.generate("Output:", params, use_tqdm=False)[0].outputs[0]
+    assert out.logprobs
+    for token, position in zip(out.token_ids, out.logprobs, strict=True):
+        probabilities = [math.exp(lp.logprob) for lp in position.values()]
+        assert sum(probabilities) <= 1 + 1e-4
+        assert any(lp.logprob == float("-inf") for lp in position.values())  # the mask is visible
+        chosen = position[token]
+        assert chosen.logprob > float("-inf")
+        assert chosen.rank == 1 + sum(lp.logprob > chosen.logprob for lp in position.values())
