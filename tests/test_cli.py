@@ -138,3 +138,16 @@ def test_generate_prints_logprob_tables(tiny_llama, capsys):
     generated = out.split("generated tokens: probability, rank, alternatives")[1].strip().splitlines()
     rows = [line for line in generated if line.startswith("| ") and not line.startswith("| #")]
     assert len(rows) == 3 and all(row.split(" | ")[3] == "1" for row in rows)  # greedy: rank 1
+
+
+def test_bench_logprobs_runs_every_mode(tiny_llama, tmp_path):
+    out = tmp_path / "logprobs.json"
+    args = ["--config", str(tiny_llama / "config.json"), "--batch-sizes", "1,2", "--output-len", "4"]
+    assert main(["bench", "logprobs", *args, "--prompt-len", "16", "--repeats", "1", "--json", str(out)]) == 0
+    import json
+
+    results = json.loads(out.read_text())
+    assert [r["batch"] for r in results["decode"]] == [1, 2]
+    for r in results["decode"]:
+        assert all(r[f"tps_{mode}"] > 0 for mode in ("off", "0", "5", "20"))
+    assert results["prefill_s"] > 0 and results["prefill_prompt_logprobs_s"] > 0

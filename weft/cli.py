@@ -48,11 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks that measure weft and transformers side by side.",
     )
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from weft.bench import overhead, schema_corpus, structured, throughput
+    from weft.bench import logprobs, overhead, schema_corpus, structured, throughput
 
     for name, module, summary in (
         ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
         ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),
+        ("logprobs", logprobs, "decode and prefill cost of logprobs and prompt logprobs"),
         ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
         ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
     ):
@@ -211,9 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from weft import demo
 
             return demo.run(args.model, args.seed)
-        from weft.bench import overhead, schema_corpus, structured, throughput
+        from weft.bench import logprobs, overhead, schema_corpus, structured, throughput
 
         benches = {
+            "logprobs": logprobs,
             "throughput": throughput,
             "overhead": overhead,
             "structured": structured,

@@ -129,18 +129,20 @@ def gather_logprobs(
 def top_by_logprob_then_id(logprobs: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `num_top` largest values of each row of `logprobs` ([B, V]) with ties broken by the
     smaller token id, in that order: (ids [B, num_top] int64, values [B, num_top]). torch.topk
-    alone leaves both the choice among tied values at the cut and their order unspecified."""
-    num_rows = logprobs.shape[0]
+    alone leaves both the choice among tied values at the cut and their order unspecified.
+
+    Static shapes only (no nonzero, so no device sync): every token above the cut gets the key
+    2V - id, every token at the cut V - id, the rest 0; the `num_top` largest keys are exactly the
+    tokens to keep, lowest ids first, and a stable sort by value then orders them."""
+    num_rows, vocab_size = logprobs.shape
     if num_top == 0:
         empty = logprobs.new_empty(num_rows, 0)
         return empty.long(), empty
     x = torch.nan_to_num(logprobs, nan=float("-inf"))  # [B, V]; a NaN row is an error row anyway
     kth = torch.topk(x, num_top, dim=-1).values[:, -1:]  # [B, 1] the value at the cut
-    above = x > kth  # [B, V]
-    at_cut = x == kth  # [B, V]
-    room = num_top - above.sum(dim=-1, keepdim=True)  # [B, 1] tied tokens that still fit
-    selected = above | (at_cut & (at_cut.cumsum(dim=-1) <= room))  # [B, V], num_top per row
-    ids = selected.nonzero()[:, 1].view(num_rows, num_top)  # [B, num_top] in id order
-    values = x.gather(1, ids)
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices  # ties keep id order
-    return ids.gather(1, order), logprobs.gather(1, ids.gather(1, order))
+    below_id = vocab_size - torch.arange(vocab_size, device=x.device, dtype=torch.float32)  # [V], V - id
+    keys = torch.where(x > kth, below_id + vocab_size, torch.where(x == kth, below_id, 0.0))  # [B, V]
+    ids = torch.topk(keys, num_top, dim=-1).indices  # [B, num_top], above the cut first, ids ascending
+    order = torch.sort(x.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
+    return ids, logprobs.gather(1, ids)
