@@ -345,3 +345,22 @@ def test_disabled_by_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("WEFT_CACHE_DIR", str(tmp_path))
     assert native._load(native.NativeConfig.from_env()) is False
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20, 40])
+def test_top_by_value_then_index_matches_torch(num_top):
+    """The one-pass kernel keeps the same tokens in the same order as the static-shape torch
+    version: ties to the smaller index, NaN as -inf, rows of -inf included."""
+    gen = torch.Generator().manual_seed(num_top)
+    x = torch.randint(-4, 4, (7, 40), generator=gen).float()  # many ties
+    x[1] = float("-inf")
+    x[2, 3] = float("nan")
+    x[3, :30] = float("-inf")
+    native_ids, native_values = NATIVE_CPU_KERNELS.top_by_value_then_index(x, num_top)
+    torch_ids, torch_values = TORCH_KERNELS.top_by_value_then_index(x, num_top)
+    assert torch.equal(native_ids, torch_ids)
+    torch.testing.assert_close(native_values, torch_values, equal_nan=True)
+    strided = torch.cat([x, x], dim=1)[:, :40]
+    assert torch.equal(NATIVE_CPU_KERNELS.top_by_value_then_index(strided, num_top)[0], torch_ids)
+    with pytest.raises(RuntimeError, match="num_top"):
+        torch.ops.weft.top_by_value_then_index(x, 41)

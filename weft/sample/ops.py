@@ -3,7 +3,14 @@ own parameters; none loops over rows or over the vocabulary in Python."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from weft.kernels import TORCH_KERNELS
+
+# (logprobs [B, V], n) -> (ids [B, n] int64, values [B, n]): the top n, ties to the smaller id
+TopFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -110,6 +117,7 @@ def gather_logprobs(
     logprobs: torch.Tensor,  # [B, V] float32
     token_ids: torch.Tensor,  # [B] int64, the sampled tokens
     num_top: int,
+    top: TopFn | None = None,  # a faster implementation of `top_by_logprob_then_id` (a kernel set's)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampled token's logprob and rank, plus the top `num_top` alternatives.
 
@@ -120,7 +128,7 @@ def gather_logprobs(
     """
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # [B]
-    top_ids, top_values = top_by_logprob_then_id(logprobs, num_top)  # [B, num_top] each
+    top_ids, top_values = (top or top_by_logprob_then_id)(logprobs, num_top)  # [B, num_top] each
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     values = torch.cat([chosen, top_values], dim=1)
     return ids, values, ranks
@@ -129,20 +137,6 @@ def gather_logprobs(
 def top_by_logprob_then_id(logprobs: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `num_top` largest values of each row of `logprobs` ([B, V]) with ties broken by the
     smaller token id, in that order: (ids [B, num_top] int64, values [B, num_top]). torch.topk
-    alone leaves both the choice among tied values at the cut and their order unspecified.
-
-    Static shapes only (no nonzero, so no device sync): every token above the cut gets the key
-    2V - id, every token at the cut V - id, the rest 0; the `num_top` largest keys are exactly the
-    tokens to keep, lowest ids first, and a stable sort by value then orders them."""
-    num_rows, vocab_size = logprobs.shape
-    if num_top == 0:
-        empty = logprobs.new_empty(num_rows, 0)
-        return empty.long(), empty
-    x = torch.nan_to_num(logprobs, nan=float("-inf"))  # [B, V]; a NaN row is an error row anyway
-    kth = torch.topk(x, num_top, dim=-1).values[:, -1:]  # [B, 1] the value at the cut
-    below_id = vocab_size - torch.arange(vocab_size, device=x.device, dtype=torch.float32)  # [V], V - id
-    keys = torch.where(x > kth, below_id + vocab_size, torch.where(x == kth, below_id, 0.0))  # [B, V]
-    ids = torch.topk(keys, num_top, dim=-1).indices  # [B, num_top], above the cut first, ids ascending
-    order = torch.sort(x.gather(1, ids), dim=-1, descending=True, stable=True).indices
-    ids = ids.gather(1, order)
-    return ids, logprobs.gather(1, ids)
+    alone leaves both the choice among tied values at the cut and their order unspecified. The
+    plain-torch version of the kernel sets' `top_by_value_then_index`."""
+    return TORCH_KERNELS.top_by_value_then_index(logprobs, num_top)

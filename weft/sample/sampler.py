@@ -263,8 +263,9 @@ class Sampler:
     10. gather the sampled token's logprob and rank, and the top-n alternatives.
     """
 
-    def __init__(self, num_real_tokens: int | None = None) -> None:
+    def __init__(self, num_real_tokens: int | None = None, top: ops.TopFn | None = None) -> None:
         self.num_real_tokens = num_real_tokens  # the tokenizer's vocabulary; None = every logit
+        self.top = top  # the device's top-n with the tie rule (a kernel set's), or the torch one
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, mask: LogitsMask | None = None
@@ -348,7 +349,7 @@ class Sampler:
             processed = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
             logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
         valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
-        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs)
+        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs, self.top)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],
