@@ -364,3 +364,12 @@ def test_top_by_value_then_index_matches_torch(num_top):
     assert torch.equal(NATIVE_CPU_KERNELS.top_by_value_then_index(strided, num_top)[0], torch_ids)
     with pytest.raises(RuntimeError, match="num_top"):
         torch.ops.weft.top_by_value_then_index(x, 41)
+
+
+def test_rank_of_matches_torch():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 3, (5, 30), generator=gen).float()
+    ids = torch.tensor([0, 3, 7, 29, 12])
+    assert torch.equal(NATIVE_CPU_KERNELS.rank_of(x, ids), TORCH_KERNELS.rank_of(x, ids))
+    with pytest.raises(RuntimeError, match="outside the row"):
+        torch.ops.weft.rank_of(x, torch.tensor([0, 0, 0, 0, 30]))

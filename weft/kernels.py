@@ -97,6 +97,11 @@ class TorchKernels:
         ids = ids.gather(1, order)
         return ids, x.gather(1, ids)
 
+    def rank_of(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[R] int64: 1 + the number of entries of each row of x ([R, V]) strictly greater than
+        x[r, ids[r]] (ids: [R] int64)."""
+        return (x > x.gather(1, ids[:, None])).sum(dim=-1) + 1
+
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
     ) -> None:
@@ -156,6 +161,11 @@ class NativeCpuKernels(TorchKernels):
             return super().top_by_value_then_index(x, num_top)
         ids, _ = torch.ops.weft.top_by_value_then_index(x, num_top)
         return ids, x.gather(1, ids)
+
+    def rank_of(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return super().rank_of(x, ids)
+        return torch.ops.weft.rank_of(x, ids.contiguous())
 
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None

@@ -62,7 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(model, config.model, config.cache, config.device, config.dtype)
         num_real_tokens = min(tokenizer.vocab_size, config.model.vocab_size)
-        self.sampler = Sampler(num_real_tokens, model.kernels.top_by_value_then_index)
+        self.sampler = Sampler(num_real_tokens, model.kernels)
         self.sampling_batches = SamplingBatchBuilder()
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | (
@@ -219,9 +219,9 @@ class LLMEngine:
         if step.prompt_hidden is None or step.prompt_targets is None:
             return None
         num_top = max(span.seq.params.prompt_logprobs or 0 for span in step.prompt_spans)
-        top = self.model.kernels.top_by_value_then_index
+        kernels = self.model.kernels
         ids, values, ranks = prompt_logprobs(
-            step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits, top=top
+            step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits, kernels=kernels
         )
         return logprob_block(ids, values, ranks)
 

@@ -564,6 +564,33 @@ std::tuple<at::Tensor, at::Tensor> top_by_value_then_index(const at::Tensor& x, 
   return {ids, values};
 }
 
+// 1 + the number of entries of each row of x ([R, V] float32) strictly greater than x[r, ids[r]].
+at::Tensor rank_of(const at::Tensor& x, const at::Tensor& ids) {
+  TORCH_CHECK(on_cpu({x, ids}), "rank_of: x and ids must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "rank_of: x must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.size(0) == x.size(0),
+              "rank_of: ids must be [R] int64");
+  const int64_t rows = x.size(0), vocab = x.size(1), stride = x.stride(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < vocab, "rank_of: an id is outside the row");
+  }
+  auto ranks = at::empty({rows}, ids.options());
+  int64_t* rp = ranks.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * stride;
+      const float chosen = row[ip[r]];
+      int64_t above = 0;
+      for (int64_t j = 0; j < vocab; ++j) above += row[j] > chosen;
+      rp[r] = above + 1;
+    }
+  });
+  return ranks;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weft, m) {
@@ -573,6 +600,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
+  m.def("rank_of(Tensor x, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -582,4 +610,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("top_by_value_then_index", &top_by_value_then_index);
+  m.impl("rank_of", &rank_of);
 }

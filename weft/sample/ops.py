@@ -3,14 +3,9 @@ own parameters; none loops over rows or over the vocabulary in Python."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from weft.kernels import TORCH_KERNELS
-
-# (logprobs [B, V], n) -> (ids [B, n] int64, values [B, n]): the top n, ties to the smaller id
-TopFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+from weft.kernels import TORCH_KERNELS, TorchKernels
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -117,7 +112,7 @@ def gather_logprobs(
     logprobs: torch.Tensor,  # [B, V] float32
     token_ids: torch.Tensor,  # [B] int64, the sampled tokens
     num_top: int,
-    top: TopFn | None = None,  # a faster implementation of `top_by_logprob_then_id` (a kernel set's)
+    kernels: TorchKernels = TORCH_KERNELS,  # the device's: ranks and the top-n in one pass on CPU
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampled token's logprob and rank, plus the top `num_top` alternatives.
 
@@ -127,8 +122,8 @@ def gather_logprobs(
     tokens ordered by logprob, then by token id (`top_by_logprob_then_id`).
     """
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [B]
-    top_ids, top_values = (top or top_by_logprob_then_id)(logprobs, num_top)  # [B, num_top] each
+    ranks = kernels.rank_of(logprobs, token_ids)  # [B]
+    top_ids, top_values = kernels.top_by_value_then_index(logprobs, num_top)  # [B, num_top] each
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     values = torch.cat([chosen, top_values], dim=1)
     return ids, values, ranks

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.sample import ops
 
 CHUNK_ROWS = 256  # rows of logits at a time: 256 x 128k float32 is 128 MiB
@@ -23,12 +24,12 @@ def prompt_logprobs(
     num_top: int,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],  # [n, hidden] -> [n, V] float32
     chunk_rows: int = CHUNK_ROWS,
-    top: ops.TopFn | None = None,
+    kernels: TorchKernels = TORCH_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids [N, k+1], logprobs [N, k+1], ranks [N]); column 0 is the actual token."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
         logprobs = torch.log_softmax(compute_logits(hidden[start : start + chunk_rows]), dim=-1)  # [n, V]
-        parts.append(ops.gather_logprobs(logprobs, targets[start : start + chunk_rows], num_top, top))
+        parts.append(ops.gather_logprobs(logprobs, targets[start : start + chunk_rows], num_top, kernels))
     ids, values, ranks = zip(*parts, strict=True)
     return torch.cat(ids), torch.cat(values), torch.cat(ranks)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.outputs import LogprobsTensors, SamplerOutput
 from weft.params import LogitsProcessor, LogprobsMode, SamplingParams
 from weft.sample import ops
@@ -263,9 +264,9 @@ class Sampler:
     10. gather the sampled token's logprob and rank, and the top-n alternatives.
     """
 
-    def __init__(self, num_real_tokens: int | None = None, top: ops.TopFn | None = None) -> None:
+    def __init__(self, num_real_tokens: int | None = None, kernels: TorchKernels = TORCH_KERNELS) -> None:
         self.num_real_tokens = num_real_tokens  # the tokenizer's vocabulary; None = every logit
-        self.top = top  # the device's top-n with the tie rule (a kernel set's), or the torch one
+        self.kernels = kernels  # the device's: logprob ranks and top-n
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, mask: LogitsMask | None = None
@@ -349,7 +350,7 @@ class Sampler:
             processed = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
             logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
         valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
-        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs, self.top)
+        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs, self.kernels)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],
