@@ -359,3 +359,21 @@ def test_invalid_unicode_is_a_value_error_naming_the_field(llm):
         llm.chat([{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}])
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[1, 2.5]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_logprobs_do_not_change_the_tokens(llm):
+    """A mixed batch, some rows with logprobs (raw and processed, sampled prompt logprobs too), gives
+    the same tokens as the same batch without any."""
+    base = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=10, top_p=0.9 if i % 2 else 1.0) for i in range(4)
+    ]
+    plain = llm.generate(PROMPTS, base, use_tqdm=False)
+    asking = [
+        base[0].replace(logprobs=3),
+        base[1],
+        base[2].replace(logprobs=1, logprobs_mode="processed", prompt_logprobs=2),
+        base[3],
+    ]
+    mixed = llm.generate(PROMPTS, asking, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]
+    assert mixed[0].outputs[0].logprobs and mixed[1].outputs[0].logprobs is None
