@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from weft.kernels import TORCH_KERNELS
 from weft.params import SamplingParams
 from weft.sample import ops
 from weft.sample.sampler import Sampler, SamplingBatch
@@ -309,12 +310,12 @@ def test_top_alternatives_break_ties_by_token_id():
         ]
     )
     logprobs = torch.log_softmax(logits, dim=-1)
-    ids, values = ops.top_by_logprob_then_id(logprobs, 5)
+    ids, values = TORCH_KERNELS.top_by_value_then_index(logprobs, 5)
     assert ids.tolist() == [[1, 3, 7, 2, 4], [4, 5, 6, 0, 1]]
     torch.testing.assert_close(values, logprobs.gather(1, ids))
     full_ids, _, ranks = ops.gather_logprobs(logprobs, torch.tensor([8, 6]), 5)
     assert full_ids[:, 0].tolist() == [8, 6] and ranks.tolist() == [4, 1]
-    assert ops.top_by_logprob_then_id(logprobs, 0)[0].shape == (2, 0)
+    assert TORCH_KERNELS.top_by_value_then_index(logprobs, 0)[0].shape == (2, 0)
 
 
 def test_top_alternatives_match_a_full_stable_sort():
@@ -322,6 +323,6 @@ def test_top_alternatives_match_a_full_stable_sort():
     logits = torch.randint(-3, 3, (6, 40), generator=gen).float()  # many ties
     logprobs = torch.log_softmax(logits, dim=-1)
     for n in (1, 4, 17, 40):
-        ids, _ = ops.top_by_logprob_then_id(logprobs, n)
+        ids, _ = TORCH_KERNELS.top_by_value_then_index(logprobs, n)
         expected = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :n]
         assert torch.equal(ids, expected), n

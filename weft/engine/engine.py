@@ -208,9 +208,10 @@ class LLMEngine:
         batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
         prompt = self._prompt_logprobs(step)
         rows, prompt_items = _to_host(self.sampler(logits, batch, fill), prompt)
+        offset = 0
         for span in step.prompt_spans:
-            span.seq.add_prompt_logprobs(span.first_token, prompt_items[: span.count])
-            prompt_items = prompt_items[span.count :]
+            span.seq.add_prompt_logprobs(span.first_token, prompt_items[offset : offset + span.count])
+            offset += span.count
         self.num_sampled_tokens += len(seqs) - len(rows.errors)
         self.num_forced_tokens += self.scheduler.update(sched, rows)
 

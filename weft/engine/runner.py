@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weft.arrays import column
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence
@@ -95,17 +96,14 @@ class ModelRunner:
             query_lens, context_lens, [s.block_ids for s in sched.scheduled], self.block_size, self.device
         )
         return ModelInput(
-            input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device),
+            input_ids=column(input_ids, np.int64, self.device),
             positions=positions,
             attn=attn,
-            logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)).to(self.device),
-            prompt_rows=self._ids(prompt_rows) if prompt_rows else None,
-            prompt_targets=self._ids(prompt_targets) if prompt_rows else None,
+            logits_indices=column(logits_indices, np.int64, self.device),
+            prompt_rows=column(prompt_rows, np.int64, self.device) if prompt_rows else None,
+            prompt_targets=column(prompt_targets, np.int64, self.device) if prompt_rows else None,
             prompt_spans=spans,
         )
-
-    def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.from_numpy(np.array(values, dtype=np.int64)).to(self.device)
 
     @staticmethod
     def _prompt_span(

@@ -18,13 +18,13 @@ metadata and attends, with the kernel set chosen for the device at load.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from weft.arrays import padded, to_device
 from weft.kernels import TORCH_KERNELS, TorchKernels
 
 
@@ -86,7 +86,7 @@ def build_attention_metadata(
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
     ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
-    table = _padded(block_tables)  # [B, max_blocks]
+    table = padded(block_tables, pad=0)  # [B, max_blocks], padded with block 0
     if num_tokens == num_seqs:  # decode only: one token per sequence
         seq_idx, positions = np.arange(num_seqs), ctx_lens - 1  # [T] each
     else:
@@ -109,25 +109,7 @@ def build_attention_metadata(
             _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
             _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
         )
-    return AttentionMetadata(_to(slot_mapping, device), groups), _to(positions, device)
-
-
-def _padded(block_tables: list[list[int]]) -> np.ndarray:
-    """[B, max_blocks] int64 from ragged lists, padded with block 0, without a loop over rows."""
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))  # [B]
-    width = int(lens.max())
-    if bool((lens == width).all()):
-        return np.array(block_tables, dtype=np.int64).reshape(len(block_tables), width)
-    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lens.sum()))
-    rows = np.repeat(np.arange(len(block_tables)), lens)
-    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-    table = np.zeros((len(block_tables), width), dtype=np.int64)
-    table[rows, cols] = flat
-    return table
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
 
 
 def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
@@ -177,11 +159,11 @@ def _group(
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
         mask = mask[:, None]  # [Bg, 1, max_q, kv_len]
     return AttentionGroup(
-        token_idx=None if token_idx is None else _to(token_idx, device),
-        block_table=_to(table[:, :num_blocks], device),
-        context_lens=_to(ctx_lens, device),
-        query_scatter_idx=None if scatter_idx is None else _to(scatter_idx, device),
-        attn_mask=None if mask is None else _to(mask, device),
+        token_idx=None if token_idx is None else to_device(token_idx, device),
+        block_table=to_device(table[:, :num_blocks], device),
+        context_lens=to_device(ctx_lens, device),
+        query_scatter_idx=None if scatter_idx is None else to_device(scatter_idx, device),
+        attn_mask=None if mask is None else to_device(mask, device),
         max_query_len=max_q,
         kv_len=kv_len,
         is_causal=is_causal,

@@ -119,7 +119,7 @@ def gather_logprobs(
     Returns (ids [B, num_top + 1], logprobs [B, num_top + 1], ranks [B]); column 0 is the sampled
     token. One rule everywhere: rank = 1 + the number of tokens with a strictly higher logprob (tied
     tokens share the best rank of the tie), and the alternatives are the `num_top` most likely
-    tokens ordered by logprob, then by token id (`top_by_logprob_then_id`).
+    tokens ordered by logprob, then by token id (`TorchKernels.top_by_value_then_index`).
     """
     chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
     ranks = kernels.rank_of(logprobs, token_ids)  # [B]
@@ -127,11 +127,3 @@ def gather_logprobs(
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     values = torch.cat([chosen, top_values], dim=1)
     return ids, values, ranks
-
-
-def top_by_logprob_then_id(logprobs: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `num_top` largest values of each row of `logprobs` ([B, V]) with ties broken by the
-    smaller token id, in that order: (ids [B, num_top] int64, values [B, num_top]). torch.topk
-    alone leaves both the choice among tied values at the cut and their order unspecified. The
-    plain-torch version of the kernel sets' `top_by_value_then_index`."""
-    return TORCH_KERNELS.top_by_value_then_index(logprobs, num_top)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -11,6 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from weft.arrays import column, padded, to_device
 from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.outputs import LogprobsTensors, SamplerOutput
 from weft.params import LogitsProcessor, LogprobsMode, SamplingParams
@@ -194,19 +194,11 @@ _NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_
 
 
 def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [B] tensor from host values, built with numpy (torch.tensor of a list costs several times
-    more) and moved to the device once."""
-    return torch.from_numpy(np.array(values, dtype=_NUMPY[dtype])).to(device)
+    return column(values, _NUMPY[dtype], device)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[B, longest] int64 from ragged rows, padded with `pad`, without a loop over rows."""
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))  # [B]
-    out = np.full((len(rows), max(1, int(lens.max()))), pad, dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
-    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-    out[np.repeat(np.arange(len(rows)), lens), cols] = flat
-    return torch.from_numpy(out).to(device)
+    return to_device(padded(rows, pad, min_width=1), device)  # [B, longest] int64
 
 
 def _penalties(
