@@ -78,9 +78,11 @@ def check_invariants(world: World) -> None:
         assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0), "free queue out of sync"
     for block_hash, block in pool.cached.items():
         assert block.block_hash == block_hash and len(block.token_ids) == BLOCK_SIZE
-    running = {s.seq_id for s in world.sched.running}
-    assert set(kv.tables) == running, "only running sequences hold blocks"
-    for seq in world.sched.running:
+    # Running sequences hold blocks, and so do queued forks sharing their parent's (with a
+    # computed prefix); nothing else.
+    holders = list(world.sched.running) + [s for s in world.sched.waiting if s.num_computed_tokens > 0]
+    assert set(kv.tables) == {s.seq_id for s in holders}, "only running sequences and forks hold blocks"
+    for seq in holders:
         table = kv.tables[seq.seq_id]
         assert table.block_ids == [b.block_id for b in table.blocks], "cached block ids drifted"
         assert len(table.blocks) * BLOCK_SIZE >= seq.num_computed_tokens

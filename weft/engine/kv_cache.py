@@ -118,6 +118,10 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.pool.num_free
 
+    def holds(self, seq_id: int) -> bool:
+        """Whether the sequence has blocks."""
+        return seq_id in self.tables
+
     def block_ids(self, seq_id: int) -> list[int]:
         table = self.tables.get(seq_id)
         return [] if table is None else list(table.block_ids)

@@ -10,8 +10,8 @@ tokens appended without sampling (not yet computed).
   1. serve running sequences first, oldest first; when blocks run out, preempt the newest running
      sequence (free its blocks, recompute it later) until the older one fits;
   2. admit waiting sequences in order while the budget, `max_num_seqs` and the free blocks allow,
-     a fork sharing its parent's blocks, any other sequence starting from its longest prefix-cache
-     hit.
+     a fork with the blocks it shares with its parent (taken when it was queued), any other
+     sequence from its longest prefix-cache hit.
 `update()` advances the counters, registers newly full blocks for prefix caching, and hands each
 sampled token to its sequence (`Sequence.append`, where the decision to stop is taken). Whatever
 finished releases its blocks at once: `_release` is the one place that happens.
@@ -75,10 +75,30 @@ class Scheduler:
 
     def add_forked(self, children: list[Sequence]) -> None:
         """Queue forks ahead of the waiting sequences (they belong to requests already running).
-        Each shares its `fork_parent`'s blocks when it is admitted, if the parent still has them;
-        like every admission, this waits for room under `max_num_seqs`."""
-        for child in reversed(children):
-            self.waiting.appendleft(child)
+        Each takes its share of its `fork_parent`'s blocks at once, while the parent surely holds
+        them (a parent pruned right after forking must not take them away); like every admission,
+        running waits for room under `max_num_seqs`."""
+        for child in children:
+            self._share_parent_blocks(child)
+        self.resume(children)
+
+    def resume(self, seqs: list[Sequence]) -> None:
+        """Queue sequences of running requests (forks, parked beams given a token) ahead of the
+        waiting ones; whatever they computed and the blocks they hold stay theirs."""
+        for seq in reversed(seqs):
+            self.waiting.appendleft(seq)
+
+    def _share_parent_blocks(self, seq: Sequence) -> None:
+        """A fork shares the blocks of its parent's computed prefix and recomputes only its last
+        token, for logits of its own (its first write copies the shared last block). A parent that
+        finished or was preempted holds no blocks: the fork then starts like any new sequence,
+        from the prefix cache."""
+        parent, seq.fork_parent = seq.fork_parent, None
+        num_shared = seq.num_tokens - 1
+        if parent is None or not self.kv.holds(parent.seq_id) or parent.num_computed_tokens < num_shared:
+            return
+        self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
+        seq.num_computed_tokens = num_shared
 
     @property
     def num_unfinished(self) -> int:
@@ -123,11 +143,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self._can_share(seq):
-                block_ids = self._share_parent_blocks(seq, budget)
-            else:
-                seq.fork_parent = None
-                block_ids = self._allocate_fresh(seq, budget)
+            block_ids = self._allocate_fresh(seq, budget)
             if block_ids is None:
                 break
             self.waiting.popleft()
@@ -137,45 +153,17 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new, block_ids))
             budget -= num_new
 
-    @staticmethod
-    def _can_share(seq: Sequence) -> bool:
-        """Whether `seq` is a fork whose parent still holds the blocks of its prefix (a parent that
-        finished or was preempted does not: the fork then starts like any new sequence, from the
-        prefix cache)."""
-        parent = seq.fork_parent
-        return (
-            parent is not None
-            and parent.status == SequenceStatus.RUNNING
-            and parent.num_computed_tokens >= seq.num_tokens - 1
-        )
-
-    def _share_parent_blocks(self, seq: Sequence, budget: int) -> list[int] | None:
-        """A fork shares the blocks of its parent's computed prefix and recomputes only its last
-        token, for logits of its own. None (nothing changed) when no block is free for its
-        copy-on-write."""
-        parent = seq.fork_parent
-        assert parent is not None
-        num_shared = seq.num_tokens - 1
-        self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
-        seq.num_computed_tokens = num_shared
-        block_ids = self.kv.allocate_slots(seq, min(1, budget))
-        if block_ids is None:
-            self.kv.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            return None
-        seq.fork_parent = None
-        return block_ids
-
     def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
         # A sequence that wants prompt logprobs computes its whole prompt: cached blocks have no logits.
-        use_cache = seq.num_computed_tokens == 0 and not seq.needs_prompt_logprobs
+        fresh = seq.num_computed_tokens == 0  # not a fork holding its parent's blocks, not parked
+        use_cache = fresh and not seq.needs_prompt_logprobs
         computed = self.kv.get_computed_blocks(seq) if use_cache else None
         num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
         num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
         block_ids = self.kv.allocate_slots(seq, num_new, computed)
         if block_ids is None:
             return None
-        if seq.status == SequenceStatus.WAITING:
+        if seq.status == SequenceStatus.WAITING and fresh:
             seq.num_cached_prompt_tokens = num_cached
             self.kv.record_prefix_query(seq.num_tokens, num_cached)
         seq.num_computed_tokens += num_cached
@@ -211,12 +199,20 @@ class Scheduler:
                 error = sampled.errors.get(samples_row)
                 if error is not None:
                     seq.finish(FinishReason.ERROR, error=error)
+                elif seq.defers_sampling:
+                    seq.candidates = sampled.logprobs[samples_row]
+                    self._park(seq)
                 else:
                     num_appended = seq.append(sampled.token_ids[samples_row], sampled.logprobs[samples_row])
                     num_forced += max(num_appended - 1, 0)
             if seq.is_finished:
                 self._release(seq)
         return num_forced
+
+    def _park(self, seq: Sequence) -> None:
+        """Out of the running set, keeping its blocks and computed tokens, until `resume`."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
 
     def finish(
         self,

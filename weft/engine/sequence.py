@@ -38,11 +38,12 @@ class SequenceStatus(IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
-    FINISHED_PRUNED = 7
+    PARKED = 3  # computed, holding its blocks, waiting for its group's policy to give it a token
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+    FINISHED_PRUNED = 8
 
     @property
     def is_finished(self) -> bool:
@@ -117,7 +118,11 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
-    fork_parent: Sequence | None = None  # set until the scheduler admits a fork: share its blocks
+    fork_parent: Sequence | None = None  # set until the scheduler queues a fork: share its blocks
+    # Set by a policy that chooses this sequence's tokens itself (beam search): a step that computes
+    # it leaves its top logprobs in `candidates` and parks it instead of appending a sampled token.
+    defers_sampling: bool = False
+    candidates: TokenLogprobs | None = None
     sent: OutputCursor = field(default_factory=OutputCursor)
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -225,6 +230,7 @@ class Sequence:
             text_offsets=None if self.text_offsets is None else list(self.text_offsets),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
+            candidates=None,
             sent=replace(self.sent),
         )
 
