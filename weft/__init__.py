@@ -7,11 +7,23 @@ print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
 
 from weft.fields import FieldLogprobs, field_logprobs
 from weft.llm import LLM, default_model_path
-from weft.outputs import CompletionOutput, Logprob, RequestOutput
-from weft.params import LogprobsMode, OutputKind, SamplingParams
+from weft.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    ChoiceScore,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+)
+from weft.params import BeamSearchParams, ChoiceSelection, LogprobsMode, OutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "ChoiceScore",
+    "ChoiceSelection",
     "CompletionOutput",
     "FieldLogprobs",
     "Logprob",

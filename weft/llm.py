@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from weft.engine.beam import beam_score
 from weft.engine.factory import EngineArgs, build_engine, default_model_path
-from weft.outputs import RequestOutput
-from weft.params import OutputKind, SamplingParams
+from weft.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from weft.params import BeamSearchParams, OutputKind, SamplingParams
 from weft.tokenizer import Message, Tokenizer
 
 PromptInput = str | Sequence[int]
@@ -166,10 +167,26 @@ class LLM:
             self.engine.abort_request(request_id)
             self.router.unregister(request_id)
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, all batched together (and with any other request): one
+        `BeamSearchOutput` per prompt, its finished beams sorted by score, best first."""
+        prompt_list = _as_prompt_list(prompts)
+        request_ids = self._add_all(prompt_list, [params] * len(prompt_list))
+        outputs = self._run_to_completion(request_ids, use_tqdm and len(prompt_list) > 1)
+        return [_beam_output(out, params.length_penalty) for out in outputs]
+
     def stats(self) -> dict[str, float]:
         return self.engine.stats().as_dict()
 
-    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[PromptInput], params: Sequence[SamplingParams | BeamSearchParams]
+    ) -> list[str]:
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -207,6 +224,24 @@ class LLM:
                         self.engine.abort_request(request_id)
                     self.router.unregister(request_id)
         return [results[r] for r in request_ids]
+
+
+def _beam_output(out: RequestOutput, length_penalty: float) -> BeamSearchOutput:
+    errors = [c.error for c in out.outputs if c.error is not None]
+    if errors:
+        return BeamSearchOutput([], errors[0])
+    sequences = [
+        BeamSearchSequence(
+            token_ids=c.token_ids,
+            text=c.text,
+            cumulative_logprob=c.cumulative_logprob or 0.0,
+            score=beam_score(c.cumulative_logprob or 0.0, len(c.token_ids), length_penalty),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    return BeamSearchOutput(sequences)
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -56,6 +56,42 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam: its generated tokens (the prompt not included), their text, the sum of
+    their logprobs and its score (`cumulative_logprob / len(token_ids) ** length_penalty`)."""
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The finished beams of one prompt, best score first; `error` says why there are none."""
+
+    sequences: list[BeamSearchSequence]
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceScore:
+    """One option scored after a prompt: the total logprob of its tokens, and each token's.
+
+    `token_ids` are the tokens attributed to the option: those of `prompt + option` (tokenized as
+    one text) from the first token that differs from the prompt's own tokens. When the tokenizer
+    merges the end of the prompt with the start of the option, that merged token counts for the
+    option, so `logprob` is that of the text from the merge point on."""
+
+    text: str
+    logprob: float
+    token_ids: list[int]
+    token_logprobs: list[float]
+
+
 @dataclass(frozen=True, slots=True)
 class LogprobsTensors:
     """Logprobs of the sampled rows that asked for them. Column 0 is the sampled token, columns

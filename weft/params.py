@@ -129,10 +129,27 @@ class LogprobsMode(StrEnum):
     RAW: the model's own distribution, log_softmax of the logits as the model produced them.
     PROCESSED: the distribution actually sampled from, after the grammar mask, logits processors,
     penalties and temperature (and top-k/top-p/min-p filtering, which sets filtered tokens to -inf).
+    MASKED: the RAW values, not renormalised, of the tokens that could be sampled, and -inf for the
+    others (those the grammar, a logits processor, a min_tokens ban or a filter excluded). Beam
+    search ranks by these, as transformers does (its logits processors act on log-softmax scores).
     """
 
     RAW = "raw"
     PROCESSED = "processed"
+    MASKED = "masked"
+
+
+class ChoiceSelection(StrEnum):
+    """How a `choice` constraint picks its option.
+
+    GREEDY: decode token by token under the choice grammar (each token the most likely allowed one,
+    or sampled), as for any other constraint.
+    EXACT: score every option exactly (the total logprob of its tokens after the prompt, in one
+    batched pass over the options' token trie) and return the most probable ones, best first.
+    """
+
+    GREEDY = "greedy"
+    EXACT = "exact"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +158,12 @@ class SamplingParams:
     that names the field.
 
     `temperature=0` is greedy decoding. `top_k=0` (or -1) and `top_p=1` disable those filters.
-    `seed` makes a request reproducible whatever else runs in the same batch.
+    `seed` makes a request reproducible whatever else runs in the same batch. `best_of=m` samples
+    m completions sharing the prompt and returns the `n` with the highest cumulative logprob.
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -171,6 +190,7 @@ class SamplingParams:
     grammar: str | None = None
     grammar_syntax: GrammarSyntax = GrammarSyntax.AUTO
     choice: Sequence[str] | None = None
+    choice_selection: ChoiceSelection = ChoiceSelection.GREEDY
     fast_forward: bool = True
     structured: StructuredSpec | None = field(default=None, init=False)
 
@@ -181,6 +201,12 @@ class SamplingParams:
 
     def _check_numbers(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(
+            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            "best_of",
+            self.best_of,
+            f"must be None or an integer >= n ({self.n})",
+        )
         _check(
             _real(self.temperature) and self.temperature >= 0.0,
             "temperature",
@@ -205,10 +231,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
         _check(
-            self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - self.n),
+            self.seed is None
+            or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - self.num_samples),
             "seed",
             self.seed,
-            f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - n]",
+            f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - best_of]",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -264,6 +291,23 @@ class SamplingParams:
             self.json_schema, self.json_object, self.regex, self.grammar, self.grammar_syntax, self.choice
         )
         object.__setattr__(self, "structured", spec)
+        selection = _enum(ChoiceSelection, self.choice_selection, "choice_selection")
+        object.__setattr__(self, "choice_selection", selection)
+        _check(
+            selection == ChoiceSelection.GREEDY or self.choice is not None,
+            "choice_selection",
+            selection.value,
+            "'exact' needs a `choice` list to select from",
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the request runs: `best_of`, or `n`."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def exact_choice(self) -> bool:
+        return self.choice_selection == ChoiceSelection.EXACT
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -364,3 +408,78 @@ def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
     except (ValueError, KeyError):
         allowed = ", ".join(repr(k.value) for k in kind)
         _check(False, name, value, f"must be one of {allowed}")
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Beam search: keep the `beam_width` most probable partial sequences, extend each by its most
+    probable tokens, and return the `beam_width` best finished ones, best first.
+
+    Scores follow transformers: the sum of the generated tokens' logprobs divided by
+    `generated_length ** length_penalty` (> 0 favours longer sequences). `early_stopping`: True
+    stops once `beam_width` sequences have finished; False stops when the best running beam,
+    scored at its current length, cannot beat the worst finished one; "never" scores it at
+    `max_tokens` when `length_penalty > 0` (the exact stopping rule). A constraint (json_schema,
+    regex, grammar, choice, as in `SamplingParams`) holds for every beam: each beam has its own
+    grammar state, forked from its parent's.
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    json_schema: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    grammar_syntax: GrammarSyntax = GrammarSyntax.AUTO
+    choice: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, value: object, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"BeamSearchParams.{name} {rule}, got {value!r}")
+
+        check(
+            _is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "must be >= 1"
+        )
+        check(_real(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
+        check(
+            self.early_stopping in (True, False, "never"),
+            "early_stopping",
+            self.early_stopping,
+            "must be True, False or 'never'",
+        )
+        try:
+            self.sampling_params(2)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("SamplingParams.", "BeamSearchParams.", 1)) from None
+
+    def sampling_params(self, num_candidates: int) -> SamplingParams:
+        """The parameters of each beam: greedy, with the top `num_candidates` logprobs of the tokens
+        it may take (MASKED: the model's logprobs where the constraint allows), every token sampled
+        (no fast-forward: a forced token's logprob counts in the score too)."""
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=num_candidates,
+            logprobs_mode=LogprobsMode.MASKED,
+            output_kind=OutputKind.FINAL_ONLY,
+            json_schema=self.json_schema,
+            json_object=self.json_object,
+            regex=self.regex,
+            grammar=self.grammar,
+            grammar_syntax=self.grammar_syntax,
+            choice=self.choice,
+            fast_forward=False,
+        )

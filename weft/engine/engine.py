@@ -26,14 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from weft.config import EngineConfig
-from weft.engine.group import GroupUpdate, ParallelSampling, SequenceGroup, Spawner
+from weft.engine.beam import BeamSearch
+from weft.engine.group import GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import EngineStats, RequestOutput, SamplerOutput
-from weft.params import SamplingParams
+from weft.params import BeamSearchParams, SamplingParams
 from weft.sample.prompt_logprobs import prompt_logprobs
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
 from weft.sample.transfer import logprob_block, pack, to_host, unpack
@@ -95,23 +96,42 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Iterable[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for a bad prompt or parameters
-        this engine cannot serve. A structured request waits for its grammar to compile off the
-        loop; an invalid grammar finishes it with `finish_reason="error"` and the backend's message."""
+    def add_request(
+        self, request_id: str, prompt: str | Iterable[int], params: SamplingParams | BeamSearchParams
+    ) -> None:
+        """Queue a request (sampling, or beam search). Raises ValueError (and queues nothing) for a
+        bad prompt or parameters this engine cannot serve. A structured request waits for its
+        grammar to compile off the loop; an invalid grammar finishes it with
+        `finish_reason="error"` and the backend's message."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._encode_prompt(prompt)
-        self._validate(prompt_ids, params)
-        group = SequenceGroup(request_id, prompt_text, prompt_ids, params, ParallelSampling(params.n))
+        policy, params, seq_params = self._policy(params)
+        self._validate(prompt_ids, params, beams=isinstance(policy, BeamSearch))
+        group = SequenceGroup(request_id, prompt_text, prompt_ids, params, policy)
         seed = self.spawner.seed_for(params, 0)
-        first = Sequence.create(self.spawner.next_id(), params, prompt_ids, self.limits, seed, self.tokenizer)
+        first = Sequence.create(
+            self.spawner.next_id(), seq_params, prompt_ids, self.limits, seed, self.tokenizer
+        )
         group.add([first])
         self.groups[request_id] = group
         if params.structured is None:
             self._start(group, first)
         else:
             self.awaiting.append(AwaitingGrammar(group, self.grammars.submit(params.structured)))
+
+    def _policy(
+        self, params: SamplingParams | BeamSearchParams
+    ) -> tuple[GroupPolicy, SamplingParams, SamplingParams]:
+        """The request's policy, its parameters and those of its sequences: best_of tracks each
+        sample's logprob (for the ranking) even when the user asked for none."""
+        if isinstance(params, BeamSearchParams):
+            beams = BeamSearch(params, self.eos_token_ids, self.config.scheduler.max_model_len)
+            beam_params = params.sampling_params(beams.num_candidates)
+            return beams, beam_params, beam_params
+        policy = ParallelSampling(params.num_samples, params.n)
+        ranks = params.num_samples > params.n and params.logprobs is None
+        return policy, params, params.replace(logprobs=0) if ranks else params
 
     def _encode_prompt(self, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -122,7 +142,7 @@ class LLMEngine:
             raise ValueError("the prompt must be a string or a list of integer token ids")
         return None, ids
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, beams: bool = False) -> None:
         max_len = self.config.scheduler.max_model_len
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -140,7 +160,9 @@ class LLMEngine:
                 f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         max_logprobs = min(self.config.max_logprobs, self.vocab_size)
-        for name in ("logprobs", "prompt_logprobs"):
+        if beams and params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"beam_width is too large for a vocabulary of {self.vocab_size} tokens")
+        for name in () if beams else ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > max_logprobs:
                 raise ValueError(
@@ -227,12 +249,14 @@ class LLMEngine:
         return logprob_block(ids, values, ranks)
 
     def _apply(self, update: GroupUpdate) -> None:
+        """Forks first (they take their share of their parents' blocks), then the parked sequences
+        given a token, then the prunes (whose blocks the forks may still share)."""
         if update.forks:
             self.scheduler.add_forked([child for _, child in update.forks])
+        if update.resumes:
+            self.scheduler.resume(update.resumes)
         for seq in update.prunes:
             self.scheduler.finish(seq, FinishReason.PRUNED)
-            if seq.group is not None:
-                seq.group.remove(seq)
 
     def _emit(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         outputs = []

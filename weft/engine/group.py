@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from weft.engine.sequence import FinishReason, Sequence
-from weft.outputs import PositionLogprobs, RequestOutput
+from weft.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from weft.params import OutputKind, SamplingParams
 
 
@@ -41,7 +41,8 @@ class GroupUpdate:
     """A policy's decisions after a step."""
 
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child) to schedule
-    prunes: list[Sequence] = field(default_factory=list)  # to release silently
+    prunes: list[Sequence] = field(default_factory=list)  # to release (the policy keeps the group's list)
+    resumes: list[Sequence] = field(default_factory=list)  # parked sequences given a token: run again
 
 
 class GroupPolicy(Protocol):
@@ -51,14 +52,21 @@ class GroupPolicy(Protocol):
 
     def after_step(self, group: SequenceGroup) -> GroupUpdate: ...
 
+    def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
+        """The sequences the request's output reports now, in order; None to report nothing yet."""
+        ...
+
 
 @dataclass(slots=True)
 class ParallelSampling:
-    """`n` independent samples of one prompt. The first computes the prompt; the others are forks
-    of it taken before it sampled anything, admitted once its prompt is computed, so that they
-    share its KV blocks and recompute only the last prompt token for logits of their own."""
+    """`num_samples` independent samples of one prompt. The first computes the prompt; the others
+    are forks of it taken before it sampled anything, queued once its prompt is computed, so that
+    they share its KV blocks and recompute only the last prompt token for logits of their own.
+    With `num_returned` < `num_samples` (best_of), the output reports only at the end, the
+    `num_returned` samples of highest cumulative logprob, best first, indexed 0..num_returned-1."""
 
     num_samples: int
+    num_returned: int
     pending: list[Sequence] = field(default_factory=list)
 
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
@@ -78,6 +86,22 @@ class ParallelSampling:
             return GroupUpdate()
         return GroupUpdate(forks=[(first, child) for child in pending])
 
+    def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
+        if self.num_returned == self.num_samples:
+            return group.sequences
+        if not finished:
+            return None
+        best = sorted(group.sequences, key=_ranking)[: self.num_returned]
+        for index, seq in enumerate(best):
+            seq.index = index
+        return best
+
+
+def _ranking(seq: Sequence) -> tuple[bool, float, int]:
+    """Failed samples last, then by cumulative logprob, highest first, then by sample index."""
+    failed = seq.error is not None or seq.cumulative_logprob is None
+    return failed, -(seq.cumulative_logprob or 0.0), seq.index
+
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
@@ -95,7 +119,8 @@ class SequenceGroup:
         self.sequences.extend(sequences)
 
     def remove(self, seq: Sequence) -> None:
-        self.sequences.remove(seq)
+        if seq in self.sequences:
+            self.sequences.remove(seq)
 
     @property
     def finished(self) -> bool:
@@ -107,16 +132,27 @@ class SequenceGroup:
         kind = self.params.output_kind
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None
+        reported = self.policy.reported(self, finished)
+        if reported is None:
+            return None
         first = self.sequences[0] if self.sequences else None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion(kind) for s in self.sequences],
+            outputs=[self._completion(s, kind) for s in reported],
             finished=finished,
             num_cached_tokens=first.num_cached_prompt_tokens if first else 0,
             prompt_logprobs=self._prompt_logprobs(first),
         )
+
+    def _completion(self, seq: Sequence, kind: OutputKind) -> CompletionOutput:
+        """A sequence's completion; logprobs the engine tracked for itself (best_of ranks by them)
+        but the user did not ask for are left out."""
+        out = seq.completion(kind)
+        if self.params.logprobs is None and out.logprobs is not None:
+            out.logprobs = out.constraint_logmass = out.text_offsets = None
+        return out
 
     def _prompt_logprobs(self, first: Sequence | None) -> list[PositionLogprobs | None] | None:
         """The prompt logprobs once all are computed (by the first sequence, which computes the

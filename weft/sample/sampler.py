@@ -77,6 +77,7 @@ class SamplingBatch:
     logprob_rows: tuple[int, ...]  # [R] the rows that want logprobs (the others pay nothing for them)
     logprob_index: torch.Tensor | None  # [R] int64 of those rows; None when R == B
     processed_rows: torch.Tensor | None  # [R] bool, which of them want PROCESSED logprobs
+    masked_rows: torch.Tensor | None  # [R] bool, which of them want MASKED logprobs
 
     @classmethod
     def build(
@@ -125,6 +126,7 @@ class StaticColumns:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
         processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
+        masked = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.MASKED for p in params]
         columns = {
             "temperature": column(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], torch.float32
@@ -145,6 +147,7 @@ class StaticColumns:
             "processed_rows": column([processed[i] for i in logprob_rows], torch.bool)
             if any(processed)
             else None,
+            "masked_rows": column([masked[i] for i in logprob_rows], torch.bool) if any(masked) else None,
         }
         return cls(columns, *_penalty_statics(requests, vocab_size, device))
 
@@ -341,6 +344,10 @@ class Sampler:
         if batch.processed_rows is not None:
             processed = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
             logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
+        if batch.masked_rows is not None:
+            excluded = _rows(logits, batch.logprob_index) == float("-inf")  # [R, V]
+            masked = raw_logprobs.masked_fill(excluded, float("-inf"))
+            logprobs = torch.where(batch.masked_rows[:, None], masked, logprobs)
         valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
         ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs, self.kernels)
         return SamplerOutput(
