@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from weft.engine.beam import beam_score
 from weft.engine.factory import EngineArgs, build_engine, default_model_path
-from weft.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, RequestOutput
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
 from weft.tokenizer import Message, Tokenizer
 
@@ -180,6 +180,11 @@ class LLM:
         request_ids = self._add_all(prompt_list, [params] * len(prompt_list))
         outputs = self._run_to_completion(request_ids, use_tqdm and len(prompt_list) > 1)
         return [_beam_output(out, params.length_penalty) for out in outputs]
+
+    def score(self, prompt: PromptInput, options: Sequence[str]) -> list[ChoiceScore]:
+        """The total logprob of each option after `prompt` (and each token's), computed exactly in
+        one batched pass that runs the prompt and every prefix the options share once."""
+        return self.engine.score(prompt, list(options))
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats().as_dict()

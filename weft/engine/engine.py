@@ -31,9 +31,10 @@ from weft.engine.group import GroupPolicy, GroupUpdate, ParallelSampling, Sequen
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
+from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
-from weft.outputs import EngineStats, RequestOutput, SamplerOutput
+from weft.outputs import ChoiceScore, EngineStats, RequestOutput, SamplerOutput
 from weft.params import BeamSearchParams, SamplingParams
 from weft.sample.prompt_logprobs import prompt_logprobs
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
@@ -73,6 +74,8 @@ class LLMEngine:
         self.spawner = Spawner(config.seed)
         self.groups: dict[str, SequenceGroup] = {}  # user request id -> its group
         self.awaiting: list[AwaitingGrammar] = []
+        self.scorer = ChoiceScorer(self.runner, self.kv)
+        self.choosing: list[SequenceGroup] = []  # exact choice selection: scored at the next step
         self._grammars: GrammarManager | None = None
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
@@ -115,7 +118,9 @@ class LLMEngine:
         )
         group.add([first])
         self.groups[request_id] = group
-        if params.structured is None:
+        if isinstance(params, SamplingParams) and params.exact_choice:
+            self.choosing.append(group)
+        elif params.structured is None:
             self._start(group, first)
         else:
             self.awaiting.append(AwaitingGrammar(group, self.grammars.submit(params.structured)))
@@ -132,6 +137,50 @@ class LLMEngine:
         policy = ParallelSampling(params.num_samples, params.n)
         ranks = params.num_samples > params.n and params.logprobs is None
         return policy, params, params.replace(logprobs=0) if ranks else params
+
+    def score(self, prompt: str | Iterable[int], options: list[str]) -> list[ChoiceScore]:
+        """The total logprob of each option's tokens after the prompt, in one pass over the
+        options' token trie (see `weft.engine.scoring`). Raises ValueError for bad input."""
+        if not isinstance(options, list | tuple) or not options:
+            raise ValueError("options must be a non-empty list of strings")
+        for option in options:
+            if not isinstance(option, str) or not option:
+                raise ValueError(f"options must be non-empty strings, got {option!r}")
+            check_text(option, "option")
+        prompt_text, prompt_ids = self._encode_prompt(prompt)
+        self._validate(prompt_ids, SamplingParams(max_tokens=None))
+        return self.scorer.score(self._attribute(prompt_text, prompt_ids, list(options)))
+
+    def _attribute(self, prompt: str | None, prompt_ids: list[int], options: list[str]) -> list[Attributed]:
+        attributed = [attribute(self.tokenizer, prompt, prompt_ids, option) for option in options]
+        max_len = self.config.scheduler.max_model_len
+        for item in attributed:
+            if len(item.token_ids) > max_len:
+                raise ValueError(
+                    f"prompt + option {item.text!r} is {len(item.token_ids)} tokens, more than "
+                    f"max_model_len ({max_len})"
+                )
+        return attributed
+
+    def _choose_exactly(self) -> list[SequenceGroup]:
+        """Score the options of the exact-choice requests and finish each with its `n` most
+        probable options, best first."""
+        groups, self.choosing = self.choosing, []
+        for group in groups:
+            first = group.sequences[0]
+            options = list(group.params.choice or ())
+            try:
+                scores = self.scorer.score(self._attribute(group.prompt, group.prompt_token_ids, options))
+            except ValueError as exc:
+                first.finish(FinishReason.ERROR, error=str(exc))
+                continue
+            ranked = sorted(scores, key=lambda s: -s.logprob)[: group.params.n]
+            chosen = [first] + [self.spawner.fork(first, i) for i in range(1, len(ranked))]
+            for seq, score in zip(chosen, ranked, strict=True):
+                seq.fork_parent = None  # never runs
+                seq.complete_with(score.token_ids, score.text, score.logprob)
+            group.add(chosen[1:])
+        return groups
 
     def _encode_prompt(self, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -160,6 +209,8 @@ class LLMEngine:
                 f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         max_logprobs = min(self.config.max_logprobs, self.vocab_size)
+        if params.exact_choice:
+            _validate_exact_choice(params)
         if beams and params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"beam_width is too large for a vocabulary of {self.vocab_size} tokens")
         for name in () if beams else ("logprobs", "prompt_logprobs"):
@@ -181,6 +232,7 @@ class LLMEngine:
         if group is None:
             return
         self.awaiting = [a for a in self.awaiting if a.group is not group]
+        self.choosing = [g for g in self.choosing if g is not group]
         for seq in group.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -192,6 +244,8 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         touched = self._admit_compiled_grammars()
+        if self.choosing:
+            touched += self._choose_exactly()
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             self._run(sched)
@@ -279,14 +333,30 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.kv.num_hit_tokens,
             prefix_cache_queried_tokens=self.kv.num_queried_tokens,
             num_running=len(running),
-            num_waiting=len(self.scheduler.waiting) + len(self.awaiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting) + len(self.choosing),
             num_preemptions=self.scheduler.num_preemptions,
             extra={
                 "num_sampled_tokens": self.num_sampled_tokens,
                 "num_forced_tokens": self.num_forced_tokens,
+                "num_scored_tokens": self.scorer.num_computed_tokens,
                 "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
             },
+        )
+
+
+def _validate_exact_choice(params: SamplingParams) -> None:
+    choices = params.choice or ()
+    if params.n > len(choices):
+        raise ValueError(
+            f"SamplingParams.n={params.n} asks for more options than the {len(choices)} choices given"
+        )
+    if params.best_of is not None and params.best_of > params.n:
+        raise ValueError("SamplingParams.best_of does not apply to choice_selection='exact'; use n")
+    if params.logprobs is not None:
+        raise ValueError(
+            "SamplingParams.logprobs is not available with choice_selection='exact'; each option's "
+            "total logprob is its cumulative_logprob (LLM.score gives each token's)"
         )
 
 

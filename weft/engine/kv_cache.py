@@ -216,6 +216,18 @@ class KVCacheManager:
         for block in reversed(table.blocks if table else []):
             self.pool.release(block)
 
+    def borrow(self, num_tokens: int) -> list[Block] | None:
+        """Private blocks for `num_tokens` tokens computed outside any sequence (a scoring pass);
+        None when there are not enough free blocks. Return them with `give_back`."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.pool.num_free:
+            return None
+        return [self.pool.allocate() for _ in range(num_blocks)]
+
+    def give_back(self, blocks: list[Block]) -> None:
+        for block in reversed(blocks):
+            self.pool.release(block)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -208,6 +208,13 @@ class Sequence:
         self.matcher = None
         self.fork_parent = None
 
+    def complete_with(self, token_ids: list[int], text: str, cumulative_logprob: float) -> None:
+        """Finish with an output chosen as a whole (exact choice selection), not decoded."""
+        self.token_ids.extend(token_ids)
+        self.text = text
+        self.cumulative_logprob = cumulative_logprob
+        self.finish(FinishReason.STOP)
+
     def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
         """A child that continues exactly as this sequence would from here: copied tokens, text,
         logprobs and stop state, the matcher forked from its current state. It has computed

@@ -112,6 +112,36 @@ def build_attention_metadata(
     return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
 
 
+def build_tree_metadata(
+    parents: list[int], block_ids: list[int], block_size: int, device: torch.device
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for a token tree computed in one pass (scoring options that share prefixes): node
+    i ([N], parents before children, `parents[i] < i`, -1 for a root) is written at slot i of the
+    blocks `block_ids`, sits at position depth(i), and attends to itself and its ancestors only.
+    Returns the metadata and the positions ([N] int64)."""
+    num_nodes = len(parents)
+    parent = np.array(parents, dtype=np.int64)  # [N]
+    depth = np.zeros(num_nodes, dtype=np.int64)  # [N]
+    mask = np.eye(num_nodes, dtype=np.bool_)  # [N, N], True = attend
+    for i in range(num_nodes):  # parents come first, so each row extends its parent's finished row
+        if parent[i] >= 0:
+            depth[i] = depth[parent[i]] + 1
+            mask[i] |= mask[parent[i]]
+    table = np.array([block_ids], dtype=np.int64)  # [1, num_blocks]
+    slots = np.arange(num_nodes)
+    slot_mapping = table[0, slots // block_size] * block_size + slots % block_size  # [N]
+    group = AttentionGroup(
+        token_idx=None,
+        block_table=to_device(table, device),
+        context_lens=to_device(np.array([num_nodes], dtype=np.int64), device),
+        query_scatter_idx=None,
+        attn_mask=to_device(mask[None, None], device),  # [1, 1, N, N]
+        max_query_len=num_nodes,
+        kv_len=num_nodes,
+    )
+    return AttentionMetadata(to_device(slot_mapping, device), (group,)), to_device(depth, device)
+
+
 def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
     """The tokens of the sequences `rows` as sequences of one query each: token i of a row sees the
     row's context up to and including itself, through the row's block table."""
@@ -254,6 +284,13 @@ class PagedAttention:
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise
         )
+
+    @staticmethod
+    def build_tree_metadata(
+        parents: list[int], block_ids: list[int], block_size: int, device: torch.device
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """See `build_tree_metadata`."""
+        return build_tree_metadata(parents, block_ids, block_size, device)
 
     def __call__(
         self,
