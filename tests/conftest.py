@@ -39,7 +39,7 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, Path] = {}
 
     def make(arch: str = "llama", **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             cache[key] = build_checkpoint(tmp_path_factory.mktemp(f"ckpt-{arch}"), arch, **overrides)
         return cache[key]

@@ -1,4 +1,4 @@
-"""The `weft` command line: `weft demo`, `weft generate`, `weft bench throughput|structured|jsonschema`."""
+"""The `weft` command line: `weft demo`, `weft generate`, `weft score`, `weft bench ...`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ EPILOG = """examples:
   weft generate --stream --seed 1 "JULIET:"       print tokens as they come
   weft generate --json-schema person.json "A person:"   output that matches a JSON Schema
   weft generate --choice yes --choice no "Is it?"       one of the given strings
+  weft generate --beam-width 4 --max-tokens 20 "ROMEO:"  beam search, the best beams with scores
+  weft score "The capital of France is" --option " Paris" --option " Lyon"   exact option logprobs
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
   weft bench structured --batch-sizes 1,8         the cost of a JSON Schema constraint
 """
@@ -33,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
             "generate",
             help="generate a completion for a prompt",
             description="Generate a completion for PROMPT and print it.",
+        )
+    )
+    _add_score(
+        commands.add_parser(
+            "score",
+            help="the exact logprob of each option after a prompt",
+            description="Score each --option after PROMPT: the total logprob of its tokens, computed "
+            "in one pass that runs the prompt and the options' shared prefixes once.",
         )
     )
     demo = commands.add_parser(
@@ -83,6 +93,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="default: 1, off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("-n", type=int, default=1, help="number of completions of the prompt (default: 1)")
+    _add_parallel(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument(
@@ -115,17 +126,83 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     )
     constraint.add_argument("--choice", action="append", default=None, help="an allowed output (repeatable)")
     constraint.add_argument(
+        "--choice-selection",
+        default="greedy",
+        choices=["greedy", "exact"],
+        help="greedy: decode under the choice grammar; exact: return the most probable option",
+    )
+    constraint.add_argument(
         "--no-fast-forward", action="store_true", help="sample every token, even those the grammar forces"
     )
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--best-of", type=int, default=None, help="sample this many, return the n most probable")
+    p.add_argument(
+        "--beam-width", type=int, default=None, metavar="W", help="beam search with W beams (greedy, scored)"
+    )
+    p.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length**this"
+    )
+
+
+def _add_score(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--option", action="append", required=True, help="an option to score (repeatable)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def run_score(args: argparse.Namespace) -> int:
+    from weft import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    scores = llm.score(args.prompt, args.option)
+    print("| option | logprob | probability | tokens |")
+    print("|---|---:|---:|---:|")
+    for s in sorted(scores, key=lambda s: -s.logprob):
+        print(f"| {s.text!r} | {s.logprob:.4f} | {math.exp(s.logprob):.4g} | {len(s.token_ids)} |")
+    return 0
+
+
+def run_beam_search(args: argparse.Namespace) -> int:
+    from weft import LLM, BeamSearchParams
+
+    params = BeamSearchParams(
+        beam_width=args.beam_width,
+        max_tokens=args.max_tokens,
+        length_penalty=args.length_penalty,
+        stop=args.stop,
+        json_schema=_read_json_or_file(args.json_schema),
+        json_object=args.json_object,
+        regex=args.regex,
+        grammar=_read_file(args.grammar),
+        grammar_syntax=args.grammar_syntax,
+        choice=args.choice,
+    )
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    (result,) = llm.beam_search(args.prompt, params)
+    if result.error is not None:
+        print(f"weft: error: {result.error}", file=sys.stderr)
+        return 1
+    for rank, beam in enumerate(result.sequences):
+        print(f"--- beam {rank}: score {beam.score:.4f}, logprob {beam.cumulative_logprob:.4f}")
+        structured = any(v is not None for v in (args.json_schema, args.regex, args.grammar, args.choice))
+        print(beam.text if structured or args.json_object else args.prompt + beam.text)
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from weft import LLM, SamplingParams
 
+    if args.beam_width is not None:
+        return run_beam_search(args)
     params = SamplingParams(
         n=args.n,
+        best_of=args.best_of,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -140,6 +217,7 @@ def run_generate(args: argparse.Namespace) -> int:
         grammar=_read_file(args.grammar),
         grammar_syntax=args.grammar_syntax,
         choice=args.choice,
+        choice_selection=args.choice_selection,
         fast_forward=not args.no_fast_forward,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
@@ -208,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "score":
+            return run_score(args)
         if args.command == "demo":
             from weft import demo
 

@@ -184,7 +184,7 @@ class LLM:
     def score(self, prompt: PromptInput, options: Sequence[str]) -> list[ChoiceScore]:
         """The total logprob of each option after `prompt` (and each token's), computed exactly in
         one batched pass that runs the prompt and every prefix the options share once."""
-        return self.engine.score(prompt, list(options))
+        return self.engine.score(prompt, options)  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats().as_dict()

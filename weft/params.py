@@ -419,7 +419,8 @@ class BeamSearchParams:
     `generated_length ** length_penalty` (> 0 favours longer sequences). `early_stopping`: True
     stops once `beam_width` sequences have finished; False stops when the best running beam,
     scored at its current length, cannot beat the worst finished one; "never" scores it at
-    `max_tokens` when `length_penalty > 0` (the exact stopping rule). A constraint (json_schema,
+    `max_tokens` when `length_penalty > 0` (the exact stopping rule). `beam_width=1` is greedy
+    decoding, stopping at the first EOS, as in transformers. A constraint (json_schema,
     regex, grammar, choice, as in `SamplingParams`) holds for every beam: each beam has its own
     grammar state, forked from its parent's.
     """

@@ -75,6 +75,11 @@ class BeamSearch:
         return self.params.beam_width
 
     @property
+    def stops_early(self) -> bool:
+        """early_stopping=True; and width 1, which is greedy decoding (as in transformers)."""
+        return self.params.early_stopping is True or self.width == 1
+
+    @property
     def num_candidates(self) -> int:
         return num_candidates(self.width, 0 if self.params.ignore_eos else len(self.eos_token_ids))
 
@@ -102,7 +107,7 @@ class BeamSearch:
         full = len(self.finished) == self.width
         if (
             not self.improvable
-            or (full and self.params.early_stopping is True)
+            or (full and self.stops_early)
             or all(c.ends for c in candidates)
             or not self.live
         ):
@@ -141,7 +146,7 @@ class BeamSearch:
         """Keep the best `width` finished hypotheses, unless the finished set may no longer change
         (early_stopping with `width` finished, or the heuristic)."""
         full = len(self.finished) == self.width
-        if not hypotheses or (full and self.params.early_stopping is True) or not self.improvable:
+        if not hypotheses or (full and self.stops_early) or not self.improvable:
             return
         for cumulative, seq in hypotheses:
             seq.fork_parent = None  # never runs
