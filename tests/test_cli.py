@@ -151,3 +151,33 @@ def test_bench_logprobs_runs_every_mode(tiny_llama, tmp_path):
     for r in results["decode"]:
         assert all(r[f"tps_{mode}"] > 0 for mode in ("off", "0", "5", "20"))
     assert results["prefill_s"] > 0 and results["prefill_prompt_logprobs_s"] > 0
+
+
+def test_generate_beam_search_prints_the_beams_best_first(tiny_llama, capsys):
+    from weft import LLM, BeamSearchParams
+
+    code = main(["generate", "--model", str(tiny_llama), "--beam-width", "3", "--max-tokens", "6", "Hello"])
+    assert code == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("--- beam")]
+    assert len(headers) == 3
+    scores = [float(h.split("score ")[1].split(",")[0]) for h in headers]
+    assert scores == sorted(scores, reverse=True)
+    (expected,) = LLM(str(tiny_llama), show_progress=False).beam_search(
+        "Hello", BeamSearchParams(beam_width=3, max_tokens=6)
+    )
+    assert f"score {expected.sequences[0].score:.4f}" in headers[0]
+
+
+def test_score_prints_each_option_most_probable_first(tiny_llama, capsys):
+    code = main(["score", "--model", str(tiny_llama), "Hello", "--option", " speak", "--option", " we"])
+    assert code == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| '")]
+    assert len(rows) == 2
+    logprobs = [float(row.split("|")[2]) for row in rows]
+    assert logprobs == sorted(logprobs, reverse=True) and all(lp < 0 for lp in logprobs)
+
+
+def test_score_needs_an_option(capsys):
+    result = run_cli("score", "Hello")
+    assert result.returncode != 0 and "--option" in result.stderr

@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks that measure weft and transformers side by side.",
     )
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from weft.bench import logprobs, overhead, schema_corpus, structured, throughput
+    from weft.bench import logprobs, overhead, parallel, schema_corpus, structured, throughput
 
     for name, module, summary in (
+        ("parallel", parallel, "n samples, best_of and beam search: time and KV vs transformers"),
         ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
         ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),
         ("logprobs", logprobs, "decode and prefill cost of logprobs and prompt logprobs"),
@@ -292,9 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from weft import demo
 
             return demo.run(args.model, args.seed)
-        from weft.bench import logprobs, overhead, schema_corpus, structured, throughput
+        from weft.bench import logprobs, overhead, parallel, schema_corpus, structured, throughput
 
         benches = {
+            "parallel": parallel,
             "logprobs": logprobs,
             "throughput": throughput,
             "overhead": overhead,
