@@ -61,4 +61,5 @@ def no_leaks(request: pytest.FixtureRequest):
     stats = request.getfixturevalue("llm").stats()
     assert stats["kv_blocks_used"] == 0, "KV blocks leaked"
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, "sequences left in the scheduler"
+    assert stats["num_parked"] == 0, "parked beams left"
     assert not request.getfixturevalue("llm").engine.has_unfinished_requests(), "requests left"

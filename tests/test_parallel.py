@@ -360,3 +360,18 @@ def test_bad_parameters_fail_alone_with_a_clear_message(llm, params, message):
 def test_score_rejects_bad_options(llm, options):
     with pytest.raises(ValueError, match="options"):
         llm.score(PROMPT, options)
+
+
+def test_beams_that_hit_a_stop_string_finish_as_hypotheses(llm):
+    params = BeamSearchParams(beam_width=4, max_tokens=12, stop=["e"])
+    results = llm.beam_search(BEAM_PROMPTS, params, use_tqdm=False)
+    stopped = 0
+    for result in results:
+        assert result.error is None and 1 <= len(result.sequences) <= 4
+        for beam in result.sequences:
+            assert "e" not in beam.text
+            assert beam.finish_reason in ("stop", "length")
+            stopped += beam.stop_reason == "e"
+        scores = [b.score for b in result.sequences]
+        assert scores == sorted(scores, reverse=True)
+    assert stopped > 0

@@ -32,7 +32,7 @@ from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
-from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput, SamplerOutput
 from weft.params import BeamSearchParams, SamplingParams
@@ -339,6 +339,9 @@ class LLMEngine:
                 "num_sampled_tokens": self.num_sampled_tokens,
                 "num_forced_tokens": self.num_forced_tokens,
                 "num_scored_tokens": self.scorer.num_computed_tokens,
+                "num_parked": sum(
+                    s.status == SequenceStatus.PARKED for g in self.groups.values() for s in g.sequences
+                ),
                 "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
             },

@@ -1,0 +1,235 @@
+"""The OpenAI request bodies weft serves, as pydantic models, and their translation to
+`SamplingParams`.
+
+Fields follow the OpenAI API; the extras are named as vLLM names them (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, prompt_logprobs,
+include_stop_str_in_output, skip_special_tokens, structured_outputs and the legacy guided_*).
+Unknown top-level fields are ignored, as OpenAI-compatible servers do, except names that look like
+a constraint (`guided_*`): a constraint weft does not understand is an error, never silently
+unconstrained output. So is any unknown key inside `structured_outputs`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from weft.params import SamplingParams
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class RequestError(ValueError):
+    """A request weft cannot serve; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    json_: Any = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras, as vLLM names them
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _no_unknown_constraint(self) -> _Common:
+        for name in self.model_extra or {}:
+            if name.startswith("guided_"):
+                raise ValueError(
+                    f"unknown constraint field {name!r}; weft understands {', '.join(GUIDED_FIELDS)} "
+                    "and structured_outputs {json, regex, choice, grammar}"
+                )
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        """The one output constraint of the request, as SamplingParams fields."""
+        found: dict[str, Any] = {}
+        so = self.structured_outputs
+        candidates = [
+            ("json_schema", self.guided_json, "guided_json"),
+            ("regex", self.guided_regex, "guided_regex"),
+            ("choice", self.guided_choice, "guided_choice"),
+            ("grammar", self.guided_grammar, "guided_grammar"),
+        ]
+        if so is not None:
+            candidates += [
+                ("json_schema", so.json_, "structured_outputs.json"),
+                ("regex", so.regex, "structured_outputs.regex"),
+                ("choice", so.choice, "structured_outputs.choice"),
+                ("grammar", so.grammar, "structured_outputs.grammar"),
+            ]
+        given = [(field, value, name) for field, value, name in candidates if value is not None]
+        if len(given) > 1:
+            raise RequestError(
+                f"at most one output constraint, got {', '.join(n for _, _, n in given)}", given[1][2]
+            )
+        for field, value, _ in given:
+            found[field] = json.loads(value) if field == "json_schema" and isinstance(value, str) else value
+        return found
+
+    def sampling_fields(self, max_tokens: int | None, vocab_size: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k or 0,
+            "min_p": self.min_p or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        if self.logit_bias:
+            fields["logits_processors"] = [logit_bias_processor(self.logit_bias, vocab_size)]
+        return fields
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def sampling_params(self, vocab_size: int) -> SamplingParams:
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return SamplingParams(
+            **self.sampling_fields(self.max_tokens, vocab_size),
+            best_of=self.best_of,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **self.constraint(),
+        )
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class FunctionDef(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self, vocab_size: int, constraint: dict[str, Any]) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return SamplingParams(
+            **self.sampling_fields(max_tokens, vocab_size),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            **constraint,
+        )
+
+
+def logit_bias_processor(bias: dict[str, float], vocab_size: int):  # type: ignore[no-untyped-def]
+    """The OpenAI logit_bias (token id as a string -> a bias in [-100, 100]) as a logits processor."""
+    ids, values = [], []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias token {token} is outside the vocabulary", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        ids.append(token)
+        values.append(value)
+    index, delta = torch.tensor(ids), torch.tensor(values)
+
+    def apply_logit_bias(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[index.to(logits.device)] += delta.to(logits.device)
+        return logits
+
+    return apply_logit_bias
