@@ -17,6 +17,7 @@ EPILOG = """examples:
   weft generate --choice yes --choice no "Is it?"       one of the given strings
   weft generate --beam-width 4 --max-tokens 20 "ROMEO:"  beam search, the best beams with scores
   weft score "The capital of France is" --option " Paris" --option " Lyon"   exact option logprobs
+  weft serve --port 8000                          OpenAI-compatible server (base_url http://127.0.0.1:8000/v1)
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
   weft bench structured --batch-sizes 1,8         the cost of a JSON Schema constraint
 """
@@ -45,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
             "in one pass that runs the prompt and the options' shared prefixes once.",
         )
     )
+    from weft.server import cli as server_cli
+
+    server_cli.add_arguments(
+        commands.add_parser(
+            "serve",
+            help="an OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
+            description="Serve the model over the OpenAI API: /v1/completions, /v1/chat/completions, "
+            "/v1/models, /health, /metrics.",
+        )
+    )
     demo = commands.add_parser(
         "demo",
         help="free, JSON and choice completions side by side (bundled model)",
@@ -52,22 +63,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     demo.add_argument("--seed", type=int, default=7, help="sampling seed (default: 7)")
+    _add_bench(commands)
+    return parser
+
+
+def _benches() -> list[tuple[str, Any, str]]:
+    """(name, module, summary) of every `weft bench` benchmark."""
+    from weft.bench import logprobs, overhead, parallel, schema_corpus, serve, structured, throughput
+
+    return [
+        ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
+        ("serve", serve, "weft serve under 1-64 concurrent streaming clients vs offline LLM.generate"),
+        ("parallel", parallel, "n samples, best_of and beam search: time and KV vs transformers"),
+        ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),
+        ("logprobs", logprobs, "decode and prefill cost of logprobs and prompt logprobs"),
+        ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
+        ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
+    ]
+
+
+def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
         help="benchmarks against Hugging Face transformers",
         description="Benchmarks that measure weft and transformers side by side.",
     )
     bench_commands = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    from weft.bench import logprobs, overhead, parallel, schema_corpus, structured, throughput
-
-    for name, module, summary in (
-        ("parallel", parallel, "n samples, best_of and beam search: time and KV vs transformers"),
-        ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
-        ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),
-        ("logprobs", logprobs, "decode and prefill cost of logprobs and prompt logprobs"),
-        ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
-        ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
-    ):
+    for name, module, summary in _benches():
         module.add_arguments(
             bench_commands.add_parser(
                 name,
@@ -76,7 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )
         )
-    return parser
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -289,20 +310,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "score":
             return run_score(args)
+        if args.command == "serve":
+            from weft.server import cli as server_cli
+
+            return server_cli.run(args)
         if args.command == "demo":
             from weft import demo
 
             return demo.run(args.model, args.seed)
-        from weft.bench import logprobs, overhead, parallel, schema_corpus, structured, throughput
-
-        benches = {
-            "parallel": parallel,
-            "logprobs": logprobs,
-            "throughput": throughput,
-            "overhead": overhead,
-            "structured": structured,
-            "jsonschema": schema_corpus,
-        }
+        benches = {name: module for name, module, _ in _benches()}
         return benches[args.bench].run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"weft: error: {exc}", file=sys.stderr)

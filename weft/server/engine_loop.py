@@ -76,32 +76,30 @@ class EngineLoop:
 
     # ---- requests (event loop) -----------------------------------------------------------------
 
-    async def generate(
+    async def add(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine produces them. Raises QueueFull, or the engine's
-        ValueError for a bad request, before the first output. Leaving the iteration early (a
-        client that went away) aborts the request and frees its blocks at once."""
+    ) -> RequestHandle:
+        """Queue a request; returns once the engine has taken it. Raises QueueFull, or the engine's
+        ValueError for a bad request (nothing is left queued then)."""
         if len(self._streams) >= self.max_pending:
-            raise QueueFull(f"{len(self._streams)} requests in flight, the most this server accepts")
+            raise QueueFull(
+                f"{len(self._streams)} requests are in flight, the most this server accepts; retry later"
+            )
         stream = self._streams[request_id] = _Stream()
         done: Future[None] = Future()
         self._commands.append(_Add(request_id, prompt, params, done))
         self._wake.set()
         try:
             await asyncio.wrap_future(done)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    stream.finished = True
-                    return
-        finally:
-            del self._streams[request_id]
-            if not stream.finished:
-                self.abort(request_id)
+        except BaseException:
+            self._close(request_id)
+            raise
+        return RequestHandle(self, request_id, stream)
+
+    def _close(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.append(request_id)
@@ -155,6 +153,32 @@ class EngineLoop:
     def _abort_everything(self) -> None:
         for request_id in list(self.engine.groups):
             self.engine.abort_request(request_id)
+
+
+class RequestHandle:
+    """One request in the engine: iterate its outputs; `close()` (also on leaving the iteration
+    early, as when a client goes away) aborts it and frees its blocks at once."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, stream: _Stream) -> None:
+        self.loop = loop
+        self.request_id = request_id
+        self._stream = stream
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    self._stream.finished = True
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.loop._close(self.request_id)
 
 
 def merge(iterators: Iterable[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -17,9 +17,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from weft.params import SamplingParams
+from weft.params import LogitsProcessor, SamplingParams
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# guided_* fields of other servers that choose how, not what: accepted and ignored
+GUIDED_OPTIONS = ("guided_decoding_backend", "guided_whitespace_pattern")
 
 
 class RequestError(ValueError):
@@ -78,7 +80,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _no_unknown_constraint(self) -> _Common:
         for name in self.model_extra or {}:
-            if name.startswith("guided_"):
+            if name.startswith("guided_") and name not in GUIDED_OPTIONS:
                 raise ValueError(
                     f"unknown constraint field {name!r}; weft understands {', '.join(GUIDED_FIELDS)} "
                     "and structured_outputs {json, regex, choice, grammar}"
@@ -212,7 +214,7 @@ class ChatCompletionRequest(_Common):
         )
 
 
-def logit_bias_processor(bias: dict[str, float], vocab_size: int):  # type: ignore[no-untyped-def]
+def logit_bias_processor(bias: dict[str, float], vocab_size: int) -> LogitsProcessor:
     """The OpenAI logit_bias (token id as a string -> a bias in [-100, 100]) as a logits processor."""
     ids, values = [], []
     for key, value in bias.items():

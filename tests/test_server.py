@@ -1,0 +1,561 @@
+"""`weft serve` run as users run it: a live server on a loopback port with the bundled model,
+driven by the official `openai` client (and by raw HTTP where the framing itself is tested);
+responses checked against the OpenAI OpenAPI spec."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import yaml
+from conftest import shared_data
+
+from weft import LLM, SamplingParams
+
+API_KEY = "test-key"
+MODEL = "weft-default"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *options: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "WEFT_API_KEY": API_KEY}
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "weft",
+                "serve",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *options,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weft serve exited: {self.process.stdout.read()}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("weft serve did not come up in 120 s")
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def post(self, path: str, body: dict, key: str = API_KEY, **options) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=60, **options)
+
+    @contextmanager
+    def streaming(self, path: str, body: dict):
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", f"{self.url}{path}", json=body, headers=headers) as r,
+        ):
+            yield r
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """The metrics once nothing runs and no KV block is in use (or whatever they are at the end)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["weft_kv_blocks_used"] == 0 and m["weft_num_requests_running"] == 0
+            if (idle and m["weft_num_requests_waiting"] == 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-pending", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    path = shared_data("openai/openapi.yaml")
+    with open(path) as f:
+        document = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return _nullable(document)
+
+
+def _nullable(node):
+    """The spec is OpenAPI 3.1 but keeps some 3.0 `nullable: true`; JSON Schema spells that as a
+    null alternative."""
+    if isinstance(node, list):
+        return [_nullable(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _nullable(value) for key, value in node.items()}
+    if node.pop("nullable", False):
+        return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+def assert_matches_spec(spec, name: str, body: dict) -> None:
+    schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
+    jsonschema.Draft202012Validator(schema).validate(body)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_equal_offline_generation(client, offline, spec, server):
+    response = client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=8, temperature=0, logprobs=3
+    )
+    (expected,) = offline.generate("ROMEO:", SamplingParams(max_tokens=8, temperature=0, logprobs=3))
+    choice = response.choices[0]
+    assert choice.text == expected.outputs[0].text
+    want = [
+        p[t].logprob for p, t in zip(expected.outputs[0].logprobs, expected.outputs[0].token_ids, strict=True)
+    ]
+    assert choice.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert all(len(top) == 3 for top in choice.logprobs.top_logprobs)
+    assert choice.logprobs.text_offset == expected.outputs[0].text_offsets
+    assert response.usage.completion_tokens == 8 and response.usage.prompt_tokens == len(
+        expected.prompt_token_ids
+    )
+    raw = server.post("/v1/completions", {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 8, "logprobs": 3})
+    assert_matches_spec(spec, "CreateCompletionResponse", raw.json())
+
+
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
+    response = client.completions.create(
+        model=MODEL, prompt="ROMEO: I", max_tokens=4, temperature=0, logprobs=1, echo=True
+    )
+    choice = response.choices[0]
+    prompt_ids = offline.tokenizer.encode("ROMEO: I")
+    assert choice.text.startswith("ROMEO: I")
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 4
+    assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(prompt_ids)] == len("ROMEO: I")
+
+
+def test_completion_prompt_forms_and_choice_indices(client):
+    response = client.completions.create(model=MODEL, prompt=["ROMEO:", "JULIET:"], n=2, max_tokens=3, seed=1)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2, 3]
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def read_events(response: httpx.Response) -> list[str]:
+    """The data of each server-sent event, checking the framing: 'data: ...', a blank line after each."""
+    text = response.text
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events[:3]
+    return [e[len("data: ") :] for e in events]
+
+
+def test_completion_stream_framing_usage_and_done(server):
+    body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 6, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = read_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    whole = server.post("/v1/completions", {**body, "stream": False}).json()
+    assert text == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_json_schema_output_validates(client, spec, server):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who are you?"}],
+        max_tokens=60,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in content)
+    raw = server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "logprobs": True},
+    )
+    assert_matches_spec(spec, "CreateChatCompletionResponse", raw.json())
+
+
+def test_chat_stream_role_first_usage_and_done(server, spec):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Speak!"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = read_events(server.post("/v1/chat/completions", body))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    for chunk in chunks:
+        assert_matches_spec(spec, "CreateChatCompletionStreamResponse", chunk)
+
+
+def test_chat_n_streams_interleave(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Speak!"}], max_tokens=10, n=3, stream=True, seed=2
+    )
+    order = [chunk.choices[0].index for chunk in stream if chunk.choices]
+    assert set(order) == {0, 1, 2}
+    assert order != sorted(order), "the choices' chunks did not interleave"
+    whole = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Speak!"}], max_tokens=10, n=3, seed=2
+    )
+    finished = {c.index: c.message.content for c in whole.choices}
+    assert len(finished) == 3
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+def test_forced_tool_call_arguments_validate(client, tool_choice):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Verona?"}],
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        max_tokens=80,
+        seed=0,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+
+
+def test_streamed_tool_call(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Time?"}],
+        tools=[TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=40,
+        stream=True,
+    )
+    calls = [c for chunk in stream if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    assert json.loads(calls[0].function.arguments)["zone"] in ("UTC", "CET")
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 500}, "max_logprobs"),
+        ("/v1/completions", {"prompt": "x", "n": 1000}, "n="),
+        ("/v1/completions", {"prompt": "x " * 3000}, "max_model_len"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "("}}, "regex"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"jsonschema": {}}}, "jsonschema"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "guided_decoding_backend": "xgrammar", "guided_jsn": {}},
+            "guided_jsn",
+        ),
+        ("/v1/completions", {"prompt": "x", "guided_grammar": "start: (", "max_tokens": 2}, "grammar"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "nonsense"}},
+                },
+            },
+            "json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tools",
+        ),
+    ],
+)
+def test_bad_requests_are_400_in_the_openai_shape(server, path, body, fragment):
+    response = server.post(path, {"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert fragment in error["message"] or fragment == error["param"], error
+
+
+def test_error_classes_through_the_client(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").completions.create(model=MODEL, prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=-2
+        )
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_body_limit_and_queue_limit():
+    small = Server("--max-pending", "1", "--max-body-bytes", "20000")
+    try:
+        big = small.post("/v1/completions", {"model": MODEL, "prompt": "x" * 30000})
+        assert big.status_code == 413 and "body" in big.json()["error"]["message"]
+        body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with small.streaming("/v1/completions", body) as first:
+            lines = first.iter_lines()  # kept: dropping the iterator closes the connection
+            assert next(lines).startswith("data: ")
+            second = small.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert second.status_code == 503, (second.text, small.url)
+            assert second.json()["error"]["type"] == "server_overloaded"
+        assert small.wait_idle()["weft_kv_blocks_used"] == 0  # the stream left: its request was aborted
+    finally:
+        small.stop()
+
+
+# ---- concurrency, cancellation, shutdown ---------------------------------------------------------
+
+
+async def one_request(aclient: openai.AsyncOpenAI, i: int) -> str:
+    """Request i of a mixed load: plain, constrained, logprobs, n > 1, streamed, some cancelled."""
+    messages = [{"role": "user", "content": f"Tell me {i}"}]
+    kind = i % 6
+    if kind == 0:
+        r = await aclient.completions.create(model=MODEL, prompt=f"ROMEO {i}:", max_tokens=12, logprobs=2)
+        assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    elif kind == 1:
+        r = await aclient.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    elif kind == 2:
+        r = await aclient.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=3)
+        assert len(r.choices) == 3
+    elif kind == 3:
+        stream = await aclient.completions.create(model=MODEL, prompt="JULIET:", max_tokens=12, stream=True)
+        text = "".join([c.choices[0].text async for c in stream if c.choices])
+        assert text
+    elif kind == 4:  # cancelled mid-stream
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == 3:
+                break
+        await stream.close()
+        return "cancelled"
+    else:
+        r = await aclient.completions.create(
+            model=MODEL, prompt="KING:", max_tokens=8, extra_body={"guided_regex": "[a-z]{3,8}"}
+        )
+        assert re.fullmatch("[a-z]{3,8}", r.choices[0].text)
+    return "done"
+
+
+def test_64_concurrent_mixed_requests_finish_or_cancel_cleanly(server):
+    async def run_all() -> list[str]:
+        aclient = server.async_client()
+        try:
+            return await asyncio.gather(*(one_request(aclient, i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run_all())
+    assert results.count("cancelled") == sum(1 for i in range(64) if i % 6 == 4)
+    m = server.wait_idle()
+    assert m["weft_kv_blocks_used"] == 0 and m["weft_num_requests_running"] == 0
+    assert m["weft_num_requests_waiting"] == 0
+    assert m['weft_requests_total{status="ok"}'] >= 64 - results.count("cancelled")
+
+
+def test_metrics_expose_engine_state_and_latency(server, client):
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+    ).close()
+    for _ in client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, stream=True):
+        pass
+    m = server.metrics()
+    for name in (
+        "weft_kv_blocks_total",
+        "weft_kv_blocks_used",
+        "weft_prefix_cache_hit_rate",
+        "weft_num_requests_running",
+        "weft_num_requests_waiting",
+        "weft_prompt_tokens_total",
+        "weft_generation_tokens_total",
+        "weft_time_to_first_token_seconds_count",
+        "weft_inter_token_latency_seconds_count",
+    ):
+        assert name in m, name
+    assert m["weft_kv_blocks_total"] > 0 and m["weft_time_to_first_token_seconds_count"] >= 1
+    assert m["weft_inter_token_latency_seconds_count"] >= 4
+
+
+def test_disconnect_mid_stream_frees_blocks_at_once(server):
+    body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with server.streaming("/v1/completions", body) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+        assert server.metrics()["weft_kv_blocks_used"] > 0
+    m = server.wait_idle(timeout=5)
+    assert m["weft_kv_blocks_used"] == 0
+
+
+def test_sigterm_drains_in_flight_requests_then_exits():
+    s = Server()
+    try:
+        body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with s.streaming("/v1/completions", body) as response:
+            lines = response.iter_lines()
+            next(lines)
+            s.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in rest[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.process.wait(timeout=30) == 0
+    finally:
+        s.stop()
+
+
+def test_serve_help_documents_its_options():
+    result = subprocess.run(
+        [sys.executable, "-m", "weft", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--max-num-seqs"):
+        assert flag in result.stdout
+    assert Path(__file__).exists()

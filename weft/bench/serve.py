@@ -1,0 +1,250 @@
+"""`weft serve` under load, next to offline `LLM.generate` on the same workload.
+
+Steps, in order:
+  1. build a random-weight model of a real shape from a config.json (default: SmolLM2-135M's), or
+     take `--model`;
+  2. offline: `LLM.generate` of the whole workload at once (tokens/s), and the prefill time of one
+     prompt (`max_tokens=1`, best of 5);
+  3. start `weft serve` on a loopback port (a separate process, as deployed);
+  4. for each concurrency C in `--concurrency`: C clients each send `--requests-per-client`
+     streaming completions back to back, over HTTP with server-sent events (random token-id
+     prompts of `--prompt-len`; output lengths drawn uniformly from [output_len / 2,
+     3 * output_len / 2], EOS ignored, the same lengths offline); the clients start spread over
+     the first `--ramp` seconds, as independent users do, rather than in lockstep (with equal
+     starts and lengths, every request of a wave would arrive in the same step, and each
+     prompt's first token would wait for all the wave's prefills). Requests/s, output tokens/s,
+     time to first token and inter-token latency (p50/p99) are measured at the client;
+  5. print one table; the ratios are server throughput / offline throughput and TTFT p99 / the
+     offline prefill time of one prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from weft.bench.throughput import DEFAULT_CONFIG, build_checkpoint
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape to build"
+    )
+    p.add_argument(
+        "--model", default=None, help="serve this checkpoint instead (e.g. the bundled model: 'default')"
+    )
+    p.add_argument("--concurrency", default="1,8,32,64", help="concurrent clients, comma-separated")
+    p.add_argument(
+        "--requests-per-client", type=int, default=3, help="requests each client sends (default: 3)"
+    )
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: 64)")
+    p.add_argument(
+        "--ramp", type=float, default=2.0, help="seconds over which the clients start (default: 2)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+
+
+@dataclass(slots=True)
+class Run:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    requests: int = 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    prompt: list[int]
+    output_len: int
+
+
+async def _one(client, url: str, job: Job, run: Run) -> None:
+    prompt, output_len = job.prompt, job.output_len
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    last = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"weft serve answered {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                run.tokens += chunk["usage"]["completion_tokens"]
+            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                run.ttft.append(now - start)
+            else:
+                run.itl.append(now - last)
+            last = now
+    run.requests += 1
+
+
+async def _load(url: str, jobs: list[Job], concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
+    import httpx
+
+    run = Run()
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
+        async def worker(w: int) -> None:
+            await asyncio.sleep(args.ramp * w / concurrency)
+            for r in range(args.requests_per_client):
+                await _one(client, url, jobs[(w * args.requests_per_client + r) % len(jobs)], run)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        return run, time.perf_counter() - start
+
+
+def _offline(path: str, jobs: list[Job], max_seqs: int) -> tuple[float, float]:
+    """(output tokens/s of the whole workload, seconds of one prompt's prefill)."""
+    from weft import LLM, SamplingParams
+
+    llm = LLM(path, max_num_seqs=max_seqs, enable_prefix_caching=False, show_progress=False)
+    params = SamplingParams(ignore_eos=True, seed=0)
+    prompts = [job.prompt for job in jobs]
+    llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
+    per_job = [params.replace(max_tokens=job.output_len) for job in jobs]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, per_job, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prefill = []
+    for prompt in prompts[:5]:
+        start = time.perf_counter()
+        llm.generate([prompt], params.replace(max_tokens=1), use_tqdm=False)
+        prefill.append(time.perf_counter() - start)
+    del llm
+    return tokens / seconds, min(prefill)
+
+
+def _start_server(path: str, port: int, max_seqs: int) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "weft", "serve", "--model", path, "--port", str(port)]
+    command += ["--max-num-seqs", str(max_seqs), "--no-prefix-caching", "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "WEFT_API_KEY"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("weft serve exited before it came up")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError("weft serve did not come up in 180 s")
+
+
+def run(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    max_seqs = max(64, *levels)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is not None:
+            from weft.engine.factory import default_model_path, resolve_model_path
+
+            path = str(default_model_path() if args.model == "default" else resolve_model_path(args.model))
+        else:
+            print(f"building a random-weight checkpoint of {args.config} ...", flush=True)
+            path = str(build_checkpoint(args.config, torch.float32, Path(tmp)))
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+        count = max(levels) * args.requests_per_client
+        prompts = torch.randint(3, vocab, (count, args.prompt_len), generator=gen).tolist()
+        low, high = max(1, args.output_len // 2), max(1, 3 * args.output_len // 2)
+        lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+        jobs = [Job(p, n) for p, n in zip(prompts, lengths, strict=True)]
+        print(
+            f"weft bench serve: prompt={args.prompt_len} output={args.output_len} "
+            f"requests/client={args.requests_per_client} threads={torch.get_num_threads()}",
+            flush=True,
+        )
+        print("offline LLM.generate ...", flush=True)
+        offline_tps, prefill_s = _offline(path, jobs, max_seqs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = _start_server(path, port, max_seqs)
+        try:
+            rows = []
+            for level in levels:
+                print(f"  {level} concurrent clients ...", flush=True)
+                jobs_here = jobs[: level * args.requests_per_client]
+                load, seconds = asyncio.run(_load(f"http://127.0.0.1:{port}", jobs_here, level, args))
+                rows.append(_row(level, load, seconds, offline_tps, prefill_s))
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    _print(rows, offline_tps, prefill_s)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"offline_tps": offline_tps, "prefill_s": prefill_s, "rows": rows}, indent=2)
+        )
+    return 0
+
+
+def _row(level: int, load: Run, seconds: float, offline_tps: float, prefill_s: float) -> dict[str, float]:
+    tps = load.tokens / seconds
+    return {
+        "concurrency": level,
+        "requests_per_s": load.requests / seconds,
+        "output_tps": tps,
+        "vs_offline": tps / offline_tps,
+        "ttft_p50_ms": 1000 * _percentile(load.ttft, 0.5),
+        "ttft_p99_ms": 1000 * _percentile(load.ttft, 0.99),
+        "ttft_p99_vs_prefill": _percentile(load.ttft, 0.99) / prefill_s,
+        "itl_p50_ms": 1000 * _percentile(load.itl, 0.5),
+        "itl_p99_ms": 1000 * _percentile(load.itl, 0.99),
+        "itl_mean_ms": 1000 * statistics.fmean(load.itl) if load.itl else float("nan"),
+    }
+
+
+def _print(rows: list[dict[str, float]], offline_tps: float, prefill_s: float) -> None:
+    print(
+        f"\noffline LLM.generate: {offline_tps:.1f} output tok/s; "
+        f"one prompt's prefill: {1000 * prefill_s:.1f} ms"
+    )
+    print(
+        "| clients | req/s | output tok/s | vs offline | TTFT p50 ms | TTFT p99 ms "
+        "| TTFT p99 / prefill | ITL p50 ms | ITL p99 ms |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {r['requests_per_s']:.2f} | {r['output_tps']:.1f} "
+            f"| {r['vs_offline']:.2f} "
+            f"| {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['ttft_p99_vs_prefill']:.2f} "
+            f"| {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |"
+        )

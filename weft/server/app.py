@@ -1,0 +1,230 @@
+"""The ASGI app: routes, authentication, the body limit and errors in the OpenAI shape.
+
+Status codes: 400 for invalid parameters, schemas, grammars, prompts longer than the context, n
+or logprobs above the limits; 401 for a missing or wrong API key; 404 for an unknown model or
+route; 413 for a body over the limit; 503 when the server already holds `max_pending` requests.
+A client that disconnects (mid-stream, or while it waits for a whole response) aborts its request,
+which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from weft.engine.engine import LLMEngine
+from weft.server.chat import Chat
+from weft.server.completions import Completions
+from weft.server.engine_loop import EngineLoop, QueueFull, now
+from weft.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from weft.server.responses import error_body, sse
+from weft.server.service import GenerationFailed, Service, UnknownModel
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_pending: int = 1024
+    max_n: int = 128  # sequences per request (n, best_of)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    loop = EngineLoop(engine, config.max_pending)
+    service = Service(loop, config.model_name, config.max_n)
+    completions, chat = Completions(service), Chat(service)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="weft", lifespan=lifespan)
+    app.state.service = service
+    _add_error_handlers(app, service)
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": service.model_name, "object": "model", "created": now(), "owned_by": "weft"}
+        return {"object": "list", "data": [{**card, "max_model_len": service.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        body, handles, request_id = await completions.start(body)
+        if body.stream:
+            return _stream(service, completions.stream(body, handles, request_id))
+        return await _until_disconnect(request, service, completions.respond(body, handles, request_id))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        handle, tool_mode, request_id = await chat.start(body)
+        if body.stream:
+            return _stream(service, chat.stream(body, handle, tool_mode, request_id))
+        return await _until_disconnect(request, service, chat.respond(body, handle, tool_mode, request_id))
+
+    return app
+
+
+async def _until_disconnect(request: Request, service: Service, work: Awaitable[dict]) -> Response:
+    """The response, unless the client goes away first: then the work is cancelled, which aborts
+    its requests."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        service.metrics.requests.labels("aborted").inc()
+        return Response(status_code=499)
+    result = task.result()  # raises the request's error, for the handlers
+    service.metrics.requests.labels("ok").inc()
+    return JSONResponse(result)
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _stream(service: Service, events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        status = "aborted"  # unless it runs to its end: a client that left closes the generator
+        try:
+            async for event in events:
+                yield event
+            status = "ok"
+        except (GenerationFailed, RuntimeError, ValueError) as exc:
+            status = "error"
+            yield sse(
+                error_body(
+                    str(exc), "server_error" if isinstance(exc, RuntimeError) else "invalid_request_error"
+                )
+            )
+            yield sse("[DONE]")
+        finally:
+            service.metrics.requests.labels(status).inc()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI, service: Service) -> None:
+    def counted(
+        status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+    ) -> JSONResponse:
+        service.metrics.requests.labels("rejected" if status < 500 else "error").inc()
+        return _error(status, message, kind, param, code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
+        return counted(400, message, "invalid_request_error", where or None)
+
+    @app.exception_handler(RequestError)
+    async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
+        return counted(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return counted(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(UnknownModel)
+    async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
+        return counted(404, str(exc), "invalid_request_error", "model", "model_not_found")
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        return counted(503, str(exc), "server_overloaded")
+
+    @app.exception_handler(GenerationFailed)
+    async def failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+        return counted(400, f"generation failed: {exc}", "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return counted(exc.status_code, str(exc.detail), kind)
+
+
+class _Guard:
+    """ASGI middleware: the API key (every route but /health) and the body size limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                body = error_body(
+                    "invalid or missing API key (Authorization: Bearer KEY)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _too_large(self.max_body_bytes)(scope, receive, send)
+        return await self.app(scope, _limited(receive, self.max_body_bytes), send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(
+        error_body(f"the request body is over {limit} bytes", "invalid_request_error"), status_code=413
+    )
+
+
+def _limited(receive: Receive, limit: int) -> Callable[[], Awaitable[Message]]:
+    """A receive that fails a chunked body once it passes the limit."""
+    seen = 0
+
+    async def limited_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise RequestError(f"the request body is over {limit} bytes")
+        return message
+
+    return limited_receive

@@ -1,0 +1,79 @@
+"""`weft serve`: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory or model id (default: the bundled model)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $WEFT_API_KEY)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: from --model)"
+    )
+    p.add_argument(
+        "--max-pending", type=int, default=1024, help="requests in flight before 503 (default: 1024)"
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
+    )
+    engine = p.add_argument_group("engine options (as in LLM)")
+    engine.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context length")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default: 64)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks")
+    engine.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV-cache memory")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask")
+    engine.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from weft.engine.factory import EngineArgs, build_engine
+    from weft.server.app import ServerConfig, build_app
+
+    engine = build_engine(
+        EngineArgs(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_logprobs=args.max_logprobs,
+            seed=args.seed,
+        )
+    )
+    name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")
+    config = ServerConfig(
+        model_name=name,
+        api_key=args.api_key or os.environ.get("WEFT_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        max_pending=args.max_pending,
+    )
+    app = build_app(engine, config)
+    print(f"weft serve: {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    # uvicorn drains in-flight requests on SIGINT/SIGTERM, then raises the signal again to the
+    # handler it found installed: this one, so that a drained server exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    print("weft serve: stopped after finishing the requests in flight", flush=True)
+    return 0

@@ -1,0 +1,86 @@
+"""What the endpoints share: the engine loop, the model's name and tokenizer, validation done
+before a request is queued, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from weft.params import SamplingParams
+from weft.server.engine_loop import EngineLoop, RequestHandle
+from weft.server.metrics import LatencyTracker, Metrics
+from weft.server.protocol import RequestError
+from weft.structured.grammar import GrammarError
+from weft.tokenizer import Tokenizer
+
+_LABELS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "lark": "grammar",
+    "gbnf": "grammar",
+    "choice": "choice",
+}
+
+
+class UnknownModel(Exception):
+    pass
+
+
+class GenerationFailed(Exception):
+    """A request's generation failed in the engine (the message says why)."""
+
+
+class Service:
+    def __init__(self, loop: EngineLoop, model_name: str, max_n: int = 128) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.max_n = max_n
+        engine = loop.engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.vocab_size = engine.vocab_size
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.metrics = Metrics(lambda: loop.stats)
+        engine.grammars  # noqa: B018  # build the grammar manager now, not on a request's path
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise UnknownModel(f"the model {model!r} does not exist; this server serves {self.model_name!r}")
+
+    async def validate_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached, off the event loop): an invalid schema,
+        regex or grammar is a 400, not a request that fails later."""
+        if params.structured is None or params.exact_choice:
+            return
+        grammars = self.loop.engine.grammars
+        try:
+            await asyncio.to_thread(grammars.validate, params.structured)
+        except GrammarError as exc:
+            label = _LABELS.get(params.structured.kind.value, params.structured.kind.value)
+            raise RequestError(f"invalid {label}: {exc}") from None
+
+    def check_limits(self, params: SamplingParams) -> None:
+        if params.num_samples > self.max_n:
+            raise RequestError(
+                f"n={params.n}, best_of={params.best_of}: at most {self.max_n} sequences per request", "n"
+            )
+
+    async def add_all(
+        self, request_id: str, prompts: Sequence[str | list[int]], params: SamplingParams
+    ) -> list[RequestHandle]:
+        """Queue one engine request per prompt, all or none."""
+        handles: list[RequestHandle] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                handles.append(await self.loop.add(f"{request_id}-{i}", prompt, params))
+        except BaseException:
+            for handle in handles:
+                handle.close()
+            raise
+        return handles
+
+    def count(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(completion_tokens)
+
+    def tracker(self) -> LatencyTracker:
+        return LatencyTracker(self.metrics)
