@@ -190,6 +190,18 @@ def run_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _constraint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The output constraint options, as SamplingParams / BeamSearchParams fields."""
+    return {
+        "json_schema": _read_json_or_file(args.json_schema),
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "grammar": _read_file(args.grammar),
+        "grammar_syntax": args.grammar_syntax,
+        "choice": args.choice,
+    }
+
+
 def run_beam_search(args: argparse.Namespace) -> int:
     from weft import LLM, BeamSearchParams
 
@@ -198,12 +210,7 @@ def run_beam_search(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         length_penalty=args.length_penalty,
         stop=args.stop,
-        json_schema=_read_json_or_file(args.json_schema),
-        json_object=args.json_object,
-        regex=args.regex,
-        grammar=_read_file(args.grammar),
-        grammar_syntax=args.grammar_syntax,
-        choice=args.choice,
+        **_constraint_options(args),
     )
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     (result,) = llm.beam_search(args.prompt, params)
@@ -233,12 +240,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=args.stop,
-        json_schema=_read_json_or_file(args.json_schema),
-        json_object=args.json_object,
-        regex=args.regex,
-        grammar=_read_file(args.grammar),
-        grammar_syntax=args.grammar_syntax,
-        choice=args.choice,
+        **_constraint_options(args),
         choice_selection=args.choice_selection,
         fast_forward=not args.no_fast_forward,
         logprobs=args.logprobs,

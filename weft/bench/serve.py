@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,52 +79,76 @@ class Job:
     output_len: int
 
 
-async def _one(client, url: str, job: Job, run: Run) -> None:
-    prompt, output_len = job.prompt, job.output_len
-    body = {
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def _one(host: str, port: int, job: Job, run: Run) -> None:
+    """One streaming completion over a raw HTTP/1.1 connection: a load generator this light
+    leaves the (shared) cores to the server. A chunk with text is a line that does not carry
+    `"text": ""`; the last data chunk carries the usage."""
+    body = json.dumps(
+        {
+            "prompt": job.prompt,
+            "max_tokens": job.output_len,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head + body)
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"weft serve answered {status!r}: {await reader.read()!r}")
     last = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"weft serve answered {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                run.tokens += chunk["usage"]["completion_tokens"]
-            if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                run.ttft.append(now - start)
-            else:
-                run.itl.append(now - last)
-            last = now
+    async for line in _sse_lines(reader):
+        if line.startswith(b"data: [DONE]"):
+            break
+        if b'"usage"' in line and b'"choices": []' in line:
+            run.tokens += json.loads(line[6:])["usage"]["completion_tokens"]
+            continue
+        if b'"text": ""' in line:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            run.ttft.append(now - start)
+        else:
+            run.itl.append(now - last)
+        last = now
+    writer.close()
     run.requests += 1
 
 
-async def _load(url: str, jobs: list[Job], concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
-    import httpx
+async def _sse_lines(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The data lines of a chunked HTTP response body (headers skipped)."""
+    while (await reader.readline()).strip():
+        pass
+    pending = b""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            return
+        pending += await reader.readexactly(size)
+        await reader.readexactly(2)
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: "):
+                yield line
 
+
+async def _load(jobs: list[Job], port: int, concurrency: int, args: argparse.Namespace) -> tuple[Run, float]:
     run = Run()
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
 
-        async def worker(w: int) -> None:
-            await asyncio.sleep(args.ramp * w / concurrency)
-            for r in range(args.requests_per_client):
-                await _one(client, url, jobs[(w * args.requests_per_client + r) % len(jobs)], run)
+    async def worker(w: int) -> None:
+        await asyncio.sleep(args.ramp * w / concurrency)
+        for r in range(args.requests_per_client):
+            await _one("127.0.0.1", port, jobs[(w * args.requests_per_client + r) % len(jobs)], run)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
-        return run, time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return run, time.perf_counter() - start
 
 
 def _offline(path: str, jobs: list[Job], max_seqs: int) -> tuple[float, float]:
@@ -148,9 +173,16 @@ def _offline(path: str, jobs: list[Job], max_seqs: int) -> tuple[float, float]:
     return tokens / seconds, min(prefill)
 
 
-def _start_server(path: str, port: int, max_seqs: int) -> subprocess.Popen:
-    import httpx
+def _healthy(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
 
+
+def _start_server(path: str, port: int, max_seqs: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "weft", "serve", "--model", path, "--port", str(port)]
     command += ["--max-num-seqs", str(max_seqs), "--no-prefix-caching", "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if k != "WEFT_API_KEY"}
@@ -159,11 +191,9 @@ def _start_server(path: str, port: int, max_seqs: int) -> subprocess.Popen:
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError("weft serve exited before it came up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            time.sleep(0.3)
+        if _healthy(port):
+            return process
+        time.sleep(0.3)
     process.kill()
     raise RuntimeError("weft serve did not come up in 180 s")
 
@@ -202,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             for level in levels:
                 print(f"  {level} concurrent clients ...", flush=True)
                 jobs_here = jobs[: level * args.requests_per_client]
-                load, seconds = asyncio.run(_load(f"http://127.0.0.1:{port}", jobs_here, level, args))
+                load, seconds = asyncio.run(_load(jobs_here, port, level, args))
                 rows.append(_row(level, load, seconds, offline_tps, prefill_s))
         finally:
             server.terminate()

@@ -22,7 +22,7 @@ from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
 from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, Tool
-from weft.server.responses import chat_logprobs, finish_reason, sse, usage
+from weft.server.responses import ChunkWriter, chat_logprobs, finish_reason, sse, usage
 from weft.server.service import GenerationFailed, Service
 
 
@@ -104,12 +104,8 @@ class Chat:
     ) -> AsyncIterator[str]:
         """Chunks: the role first (per choice), then content deltas, the finish reason, a usage
         chunk when asked, [DONE]. A tool call is sent whole, in the chunk that finishes it."""
-        base = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": now(),
-            "model": self.service.model_name,
-        }
+        fields = {"id": request_id, "object": "chat.completion.chunk", "created": now()}
+        chunks = ChunkWriter(fields, self.service)
         started: set[int] = set()
         buffered: dict[int, str] = {}
         tracker = self.service.tracker()
@@ -124,7 +120,7 @@ class Chat:
                 completion_tokens += len(c.token_ids)
                 if c.index not in started:
                     started.add(c.index)
-                    yield sse({**base, "choices": [_chunk(c.index, {"role": "assistant", "content": ""})]})
+                    yield chunks.choice(_chunk(c.index, {"role": "assistant", "content": ""}))
                 delta: dict[str, Any] = {}
                 reason = finish_reason(c)
                 if tool_mode is None:
@@ -143,10 +139,10 @@ class Chat:
                 choice = _chunk(c.index, delta, reason)
                 if body.logprobs and c.logprobs:
                     choice["logprobs"] = chat_logprobs(c.token_ids, list(c.logprobs), body.top_logprobs or 0)
-                yield sse({**base, "choices": [choice]})
+                yield chunks.choice(choice)
         self.service.count(prompt_tokens, completion_tokens)
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
 
 

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default: 64)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks")
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
+            block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             num_kv_blocks=args.num_kv_blocks,

@@ -11,7 +11,7 @@ from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
 from weft.server.engine_loop import RequestHandle, merge, now
 from weft.server.protocol import CompletionRequest
-from weft.server.responses import completion_logprobs, finish_reason, sse, usage
+from weft.server.responses import ChunkWriter, completion_logprobs, finish_reason, sse, usage
 from weft.server.service import GenerationFailed, Service
 
 
@@ -73,13 +73,7 @@ class Completions:
         self, body: CompletionRequest, out: RequestOutput, c: CompletionOutput, prompt: _Prompt, index: int
     ) -> dict[str, Any]:
         text = prompt.text + c.text if body.echo else c.text
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": self._logprobs(body, out, c, prompt),
-            "finish_reason": finish_reason(c),
-            "stop_reason": c.stop_reason,
-        }
+        return _choice(index, text, self._logprobs(body, out, c, prompt), c)
 
     def _logprobs(
         self, body: CompletionRequest, out: RequestOutput | None, c: CompletionOutput, prompt: _Prompt | None
@@ -102,16 +96,12 @@ class Completions:
     ) -> AsyncIterator[str]:
         """Server-sent events: chunks as text arrives (choice index = prompt * n + sample), a usage
         chunk when asked, then [DONE]."""
-        created, model = now(), self.service.model_name
+        chunks = ChunkWriter({"id": request_id, "object": "text_completion", "created": now()}, self.service)
         counts: dict[int, int] = {}
         prompt_tokens = 0
-        echoed: set[int] = set()
         trackers = [self.service.tracker() for _ in handles]
-        async for i, out in merge(h.outputs() for h in handles):
-            if i not in echoed:
-                echoed.add(i)
-                prompt_tokens += len(out.prompt_token_ids)
-            prompt = self._prompt(out)
+        outputs = merge(h.outputs() for h in handles) if len(handles) > 1 else _tagged(handles[0])
+        async for i, out in outputs:
             if any(c.token_ids for c in out.outputs):
                 trackers[i].tokens_arrived()
             for c in out.outputs:
@@ -119,22 +109,37 @@ class Completions:
                     raise GenerationFailed(c.error)
                 index = i * body.n + c.index
                 first = index not in counts
+                if first and c.index == 0:
+                    prompt_tokens += len(out.prompt_token_ids)
                 counts[index] = counts.get(index, 0) + len(c.token_ids)
-                if not c.text and not c.token_ids and c.finish_reason is None and not (first and body.echo):
-                    continue
-                text = (prompt.text if first and body.echo else "") + c.text
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": self._logprobs(body, out if first else None, c, prompt if first else None),
-                    "finish_reason": finish_reason(c),
-                    "stop_reason": c.stop_reason,
-                }
-                chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-                yield sse({**chunk, "choices": [choice]})
+                if first and body.echo:
+                    yield chunks.choice(self._echoed_choice(body, out, c, index))
+                elif c.text or c.token_ids or c.finish_reason is not None:
+                    logprobs = self._logprobs(body, None, c, None)
+                    yield chunks.choice(_choice(index, c.text, logprobs, c))
         completion_tokens = sum(counts.values())
         self.service.count(prompt_tokens, completion_tokens)
         if body.stream_options is not None and body.stream_options.include_usage:
-            chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-            yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
+
+    def _echoed_choice(
+        self, body: CompletionRequest, out: RequestOutput, c: CompletionOutput, index: int
+    ) -> dict[str, Any]:
+        prompt = self._prompt(out)
+        return _choice(index, prompt.text + c.text, self._logprobs(body, out, c, prompt), c)
+
+
+def _choice(index: int, text: str, logprobs: dict[str, Any] | None, c: CompletionOutput) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(c),
+        "stop_reason": c.stop_reason,
+    }
+
+
+async def _tagged(handle: RequestHandle) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for output in handle.outputs():
+        yield 0, output

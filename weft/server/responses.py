@@ -21,6 +21,20 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class ChunkWriter:
+    """The SSE events of one stream: the fields every chunk repeats are serialized once."""
+
+    def __init__(self, fields: dict[str, Any], service: Any) -> None:
+        fields = {**fields, "model": service.model_name}
+        self._head = "data: " + json.dumps(fields)[:-1] + ', "choices": ['
+
+    def choice(self, choice: dict[str, Any]) -> str:
+        return f"{self._head}{json.dumps(choice)}]}}\n\n"
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return f'{self._head}], "usage": {json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n'
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
