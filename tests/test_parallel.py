@@ -375,3 +375,21 @@ def test_beams_that_hit_a_stop_string_finish_as_hypotheses(llm):
         scores = [b.score for b in result.sequences]
         assert scores == sorted(scores, reverse=True)
     assert stopped > 0
+
+
+def test_beams_that_cannot_fit_in_the_cache_fail_alone(tiny_llama):
+    small = LLM(str(tiny_llama), num_kv_blocks=8, max_model_len=128, show_progress=False, **ON_CPU)
+    engine = small.engine
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=20, temperature=0))
+    engine.add_request("beams", [5, 6, 7], BeamSearchParams(beam_width=8, max_tokens=100, ignore_eos=True))
+    finished = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {"plain", "beams"}, "the engine stalled"
+    assert "cannot hold this request's sequences" in finished["beams"].outputs[0].error
+    assert len(finished["plain"].outputs[0].token_ids) == 20
+    assert small.stats()["kv_blocks_used"] == 0 and small.stats()["num_parked"] == 0

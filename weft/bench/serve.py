@@ -81,8 +81,9 @@ class Job:
 
 async def _one(host: str, port: int, job: Job, run: Run) -> None:
     """One streaming completion over a raw HTTP/1.1 connection: a load generator this light
-    leaves the (shared) cores to the server. A chunk with text is a line that does not carry
-    `"text": ""`; the last data chunk carries the usage."""
+    leaves the (shared) cores to the server. Every data chunk but the usage one carries the
+    tokens of one engine step (its text may still be empty: a character split across tokens
+    waits for its last byte), so its arrival times the tokens; the usage chunk counts them."""
     body = json.dumps(
         {
             "prompt": job.prompt,
@@ -109,8 +110,8 @@ async def _one(host: str, port: int, job: Job, run: Run) -> None:
         if b'"usage"' in line and b'"choices": []' in line:
             run.tokens += json.loads(line[6:])["usage"]["completion_tokens"]
             continue
-        if b'"text": ""' in line:
-            continue
+        if b'"text": ""' in line and b'"finish_reason": null' not in line:
+            continue  # the closing chunk: a finish reason, no new token
         now = time.perf_counter()
         if last is None:
             run.ttft.append(now - start)

@@ -250,10 +250,34 @@ class LLMEngine:
         if not sched.is_empty:
             self._run(sched)
             touched += [item.seq.group for item in sched.scheduled if item.seq.group is not None]
+        elif self.scheduler.waiting and not self.scheduler.running:
+            touched += self._fail_unschedulable()
         groups = list({id(g): g for g in touched}.values())
         for group in groups:
             self._apply(group.policy.after_step(group))
         return self._emit(groups)
+
+    def _fail_unschedulable(self) -> list[SequenceGroup]:
+        """Nothing runs and the next waiting sequence still gets no blocks: the rest of the cache
+        is held by sequences that wait themselves (beams parked for their siblings, forks), so no
+        step will ever free any. The request holding the most parked beams (else the one at the
+        head of the queue) fails, alone, and gives its blocks back."""
+        parked = [
+            (sum(s.status == SequenceStatus.PARKED for s in g.sequences), i, g)
+            for i, g in enumerate(self.groups.values())
+        ]
+        most = max(parked, default=(0, 0, None), key=lambda item: item[:2])
+        group = most[2] if most[0] > 0 else self.scheduler.waiting[0].group
+        if group is None:  # not a request's sequence: nothing to fail it with
+            return []
+        message = (
+            f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) cannot hold "
+            "this request's sequences at once; lower beam_width, n, best_of or max_tokens, or give "
+            "the engine more KV memory (num_kv_blocks, kv_cache_memory_gb)"
+        )
+        for seq in list(group.sequences):
+            self.scheduler.finish(seq, FinishReason.ERROR, error=message)
+        return [group]
 
     def _admit_compiled_grammars(self) -> list[SequenceGroup]:
         """Start the groups whose grammar compiled; those whose grammar failed fail at once."""
