@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: 64)")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engine's tokens per step, for the server and offline alike (default: the engine's)",
+    )
+    p.add_argument(
         "--ramp", type=float, default=2.0, help="seconds over which the clients start (default: 2)"
     )
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
@@ -152,11 +158,17 @@ async def _load(jobs: list[Job], port: int, concurrency: int, args: argparse.Nam
     return run, time.perf_counter() - start
 
 
-def _offline(path: str, jobs: list[Job], max_seqs: int) -> tuple[float, float]:
+def _offline(path: str, jobs: list[Job], max_seqs: int, budget: int | None) -> tuple[float, float]:
     """(output tokens/s of the whole workload, seconds of one prompt's prefill)."""
     from weft import LLM, SamplingParams
 
-    llm = LLM(path, max_num_seqs=max_seqs, enable_prefix_caching=False, show_progress=False)
+    llm = LLM(
+        path,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+        show_progress=False,
+    )
     params = SamplingParams(ignore_eos=True, seed=0)
     prompts = [job.prompt for job in jobs]
     llm.generate(prompts[:2], params.replace(max_tokens=4), use_tqdm=False)  # warm-up
@@ -183,9 +195,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _start_server(path: str, port: int, max_seqs: int) -> subprocess.Popen:
+def _start_server(path: str, port: int, max_seqs: int, budget: int | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "weft", "serve", "--model", path, "--port", str(port)]
     command += ["--max-num-seqs", str(max_seqs), "--no-prefix-caching", "--log-level", "warning"]
+    if budget is not None:
+        command += ["--max-num-batched-tokens", str(budget)]
     env = {k: v for k, v in os.environ.items() if k != "WEFT_API_KEY"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -223,11 +237,11 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print("offline LLM.generate ...", flush=True)
-        offline_tps, prefill_s = _offline(path, jobs, max_seqs)
+        offline_tps, prefill_s = _offline(path, jobs, max_seqs, args.max_num_batched_tokens)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = _start_server(path, port, max_seqs)
+        server = _start_server(path, port, max_seqs, args.max_num_batched_tokens)
         try:
             rows = []
             for level in levels:
