@@ -38,6 +38,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_pending: int = 1024
     max_n: int = 128  # sequences per request (n, best_of)
+    engine_thread: bool = True  # False: the caller runs `app.state.engine_loop.run()` itself
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -47,7 +48,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop.start()
+        loop.start(own_thread=config.engine_thread)
         try:
             yield
         finally:
@@ -55,6 +56,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="weft", lifespan=lifespan)
     app.state.service = service
+    app.state.engine_loop = loop
     _add_error_handlers(app, service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 from pathlib import Path
+from typing import Any
+
+from weft.server.engine_loop import EngineLoop
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,13 +73,36 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("WEFT_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         max_pending=args.max_pending,
+        engine_thread=False,  # the engine steps in the main thread: see serve_forever
     )
     app = build_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     print(f"weft serve: {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    # uvicorn drains in-flight requests on SIGINT/SIGTERM, then raises the signal again to the
-    # handler it found installed: this one, so that a drained server exits with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve_forever(server, app.state.engine_loop)
     print("weft serve: stopped after finishing the requests in flight", flush=True)
     return 0
+
+
+def serve_forever(server: Any, engine_loop: EngineLoop) -> None:
+    """uvicorn's event loop in a thread, the engine in this (main) thread. SIGINT/SIGTERM tell
+    uvicorn to stop accepting and drain the requests in flight (a second SIGINT: at once); the
+    engine steps until uvicorn has finished."""
+    done = threading.Event()
+
+    def serve() -> None:
+        try:
+            server.run()
+        finally:
+            done.set()
+
+    def on_signal(sig: int, frame: object) -> None:
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    thread = threading.Thread(target=serve, name="weft-http", daemon=True)
+    thread.start()
+    engine_loop.run(until=done)
+    thread.join()

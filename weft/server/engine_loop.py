@@ -52,6 +52,7 @@ class EngineLoop:
         self.stats: EngineStats = engine.stats()  # a snapshot, refreshed by the thread after each step
         self._commands: deque[_Add | str] = deque()  # adds, and request ids to abort
         self._wake = threading.Event()
+        self._ready = threading.Event()  # the event loop has started
         self._streams: dict[str, _Stream] = {}  # touched by the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -59,16 +60,29 @@ class EngineLoop:
 
     # ---- life cycle (event loop) ---------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, own_thread: bool = True) -> None:
+        """Called on the event loop at startup. With `own_thread`, the engine steps in a new
+        thread; without, the caller runs `run()` in a thread of its own (`weft serve` runs it in
+        the main thread: torch computes a step 20-50% slower in other threads on the machines we
+        measured)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="weft-engine", daemon=True)
-        self._thread.start()
+        self._ready.set()
+        if own_thread:
+            self._thread = threading.Thread(target=self.run, name="weft-engine", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def run(self, until: threading.Event | None = None) -> None:
+        """Step the engine until `stop()` (or until `until` is set), once the event loop started."""
+        while not self._ready.wait(timeout=0.5):
+            if until is not None and until.is_set():
+                return
+        self._run(until)
 
     @property
     def num_in_flight(self) -> int:
@@ -117,9 +131,9 @@ class EngineLoop:
 
     # ---- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, until: threading.Event | None) -> None:
         assert self._loop is not None
-        while not self._stop:
+        while not self._stop and not (until is not None and until.is_set()):
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
