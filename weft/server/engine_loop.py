@@ -1,12 +1,11 @@
-"""The engine, stepped in one background thread, serving requests from an asyncio event loop.
+"""The engine, stepped in one thread, serving requests from an asyncio event loop in another.
 
-The event loop never runs engine code: `EngineLoop.submit` queues an add (its result, or the
-`ValueError` of a bad request, comes back as a future), `abort` queues an abort, and the thread
-applies both between two steps, so a new request joins the running batch at the next step. After
-each step the thread hands every output to the event loop in one call, which puts each on its
-request's `asyncio.Queue`. A thread (not a process) because the step's heavy work runs in torch
-and native kernels that release the GIL, and because outputs then reach the loop without any
-serialization; `weft bench serve` measures what it costs against offline generation.
+The event loop never runs engine code: `EngineLoop.add` queues an add (its result, or the
+`ValueError` of a bad request, comes back as a future), `abort` queues an abort, and the engine
+thread applies both between two steps, so a new request joins the running batch at the next
+step. After each step the engine thread hands every output to the event loop in one call, which
+puts each on its request's `asyncio.Queue`. `weft serve` runs the engine in the main thread (see
+docs/server.md for why, measured) and the event loop in a second one.
 """
 
 from __future__ import annotations
