@@ -326,3 +326,16 @@ def test_top_alternatives_match_a_full_stable_sort():
         ids, _ = TORCH_KERNELS.top_by_value_then_index(logprobs, n)
         expected = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :n]
         assert torch.equal(ids, expected), n
+
+
+def test_uniform_noise_never_reaches_one_so_masked_tokens_stay_unsampled():
+    # The largest draw must stay below 1: Gumbel noise of u = 1.0 is +inf, and +inf on a masked
+    # (-inf) logit is NaN, which the argmax picks (a forbidden token, once in ~16M draws).
+    extremes = ops.bits_to_uniform(torch.tensor([0, (1 << ops.UNIFORM_BITS) - 1]))
+    assert extremes[0].item() > 0.0 and extremes[1].item() < 1.0
+    gumbel = -torch.log(-torch.log(extremes))
+    assert torch.isfinite(gumbel).all()
+    logits = torch.full((1, 4), float("-inf"))
+    logits[0, 2] = 0.0
+    noisy = logits + gumbel.max()
+    assert ops.row_argmax(noisy).item() == 2

@@ -34,8 +34,18 @@ def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)
-    top24 = _shr(z, 40).to(torch.float32)  # [B, V] in [0, 2^24)
-    return (top24 + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(_shr(z, 64 - UNIFORM_BITS))  # [B, V]
+
+
+# 23 bits: (2^23 - 0.5) / 2^23 is a float32 below 1. With 24, the top value rounded to exactly 1.0,
+# whose Gumbel noise is +inf: on a token the grammar masked (-inf) that made NaN, which the argmax
+# picked, sampling a forbidden token about once in 16 million draws.
+UNIFORM_BITS = 23
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^UNIFORM_BITS) -> float32 strictly inside (0, 1)."""
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def gumbel_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
