@@ -559,3 +559,11 @@ def test_serve_help_documents_its_options():
     for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--max-num-seqs"):
         assert flag in result.stdout
     assert Path(__file__).exists()
+
+
+def test_a_port_in_use_is_an_error_not_a_silent_exit(server):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "weft", "serve", "--port", str(server.port), "--log-level", "error"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert "could not serve" in result.stdout and "address already in use" in result.stderr

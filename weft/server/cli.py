@@ -78,15 +78,18 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     print(f"weft serve: {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    serve_forever(server, app.state.engine_loop)
+    if not serve_forever(server, app.state.engine_loop):
+        print(f"weft serve: could not serve on {args.host}:{args.port} (see the error above)", flush=True)
+        return 1
     print("weft serve: stopped after finishing the requests in flight", flush=True)
     return 0
 
 
-def serve_forever(server: Any, engine_loop: EngineLoop) -> None:
+def serve_forever(server: Any, engine_loop: EngineLoop) -> bool:
     """uvicorn's event loop in a thread, the engine in this (main) thread. SIGINT/SIGTERM tell
     uvicorn to stop accepting and drain the requests in flight (a second SIGINT: at once); the
-    engine steps until uvicorn has finished."""
+    engine steps until uvicorn has finished. Returns whether uvicorn served at all (False: it
+    could not start, e.g. the port was taken)."""
     done = threading.Event()
 
     def serve() -> None:
@@ -106,3 +109,4 @@ def serve_forever(server: Any, engine_loop: EngineLoop) -> None:
     thread.start()
     engine_loop.run(until=done)
     thread.join()
+    return bool(server.started)
