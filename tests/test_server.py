@@ -567,3 +567,20 @@ def test_a_port_in_use_is_an_error_not_a_silent_exit(server):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1
     assert "could not serve" in result.stdout and "address already in use" in result.stderr
+
+
+def test_logit_bias_and_vllm_extras_reach_the_sampler(client, offline):
+    target = offline.tokenizer.encode(" the", add_special_tokens=False)[0]
+    biased = client.completions.create(
+        model=MODEL, prompt="ROMEO:", max_tokens=4, logit_bias={str(target): 100}, seed=3
+    )
+    assert biased.choices[0].text == offline.tokenizer.decode([target] * 4)
+    extras = client.completions.create(
+        model=MODEL,
+        prompt="ROMEO:",
+        max_tokens=6,
+        extra_body={"top_k": 1, "min_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.2},
+    )
+    params = SamplingParams(max_tokens=6, top_k=1, min_tokens=6, ignore_eos=True, repetition_penalty=1.2)
+    (expected,) = offline.generate("ROMEO:", params)
+    assert extras.choices[0].text == expected.outputs[0].text and extras.usage.completion_tokens == 6

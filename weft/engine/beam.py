@@ -68,6 +68,7 @@ class BeamSearch:
     improvable: bool = True  # transformers' early-stop heuristic: finished ones can still improve
     done: bool = False
     spawner: Spawner | None = None
+    failed: list[Sequence] = field(default_factory=list)  # beams that failed as they ran
     _order: int = 0
 
     @property
@@ -95,7 +96,7 @@ class BeamSearch:
     def after_step(self, group: SequenceGroup) -> GroupUpdate:
         if self.done:
             return GroupUpdate()
-        failed = [s for s in self.live if s.is_finished]  # an error while it ran (non-finite logits)
+        self.failed += [s for s in self.live if s.is_finished]  # e.g. non-finite logits
         self.live = [s for s in self.live if not s.is_finished]
         if any(s.candidates is None for s in self.live):
             return GroupUpdate()  # some beams have not run yet this round
@@ -111,7 +112,7 @@ class BeamSearch:
             or all(c.ends for c in candidates)
             or not self.live
         ):
-            return self._finish(group, update, failed)
+            return self._finish(group, update)
         return update
 
     def _candidates(self) -> list[Candidate]:
@@ -201,13 +202,13 @@ class BeamSearch:
         best = beam_score(self.live[0].cumulative_logprob or 0.0, length, penalty)
         self.improvable = self.improvable and best > self.finished[-1].score
 
-    def _finish(self, group: SequenceGroup, update: GroupUpdate, failed: list[Sequence]) -> GroupUpdate:
+    def _finish(self, group: SequenceGroup, update: GroupUpdate) -> GroupUpdate:
         """Done: release every beam still running; the output is the finished hypotheses, best
         first (or, when none finished, why: a failed beam)."""
         self.done = True
         prunes = [*update.prunes, *update.resumes, *(child for _, child in update.forks), *self.live]
         self.live = []
-        results = [h.seq for h in self.finished] or failed[:1]
+        results = [h.seq for h in self.finished] or self.failed[:1]
         if not results:  # every candidate was excluded (-inf): report why, on a released beam
             results = prunes[:1]
             results[0].finish(FinishReason.ERROR, error="beam search found no token the constraint allows")
