@@ -393,3 +393,19 @@ def test_beams_that_cannot_fit_in_the_cache_fail_alone(tiny_llama):
     assert "cannot hold this request's sequences" in finished["beams"].outputs[0].error
     assert len(finished["plain"].outputs[0].token_ids) == 20
     assert small.stats()["kv_blocks_used"] == 0 and small.stats()["num_parked"] == 0
+
+
+def test_samples_draw_their_first_token_from_the_prompt_logits(tiny_llama):
+    """The other samples of n > 1 sample from the first's logits row in the step that ends the
+    prompt and share all its blocks: with a block-aligned prompt nothing is recomputed or copied,
+    so KV peaks at exactly the prompt's blocks plus each sample's own."""
+    llm = LLM(str(tiny_llama), max_num_seqs=8, enable_prefix_caching=False, show_progress=False, **ON_CPU)
+    block = llm.config.cache.block_size
+    prompt = [(5 * i) % 300 + 3 for i in range(2 * block)]
+    params = SamplingParams(n=4, max_tokens=block, ignore_eos=True, seed=7)
+    peak = step_until_done(llm, "fan", prompt, params)
+    assert peak == 2 + 4  # the prompt's 2 blocks, then one block of its own per sample
+    (together,) = llm.generate([prompt], params)
+    for i, completion in enumerate(together.outputs):
+        (alone,) = llm.generate([prompt], params.replace(n=1, seed=7 + i))
+        assert completion.token_ids == alone.outputs[0].token_ids  # sample i of n uses seed + i

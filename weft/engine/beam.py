@@ -93,6 +93,9 @@ class BeamSearch:
     def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
         return group.sequences if finished else None
 
+    def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
+        return []
+
     def after_step(self, group: SequenceGroup) -> GroupUpdate:
         if self.done:
             return GroupUpdate()

@@ -23,14 +23,16 @@ from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from weft.arrays import column
 from weft.config import EngineConfig
 from weft.engine.beam import BeamSearch
 from weft.engine.group import GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
-from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
+from weft.engine.scheduler import Fanout, SampledRows, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus, TokenLogprobs
 from weft.model.llama import LlamaForCausalLM
@@ -299,12 +301,18 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput) -> None:
         """Forward, sample, read back once, update, for one scheduled step."""
-        seqs = sched.sampling
+        fanouts = self._fanouts(sched)
+        seqs = sched.sampling + [child for f in fanouts for child in f.children]
         fill = None
         if self._grammars is not None:
             fill = self._grammars.start_fill([seq.matcher for seq in seqs])
         step = self.runner.execute(sched)
         logits = step.logits  # [S, V]
+        if fanouts:  # [S + F, V]: each fanout child samples from its parent's row
+            parent_rows = [f.parent_row for f in fanouts for _ in f.children]
+            logits = logits.index_select(
+                0, column([*range(logits.shape[0]), *parent_rows], np.int64, logits.device)
+            )
         batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
         prompt = self._prompt_logprobs(step)
         rows, prompt_items = _to_host(self.sampler(logits, batch, fill), prompt)
@@ -313,7 +321,28 @@ class LLMEngine:
             span.seq.add_prompt_logprobs(span.first_token, prompt_items[offset : offset + span.count])
             offset += span.count
         self.num_sampled_tokens += len(seqs) - len(rows.errors)
-        self.num_forced_tokens += self.scheduler.update(sched, rows)
+        self.num_forced_tokens += self.scheduler.update(sched, rows, fanouts)
+
+    def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:
+        """Sequences that draw their first token from a row of this step (see `Fanout`), within
+        the room left under `max_num_seqs`."""
+        room = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
+        fanouts: list[Fanout] = []
+        row, next_row = 0, len(sched.sampling)
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            seq, parent_row = item.seq, row
+            row += 1
+            ends_prompt = seq.num_computed_tokens + item.num_new_tokens == seq.num_prompt_tokens
+            if room <= 0 or seq.group is None or not ends_prompt:
+                continue
+            children = seq.group.policy.take_fanout(seq, room)
+            if children:
+                fanouts.append(Fanout(seq, parent_row, children, next_row))
+                next_row += len(children)
+                room -= len(children)
+        return fanouts
 
     def _prompt_logprobs(self, step: StepLogits) -> torch.Tensor | None:
         """The logprob block of this step's prompt tokens that were asked for, or None."""

@@ -56,12 +56,19 @@ class GroupPolicy(Protocol):
         """The sequences the request's output reports now, in order; None to report nothing yet."""
         ...
 
+    def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
+        """Up to `limit` sequences to sample from `seq`'s logits row in the step that computes its
+        prompt's last token (they then share its blocks as they are); [] for none."""
+        ...
+
 
 @dataclass(slots=True)
 class ParallelSampling:
     """`num_samples` independent samples of one prompt. The first computes the prompt; the others
-    are forks of it taken before it sampled anything, queued once its prompt is computed, so that
-    they share its KV blocks and recompute only the last prompt token for logits of their own.
+    are forks of it taken before it sampled anything. In the step that computes the prompt's last
+    token they draw their own first token from the same logits row (`take_fanout`) and join the
+    batch sharing all its blocks; those that find no room under `max_num_seqs` are queued once
+    the prompt is computed and recompute its last token for logits of their own.
     With `num_returned` < `num_samples` (best_of), the output reports only at the end, the
     `num_returned` samples of highest cumulative logprob, best first, indexed 0..num_returned-1."""
 
@@ -72,6 +79,13 @@ class ParallelSampling:
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         self.pending = [spawner.fork(first, index) for index in range(1, self.num_samples)]
         group.add(self.pending)
+
+    def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
+        """The other samples draw their first token from the first's logits, in the same step."""
+        if not self.pending or seq is not self.pending[0].fork_parent:
+            return []
+        taken, self.pending = self.pending[:limit], self.pending[limit:]
+        return taken
 
     def after_step(self, group: SequenceGroup) -> GroupUpdate:
         if not self.pending:

@@ -20,6 +20,7 @@ finished releases its blocks at once: `_release` is the one place that happens.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from weft.config import SchedulerConfig
@@ -59,6 +60,19 @@ class SampledRows:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, str]  # row -> why that row failed
+
+
+@dataclass(frozen=True, slots=True)
+class Fanout:
+    """Sequences sampled this step from another sequence's logits row: the other samples of an
+    n > 1 request, forks of its first sequence taken before it sampled, drawn from the same
+    distribution when its prompt's last token is computed. They then share all of its computed
+    tokens: nothing is recomputed, and no block is copied unless they write into a shared one."""
+
+    parent: Sequence
+    parent_row: int  # the parent's sampling row
+    children: list[Sequence]
+    first_row: int  # the sampling row of the first child; the others follow
 
 
 class Scheduler:
@@ -181,10 +195,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, output: SchedulerOutput, sampled: SampledRows) -> int:
+    def update(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
         """Advance every scheduled sequence and hand each sampled token to its sequence (rows in
-        `output.sampling` order). Sequences that finish release their blocks. Returns the number
-        of tokens appended without sampling (forced by a grammar)."""
+        `output.sampling` order, then the fanout rows). Sequences that finish release their
+        blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
+        by_parent = {f.parent.seq_id: f for f in fanouts}
         num_forced = 0
         row = 0
         for item in output.scheduled:
@@ -195,6 +210,9 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(seq)
+            if by_parent:
+                fanout = by_parent.get(seq.seq_id)
+                num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
             if samples_row is not None:
                 error = sampled.errors.get(samples_row)
                 if error is not None:
@@ -207,6 +225,29 @@ class Scheduler:
                     num_forced += max(num_appended - 1, 0)
             if seq.is_finished:
                 self._release(seq)
+        return num_forced
+
+    def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
+        """The fanout's children join the running batch sharing every computed token of their
+        parent (before it can finish and release them), each with its own sampled token."""
+        num_forced = 0
+        parent = fanout.parent
+        for i, child in enumerate(fanout.children):
+            if child.is_finished:  # aborted with its request
+                continue
+            row = fanout.first_row + i
+            child.fork_parent = None
+            self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            error = sampled.errors.get(row)
+            if error is not None:
+                child.finish(FinishReason.ERROR, error=error)
+            else:
+                num_forced += max(child.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
+            if child.is_finished:
+                self._release(child)
         return num_forced
 
     def _park(self, seq: Sequence) -> None:
