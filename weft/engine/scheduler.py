@@ -214,18 +214,23 @@ class Scheduler:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
             if samples_row is not None:
-                error = sampled.errors.get(samples_row)
-                if error is not None:
-                    seq.finish(FinishReason.ERROR, error=error)
-                elif seq.defers_sampling:
-                    seq.candidates = sampled.logprobs[samples_row]
-                    self._park(seq)
-                else:
-                    num_appended = seq.append(sampled.token_ids[samples_row], sampled.logprobs[samples_row])
-                    num_forced += max(num_appended - 1, 0)
+                num_forced += self._accept(seq, sampled, samples_row)
             if seq.is_finished:
                 self._release(seq)
         return num_forced
+
+    def _accept(self, seq: Sequence, sampled: SampledRows, row: int) -> int:
+        """Hand sampling row `row` to `seq`: its error, its candidates (a parked beam), or its
+        token. Returns the number of tokens the grammar forced after it."""
+        error = sampled.errors.get(row)
+        if error is not None:
+            seq.finish(FinishReason.ERROR, error=error)
+            return 0
+        if seq.defers_sampling:
+            seq.candidates = sampled.logprobs[row]
+            self._park(seq)
+            return 0
+        return max(seq.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their
@@ -241,11 +246,7 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
-            error = sampled.errors.get(row)
-            if error is not None:
-                child.finish(FinishReason.ERROR, error=error)
-            else:
-                num_forced += max(child.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
+            num_forced += self._accept(child, sampled, row)
             if child.is_finished:
                 self._release(child)
         return num_forced

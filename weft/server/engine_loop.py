@@ -145,7 +145,6 @@ class EngineLoop:
                 self._abort_everything()
                 self._loop.call_soon_threadsafe(self._fail_all, RuntimeError(f"engine step failed: {exc}"))
                 continue
-            self.stats = self.engine.stats()
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
 
