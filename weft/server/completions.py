@@ -41,11 +41,11 @@ class Completions:
         return body, handles, request_id
 
     async def respond(self, body: CompletionRequest, handles: list[RequestHandle], request_id: str) -> dict:
-        finals: list[RequestOutput] = []
-        async for _, output in merge(h.outputs() for h in handles):
+        by_prompt: dict[int, RequestOutput] = {}
+        async for i, output in merge(h.outputs() for h in handles):
             if output.finished:
-                finals.append(output)
-        finals.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+                by_prompt[i] = output
+        finals = [by_prompt[i] for i in sorted(by_prompt)]
         choices = []
         for i, out in enumerate(finals):
             prompt = self._prompt(out)
