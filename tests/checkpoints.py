@@ -52,9 +52,15 @@ def train_tiny_tokenizer(vocab_size: int = 384) -> Tokenizer:
 
 
 def build_checkpoint(
-    out: Path, arch: str = "llama", seed: int = 0, vocab_size: int = 384, **overrides: Any
+    out: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 384,
+    dtype: str = "float32",
+    **overrides: Any,
 ) -> Path:
-    """Save a tiny random model of `arch` (a key of ARCHS) with a tiny BPE tokenizer to `out`."""
+    """Save a tiny random model of `arch` (a key of ARCHS), its weights stored in `dtype`, with a tiny
+    BPE tokenizer to `out`."""
     import transformers
 
     config_cls_name, extra = ARCHS[arch]
@@ -81,6 +87,7 @@ def build_checkpoint(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
+    model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok = train_tiny_tokenizer(vocab_size)

@@ -218,7 +218,8 @@ def test_weight_layout_by_device_and_dtype(monkeypatch):
     cpu = torch.device("cpu")
     assert kernels_for(cpu) is NATIVE_CPU_KERNELS
     assert weight_layout(NATIVE_CPU_KERNELS, cpu, torch.float32) is WeightLayout.PANELS
-    assert weight_layout(NATIVE_CPU_KERNELS, cpu, torch.bfloat16) is WeightLayout.OUT_IN
+    assert weight_layout(NATIVE_CPU_KERNELS, cpu, torch.bfloat16) is WeightLayout.PANELS
+    assert weight_layout(TORCH_KERNELS, cpu, torch.bfloat16) is WeightLayout.OUT_IN
     assert weight_layout(TORCH_KERNELS, torch.device("cuda"), torch.float32) is WeightLayout.OUT_IN
     assert weight_layout(TORCH_KERNELS, cpu, torch.float32) is WeightLayout.IN_OUT
     monkeypatch.setitem(native._state, "ok", False)
@@ -338,6 +339,57 @@ def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypat
     for a, b in zip(with_kernels, without_outputs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arch):
+    """Single-query steps run all layers in one `decoder_stack_` call; identical results to the
+    layer-by-layer path, also for short prompts taken token by token in the stack (5 and 2 tokens,
+    one step) beside a long one (21 tokens, the SDPA path). qwen2 has q/k/v biases; qwen3's q/k
+    norms are not in the stack, so it keeps the layer path."""
+    from weft import LLM, SamplingParams
+
+    path = str(checkpoint_factory(arch))
+    fused = LLM(path, show_progress=False, dtype="float32")
+    layered = LLM(path, show_progress=False, dtype="float32")
+    assert (fused.engine.model.stack is not None) == (arch != "qwen3")
+    layered.engine.model.stack = None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    for prompts in ([[5, 6, 7, 8, 9], [11, 12]], [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]):
+        outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
+    from weft import LLM
+
+    model = LLM(str(tiny_llama), show_progress=False, dtype="float32").engine.model
+    assert model.stack is not None
+    caches = [torch.zeros(2, 4, 2, 2, 16) for _ in model.layers]
+    x = torch.randn(1, 64)
+    table, lens, positions = (
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.ones(1, dtype=torch.long),
+        torch.zeros(1, dtype=torch.long),
+    )
+    cos, sin = model.rotary.cos, model.rotary.sin
+    with pytest.raises(RuntimeError, match="a slot is outside the KV cache"):
+        torch.ops.weft.decoder_stack_(
+            x,
+            model.stack,
+            caches,
+            torch.tensor([8]),
+            table,
+            lens,
+            positions,
+            cos,
+            sin,
+            [4, 2, 16, 64, 128],
+            1e-6,
+            0.25,
+        )
 
 
 def test_disabled_by_environment(monkeypatch, tmp_path):

@@ -56,6 +56,7 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    checkpoint_dtype: torch.dtype | None = None  # the dtype config.json says the weights are stored in
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -95,6 +96,7 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        checkpoint_dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype"))),
     )
 
 
@@ -182,9 +184,10 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and the KV cache
     seed: int = 0
     max_logprobs: int = 20  # the most top-n logprobs a request may ask for
+    weight_dtype: torch.dtype | None = None  # None: the same as dtype
 
     def __post_init__(self) -> None:
         _require(
@@ -212,12 +215,23 @@ DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`None`/"auto" means float32 on CPU and bfloat16 on CUDA."""
+def resolve_dtype(
+    dtype: str | torch.dtype | None,
+    device: torch.device,
+    checkpoint: torch.dtype | None = None,
+    fast_half_on_cpu: bool = False,
+) -> torch.dtype:
+    """The weights' dtype. `None`/"auto" means the checkpoint's own dtype where the device runs it
+    fast: on CUDA the checkpoint's half-precision dtype (bfloat16 for a float32 checkpoint); on CPU
+    the checkpoint's half-precision dtype when weft's kernels stream it (`fast_half_on_cpu`), else
+    float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        half = checkpoint if checkpoint in (torch.bfloat16, torch.float16) else None
+        if device.type == "cuda":
+            return half or torch.bfloat16
+        return half if half is not None and fast_half_on_cpu else torch.float32
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[dtype]
@@ -250,11 +264,14 @@ class NativeConfig:
     """Where weft's CPU kernels are built, and whether to use them (environment variables:
     `WEFT_NATIVE=0` turns them off; `WEFT_CACHE_DIR` moves the build cache, by default
     `$XDG_CACHE_HOME/weft` or `~/.cache/weft`; `WEFT_NATIVE_SANITIZE=1` builds them with
-    AddressSanitizer and UndefinedBehaviorSanitizer, for tests run with libasan preloaded)."""
+    AddressSanitizer and UndefinedBehaviorSanitizer, for tests run with libasan preloaded;
+    `WEFT_NATIVE_ARCH` is the compiler's `-march`, by default `native`: `x86-64-v3` builds the
+    AVX2 path that machines without AVX-512 take)."""
 
     enabled: bool
     cache_dir: Path
     sanitize: bool = False
+    arch: str = "native"
 
     @classmethod
     def from_env(cls) -> NativeConfig:
@@ -264,4 +281,5 @@ class NativeConfig:
             enabled=os.environ.get("WEFT_NATIVE", "1") != "0",
             cache_dir=Path(os.environ.get("WEFT_CACHE_DIR", default)),
             sanitize=os.environ.get("WEFT_NATIVE_SANITIZE", "0") == "1",
+            arch=os.environ.get("WEFT_NATIVE_ARCH", "native"),
         )

@@ -32,6 +32,15 @@ class RopeTables:
     sin: torch.Tensor  # the same shape as cos
 
 
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    """What `decoder_stack_` needs to know of a model besides its weights."""
+
+    sizes: tuple[int, int, int, int, int]  # heads, kv_heads, head_dim, hidden, intermediate
+    eps: float  # RMSNorm epsilon
+    scale: float  # attention scale
+
+
 class TorchKernels:
     """Plain torch: any device, any dtype."""
 
@@ -43,6 +52,21 @@ class TorchKernels:
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether linear weights are packed into column panels for `packed_linear`."""
         return False
+
+    def activation_dtype(self, device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of activations and of the KV cache for a model whose weights are `weight_dtype`."""
+        return weight_dtype
+
+    def describe(self, device: torch.device, weight_dtype: torch.dtype) -> dict[str, str]:
+        """What runs a model on `device` in `weight_dtype`, for `LLM.stats()` and the load log line."""
+        return {
+            "kernels": self.name,
+            "weights": _dtype_name(weight_dtype),
+            "activations": _dtype_name(self.activation_dtype(device, weight_dtype)),
+            "linear": "torch F.linear"
+            if device.type != "cpu" or weight_dtype != torch.float32
+            else "torch x @ W",
+        }
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32:
@@ -80,6 +104,25 @@ class TorchKernels:
         scale: float,
     ) -> torch.Tensor | None:  # [B, H, D], or None: not available, use the gather + SDPA path
         return None
+
+    def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
+        """Whether `decoder_stack_` runs on `device` with activations in `activations` (for
+        Llama-family layers without q/k norms whose linear weights are packed into panels)."""
+        return False
+
+    def decoder_stack_(
+        self,
+        x: torch.Tensor,  # [T, hidden], updated in place
+        weights: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_table: torch.Tensor,  # [T, max_blocks] int64: row t is one query
+        context_lens: torch.Tensor,  # [T] int64, row t's context, itself included
+        rope: RopeTables,
+        shape: StackShape,
+    ) -> None:
+        """Every decoder layer on rows that each attend as one query, in one call."""
+        raise NotImplementedError(f"the {self.name} kernel set has no decoder_stack_")
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `num_top` largest values of each row of x ([R, V]), ties to the smaller index, in that
@@ -122,7 +165,23 @@ class NativeCpuKernels(TorchKernels):
     max_tokenwise_query_len = 8  # fast-forwarded grammar tokens and short chunks: token by token
 
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype == torch.float32
+        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def activation_dtype(self, device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+        """float32 on CPU: half-precision weights are widened in registers as they stream in, so
+        activations and the KV cache stay float32 (the checkpoint's numbers, computed exactly as a
+        float32 load of it would, at half the bytes read per step)."""
+        if self.packs_linear_weights(device, weight_dtype):
+            return torch.float32
+        return weight_dtype
+
+    def describe(self, device: torch.device, weight_dtype: torch.dtype) -> dict[str, str]:
+        info = super().describe(device, weight_dtype)
+        if self.packs_linear_weights(device, weight_dtype):
+            widen = {torch.bfloat16: ", widened by shift", torch.float16: ", widened by vcvtph2ps"}
+            info["linear"] = f"weft panels ({_dtype_name(weight_dtype)}{widen.get(weight_dtype, '')})"
+        info["cpu"] = torch.ops.weft.build_info()
+        return info
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.stride(1) == 1:
@@ -153,6 +212,35 @@ class NativeCpuKernels(TorchKernels):
         if q.shape[-1] > 256:  # head sizes above 256 take the torch path
             return None
         return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale)
+
+    def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
+        return device.type == "cpu" and activations == torch.float32
+
+    def decoder_stack_(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        rope: RopeTables,
+        shape: StackShape,
+    ) -> None:
+        torch.ops.weft.decoder_stack_(
+            x,
+            weights,
+            kv_caches,
+            slot_mapping,
+            block_table,
+            context_lens,
+            rope.positions,
+            rope.cos,
+            rope.sin,
+            list(shape.sizes),
+            shape.eps,
+            shape.scale,
+        )
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over each row keeping a small sorted list (2 ms against 19 ms for the static-shape
@@ -185,6 +273,10 @@ NATIVE_CPU_KERNELS = NativeCpuKernels()
 def kernels_for(device: torch.device) -> TorchKernels:
     """The kernel set for `device` (on CPU this builds weft's kernels on first use)."""
     return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -98,6 +98,14 @@ class LLM:
         self.router = OutputRouter()
         self._ids = itertools.count()
 
+    @property
+    def kernels(self) -> dict[str, str]:
+        """What runs the model, chosen once at load: the kernel set, the weights' and the
+        activations' dtypes, the linear-layer kernel and (on CPU) the instruction sets it uses."""
+        config = self.engine.config
+        weights = config.weight_dtype or config.dtype
+        return self.engine.model.kernels.describe(config.device, weights)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from weft.config import (
 )
 from weft.engine.engine import LLMEngine
 from weft.engine.runner import ModelRunner
+from weft.kernels import kernels_for
 from weft.model.loader import load_config, load_model
 from weft.tokenizer import Tokenizer
 
@@ -41,7 +43,7 @@ class EngineArgs:
     """The user-facing options of an engine (the keyword arguments of `LLM`)."""
 
     model: str | Path | None = None  # None: the bundled model
-    dtype: str | torch.dtype | None = None  # float32 on CPU, bfloat16 on CUDA
+    dtype: str | torch.dtype | None = None  # "auto": the checkpoint's, where the device runs it fast
     device: str | torch.device | None = None
     max_model_len: int | None = None  # the model's maximum, capped at DEFAULT_MAX_MODEL_LEN
     block_size: int = 16
@@ -58,21 +60,42 @@ class EngineArgs:
 def build_engine(args: EngineArgs) -> LLMEngine:
     path = resolve_model_path(args.model)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     model_config = _with_generation_eos(load_config(path), path)
+    kernels = kernels_for(device)
+    dtype = resolve_dtype(
+        args.dtype,
+        device,
+        model_config.checkpoint_dtype,
+        kernels.packs_linear_weights(device, torch.bfloat16),
+    )
     tokenizer = Tokenizer.from_dir(path)
     max_len = _max_model_len(args.max_model_len, model_config)
     model = load_model(path, model_config, dtype, device, max_len, args.show_progress)
+    if args.show_progress:  # what runs the model, chosen once here
+        print(f"weft: {describe_kernels(kernels.describe(device, dtype))}", file=sys.stderr, flush=True)
+    activations = kernels.activation_dtype(device, dtype)
     cache = CacheConfig(
         block_size=args.block_size,
-        num_blocks=args.num_kv_blocks or _default_num_blocks(model_config, args, dtype, device, max_len),
+        num_blocks=args.num_kv_blocks
+        or _default_num_blocks(model_config, args, activations, device, max_len),
         enable_prefix_caching=args.enable_prefix_caching,
     )
     scheduler = SchedulerConfig(
         args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), max_len
     )
-    config = EngineConfig(model_config, cache, scheduler, device, dtype, args.seed, args.max_logprobs)
+    config = EngineConfig(
+        model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, weight_dtype=dtype
+    )
     return LLMEngine(config, model, tokenizer)
+
+
+def describe_kernels(info: dict[str, str]) -> str:
+    """One line: 'bfloat16 weights, float32 activations; linear: ...; kernels: native-cpu (avx512f ...)'."""
+    cpu = f" ({info['cpu']})" if "cpu" in info else ""
+    return (
+        f"{info['weights']} weights, {info['activations']} activations; linear: {info['linear']}; "
+        f"kernels: {info['kernels']}{cpu}"
+    )
 
 
 def default_model_path() -> Path:

@@ -12,13 +12,15 @@ from torch import nn
 from weft.config import RopeConfig, RopeType
 from weft.kernels import TORCH_KERNELS, RopeTables, TorchKernels
 
+PANEL = 32  # columns per panel of the PANELS layout (weft/native/linear.cpp)
+
 
 class WeightLayout(enum.Enum):
     """How a `Linear` stores its weight; the loader picks one per device and dtype (`weight_layout`)."""
 
     OUT_IN = "out_in"  # [out, in] as checkpoints store it, applied with F.linear: any device and dtype
     IN_OUT = "in_out"  # contiguous [in, out], applied as x @ W: CPU float32 without weft's kernels
-    PANELS = "panels"  # [ceil(out / 32), in, 32] column panels for weft's packed_linear: CPU float32
+    PANELS = "panels"  # [ceil(out / 32), in, 32] column panels for weft's packed_linear: CPU, any float
 
 
 class Linear(nn.Module):
@@ -28,9 +30,10 @@ class Linear(nn.Module):
     Measured on the 2-core CPU machines over the weights of a SmolLM2-135M shaped model
     (docs/benchmarks.md), in float32: weft's panel kernel (`PANELS`) against `x @ W` on [in, out]
     is 1.0-1.1x at 1 row, 1.4-1.8x at 2-16 rows, 1.3x at 32 and 1.05x at 256 (prefill); `x @ W` on
-    [in, out] is itself 1.2-1.4x `F.linear` on [out, in]. In bfloat16 and float16 [in, out] is
-    slower at one row and equal at 8, so half precision keeps [out, in], and a single bfloat16 row
-    goes through `torch.mv`.
+    [in, out] is itself 1.2-1.4x `F.linear` on [out, in]. Half-precision weights take the same panels
+    (float32 activations, the weights widened as they stream in): 2.3x the float32 panels at one row,
+    and 4-10x torch's bfloat16 `F.linear` from 8 rows up on CPUs without AVX512_BF16. Without weft's
+    kernels, half precision keeps [out, in] and a single bfloat16 row goes through `torch.mv`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -46,9 +49,18 @@ class Linear(nn.Module):
             raise ValueError(f"Linear weight is already in the {self.layout.value} layout")
         if layout is WeightLayout.IN_OUT:
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
-        elif layout is WeightLayout.PANELS:
+        elif layout is WeightLayout.PANELS:  # the activations, and so the bias, are float32
             self.weight = nn.Parameter(torch.ops.weft.pack_linear_weight(self.weight), requires_grad=False)
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
         self.layout = layout
+
+    def expect_panels(self) -> None:
+        """Built on the meta device, to be assigned a weight that is already packed (a tied table
+        packed as it is read): take the panels' shape without packing anything."""
+        num_panels, in_features = -(-self.out_features // PANEL), self.weight.shape[1]
+        self.weight = nn.Parameter(torch.empty(num_panels, in_features, PANEL), requires_grad=False)
+        self.layout = WeightLayout.PANELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.layout is WeightLayout.PANELS:
@@ -61,11 +73,35 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Module):
+    """Token embeddings, a [vocab, hidden] table. When the table is tied to an lm_head whose weight
+    was packed into panels (`read_from_panels`), the lookup reads the panels and the table is not
+    kept a second time."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.from_panels = False
+
+    def read_from_panels(self, lm_head: Linear) -> None:
+        """Share the packed weight of `lm_head` (tied to this table) and look tokens up in it."""
+        if lm_head.layout is not WeightLayout.PANELS:
+            raise ValueError("read_from_panels needs an lm_head in the panels layout")
+        self.weight = lm_head.weight
+        self.from_panels = True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        if self.from_panels:
+            return torch.ops.weft.embedding_from_panels(ids, self.weight, self.num_embeddings)  # float32
+        return F.embedding(ids, self.weight)
+
+
 def weight_layout(kernels: TorchKernels, device: torch.device, dtype: torch.dtype) -> WeightLayout:
     """The `Linear` weight layout for a model on `device` in `dtype` (see `Linear`)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return WeightLayout.OUT_IN
-    return WeightLayout.PANELS if kernels.packs_linear_weights(device, dtype) else WeightLayout.IN_OUT
+    if kernels.packs_linear_weights(device, dtype):
+        return WeightLayout.PANELS
+    return WeightLayout.IN_OUT if device.type == "cpu" and dtype == torch.float32 else WeightLayout.OUT_IN
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +116,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim  # [D/2]
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == RopeType.LINEAR:
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == RopeType.LLAMA3:
@@ -120,7 +157,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.kernels = kernels
         inv_freq = rope_inv_freq(head_dim, rope)  # [D/2]
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        # computed on the CPU even inside a meta-device context (the loader builds the model there)
+        steps = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        angles = torch.outer(steps, inv_freq)  # [P, D/2]
         # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
         self.cos = angles.cos().to(device)  # [P, D/2]
         self.sin = angles.sin().to(device)  # [P, D/2]
@@ -130,4 +169,4 @@ class RotaryEmbedding(nn.Module):
         return self.kernels.rope_tables(self.cos, self.sin, positions, dtype)
 
 
-__all__ = ["Linear", "RMSNorm", "RopeTables", "RotaryEmbedding", "WeightLayout", "weight_layout"]
+__all__ = ["Embedding", "Linear", "RMSNorm", "RopeTables", "RotaryEmbedding", "WeightLayout", "weight_layout"]

@@ -12,14 +12,15 @@ one [2 * intermediate, hidden] matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from weft.config import ModelConfig
-from weft.kernels import RopeTables, TorchKernels
+from weft.kernels import RopeTables, StackShape, TorchKernels
 from weft.model.attention import AttentionMetadata, PagedAttention
-from weft.model.layers import Linear, RMSNorm, RotaryEmbedding
+from weft.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, WeightLayout
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
@@ -108,9 +109,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = kernels  # the device's kernel set, chosen once at load
+        self.activation_dtype: torch.dtype | None = None  # None: the embedding's dtype (set at load)
+        self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
         self.attention = PagedAttention(kernels)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed.weight.requires_grad_(False)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, self.attention) for _ in range(config.num_layers)
         )
@@ -127,11 +129,62 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
-        x = self.embed(input_ids)
+        x = self.embed(input_ids)  # [T, hidden]
+        if self.activation_dtype is not None:
+            x = x.to(self.activation_dtype)  # half-precision weights, float32 activations (CPU kernels)
         rope = self.rotary.tables(positions, x.dtype)
+        group = meta.groups[0]
+        if self.stack is not None and len(meta.groups) == 1 and group.max_query_len == 1:
+            self.kernels.decoder_stack_(
+                x,
+                self.stack,
+                kv_caches,
+                meta.slot_mapping,
+                group.block_table,
+                group.context_lens,
+                rope,
+                self._shape,
+            )
+            return self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
+    def fuse_stack(self) -> None:
+        """Let steps whose rows each attend as one query (decode) run every layer in one call of the
+        kernel set's `decoder_stack_`, where it has one and the layers fit it."""
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        device = self.lm_head.weight.device
+        if not self.kernels.has_decoder_stack(device, self.activation_dtype):
+            return
+        if not all(_stackable(layer) for layer in layers):
+            return
+        self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
+        c = self.config
+        sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
+        self._shape = StackShape(sizes, c.rms_norm_eps, layers[0].attn.scale)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return self.lm_head(hidden).float()
+
+
+def _stackable(layer: DecoderLayer) -> bool:
+    """No q/k norms, a head size the attention kernel takes, every matrix packed into panels."""
+    attn, mlp = layer.attn, layer.mlp
+    packed = all(lin.layout is WeightLayout.PANELS for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down))
+    return attn.q_norm is None and attn.head_dim <= 256 and packed
+
+
+def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
+    """One layer's weights in the order of `decoder_stack_` (weft/native/decoder.cpp)."""
+    attn, mlp, empty = layer.attn, layer.mlp, torch.empty(0)
+    return [
+        layer.input_norm.weight,
+        attn.qkv.weight,
+        empty if attn.qkv.bias is None else attn.qkv.bias,
+        attn.o.weight,
+        empty if attn.o.bias is None else attn.o.bias,
+        layer.post_attn_norm.weight,
+        mlp.gate_up.weight,
+        mlp.down.weight,
+    ]

@@ -5,10 +5,12 @@ Steps:
   2. list the safetensors files (one file, or many named by model.safetensors.index.json);
   3. read every tensor, with a progress bar, checking names and shapes against the config;
   4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
-  5. move to the target device and dtype;
+  5. move to the target device and dtype (no copy when the checkpoint is stored in that dtype);
   6. on CPU, make sure weft's native kernels are built and loaded (`weft/native`);
-  7. on CPU in float32, store the matrices in the layout that streams fastest there: column panels
-     for weft's GEMM kernel, or [in, out] without the kernels (`weight_layout`, see `Linear`).
+  7. on CPU, store the matrices in the layout that streams fastest there: column panels for weft's
+     GEMM kernel (float32, bfloat16 or float16 weights), or [in, out] without the kernels
+     (`weight_layout`, see `Linear`); with half-precision panels the activations, the norms' weights
+     and the biases are float32 (`TorchKernels.activation_dtype`).
 
 Every error names the file and the problem.
 """
@@ -21,15 +23,17 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig
 from weft.kernels import kernels_for
-from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout
+from weft.model import safetensors_io
+from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.registry import resolve_architecture
+
+EMBED = "model.embed_tokens.weight"
 
 
 class CheckpointError(ValueError):
@@ -57,27 +61,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """Yield (name, file, tensor) for every tensor in `files`."""
-    handles = []
-    total = 0
+    """Yield (name, file, tensor) for every tensor in `files`, each read into its own buffer (see
+    `weft.model.safetensors_io`)."""
+    headers = []
     for path in files:
         try:
-            handle = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError) as exc:
+            headers.append(safetensors_io.read_header(path)[0])
+        except (safetensors_io.SafetensorsError, OSError) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-        handles.append((path, handle))
-        total += len(list(handle.keys()))
+    total = sum(len(header) for header in headers)
     with tqdm(
         total=total, desc="Loading weights", unit="tensor", disable=not show_progress, leave=False
     ) as bar:
-        for path, handle in handles:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                try:
-                    tensor = handle.get_tensor(name)
-                except (SafetensorError, OSError) as exc:
-                    raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from None
-                bar.update(1)
-                yield name, path, tensor
+        for path in files:
+            try:
+                for name, tensor in safetensors_io.read_tensors(path):
+                    bar.update(1)
+                    yield name, path, tensor
+            except (safetensors_io.SafetensorsError, OSError) as exc:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 class _Weights:
@@ -86,15 +88,24 @@ class _Weights:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.files: dict[str, Path] = {}
+        self.packed: dict[str, tuple[int, ...]] = {}  # name -> the [out, in] shape it had
 
     def add(self, name: str, path: Path, tensor: torch.Tensor) -> None:
         self.tensors[name] = tensor
         self.files[name] = path
 
+    def pack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype`."""
+        matrix = self.take(name, shape)
+        self.add(name, self.files[name], torch.ops.weft.pack_linear_weight(matrix.to(dtype)))
+        self.packed[name] = shape
+
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.tensors:
             raise CheckpointError(f"checkpoint has no tensor {name!r}, which the config requires")
         tensor = self.tensors.pop(name)
+        if name in self.packed:  # checked when packed
+            return tensor
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"{self.files[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -117,23 +128,51 @@ def load_model(
     kernel set streams fastest."""
     kernels = kernels_for(device)
     arch = resolve_architecture(config)
+    layout = weight_layout(kernels, device, dtype)
+    packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
+    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
+    with torch.device("meta"):
+        model = arch.model_class(config, arch.spec, max_positions, kernels)
+        if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
+            model.lm_head.expect_panels()
+            model.embed.read_from_panels(model.lm_head)
+    state = _convert(weights, arch.spec, config)
+    model.load_state_dict(state, assign=True, strict=True)
+    del state, weights  # the model holds the only references: packing frees each matrix as it goes
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)  # off meta
+    if packs_table:
+        model.embed.read_from_panels(model.lm_head)  # one tensor
+    elif config.tie_word_embeddings:
+        model.lm_head.weight = cast(nn.Parameter, model.embed.weight)  # one tensor, after the dtype too
+    if layout is not WeightLayout.OUT_IN:
+        for module in model.modules():
+            if isinstance(module, Linear) and module.layout is not layout:
+                module.set_layout(layout)
+    _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
+    model.fuse_stack()
+    return model
+
+
+def _read_weights(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, packs_table: bool, show_progress: bool
+) -> _Weights:
+    """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
+    panels as soon as it is read, so that it never sits in memory twice beside the other weights."""
     weights = _Weights()
     for name, path, tensor in read_tensors(safetensors_files(model_dir), show_progress):
         weights.add(name, path, tensor)
-    with torch.device("meta"):
-        model = arch.model_class(config, arch.spec, max_positions, kernels)
-    state = _convert(weights, arch.spec, config)
-    model.load_state_dict(state, assign=True, strict=True)
-    model = model.to(device=device, dtype=dtype).eval()
-    model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)  # off meta
-    if config.tie_word_embeddings:
-        model.lm_head.weight = cast(nn.Parameter, model.embed.weight)  # one tensor, after the dtype too
-    layout = weight_layout(kernels, device, dtype)
-    if layout is not WeightLayout.OUT_IN:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.set_layout(layout)
-    return model
+        if packs_table and name == EMBED:
+            weights.pack(name, (config.vocab_size, config.hidden_size), dtype)
+    return weights
+
+
+def _set_activation_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Put the small weights that meet the activations (norms, unpacked biases) in their dtype."""
+    model.activation_dtype = dtype
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
 
 
 def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -141,7 +180,7 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
     h, d = config.hidden_size, config.head_dim
     q_out, kv_out, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
     state: dict[str, torch.Tensor] = {}
-    embed = weights.take("model.embed_tokens.weight", (config.vocab_size, h))
+    embed = weights.take(EMBED, (config.vocab_size, h))
     state["embed.weight"] = embed
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."

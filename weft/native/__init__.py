@@ -1,5 +1,6 @@
-"""weft's CPU kernels (`kernels.cpp`, and `linear.cpp` for the float32 linear layers), compiled on
-first use and cached.
+"""weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16 and
+float16; `decoder.cpp`, a whole decoder stack for single-token rows), compiled on first use and
+cached.
 
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
@@ -26,9 +27,10 @@ import torch
 
 from weft.config import NativeConfig
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp", "decoder.cpp")]
+HEADERS = [Path(__file__).with_name("ops.h")]
 _NAME = "weft_kernels"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
+_CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):
     _CFLAGS.append("-mprefer-vector-width=512")  # loops use all of AVX-512 where the CPU has it
 _LDFLAGS = ["-fopenmp"]  # resolves to the libgomp that torch has already loaded
@@ -38,7 +40,7 @@ _SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sa
 def build_flags(config: NativeConfig) -> tuple[list[str], list[str]]:
     """Compiler and linker flags: optimised, plus the sanitizers when asked for."""
     extra = _SANITIZE if config.sanitize else []
-    return [*_CFLAGS, *extra], [*_LDFLAGS, *extra]
+    return [*_CFLAGS, f"-march={config.arch}", *extra], [*_LDFLAGS, *extra]
 
 
 _lock = threading.Lock()
@@ -61,7 +63,7 @@ def use_kernels(device: torch.device) -> bool:
 
 def build_dir(config: NativeConfig) -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     versions = f"{torch.__version__}|{platform.python_version()}|{platform.machine()}|{build_flags(config)}"
     digest.update(versions.encode())

@@ -593,6 +593,21 @@ at::Tensor rank_of(const at::Tensor& x, const at::Tensor& ids) {
 
 }  // namespace
 
+namespace weft {  // for decoder.cpp (ops.h)
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+           int64_t num_heads) {
+  ::rope_(x, positions, cos, sin, num_heads);
+}
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale) {
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale);
+}
+
+}  // namespace weft
+
 TORCH_LIBRARY(weft, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");

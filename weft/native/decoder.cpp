@@ -1,0 +1,95 @@
+// A whole decoder stack (Llama family, no q/k norm) for a step whose rows each attend as one query
+// (decode tokens, and fast-forwarded tokens taken token by token): every layer's RMSNorm, fused q/k/v
+// projection, rotary embedding, KV-cache write, paged attention, output projection, residual adds
+// and gated MLP, in one call. The kernels are those of torch.ops.weft.* (ops.h); what this saves is
+// the Python around them: about a dozen operator calls and module calls per layer, which at one row
+// per step cost more than a third of the time outside the matrix products (docs/benchmarks.md).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// Per layer, in this order (see weft/model/llama.py, `LlamaForCausalLM.stack_weights`):
+enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kWeightsPerLayer };
+
+struct StackShape {
+  int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
+};
+
+std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
+  return bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias);
+}
+
+// kv [T, 2 * KVH * D] (keys then values of each token, rows strided) -> cache slots `slots`.
+void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots) {
+  const int64_t tokens = kv.size(0), width = kv.size(1);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kFloat && width == cache[0][0].numel(),
+              "decoder_stack_: a KV cache is not contiguous float32 [blocks, block_size, 2, KVH, D]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* src = kv.data_ptr<float>();
+  float* dst = cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decoder_stack_: a slot is outside the KV cache");
+    std::memcpy(dst + sp[t] * width, src + t * kv.stride(0), sizeof(float) * width);
+  }
+}
+
+void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const at::Tensor& slots,
+                   const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
+                   const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
+  const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
+  at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
+  at::Tensor qkv = weft::packed_linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d)
+                       .view({tokens, heads + 2 * kv_heads, d});
+  at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
+  weft::rope_(qk, positions, cos, sin, heads + kv_heads);
+  write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots);
+  at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
+  x.add_(weft::packed_linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden));
+  h = weft::rms_norm(x, w[kPostNorm], eps);
+  at::Tensor act = weft::silu_mul(weft::packed_linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate));
+  x.add_(weft::packed_linear(act, w[kDown], std::nullopt, s.hidden));
+}
+
+// x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
+// (an empty tensor for a missing bias); kv_caches: one per layer; slots [T], block_table [T, max_blocks],
+// context_lens [T] and positions [T] int64: row t is one query whose context (itself included) is
+// context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
+void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
+                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
+                    const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale) {
+  TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
+  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4]};
+  const auto layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
+              "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(1) == s.hidden,
+              "decoder_stack_: x must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
+              "decoder_stack_: slots must be [T] int64");
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    at::Tensor cache = kv_caches[layer];
+    decoder_layer(x, &weights[layer * kWeightsPerLayer], cache, slots, block_table, context_lens, positions, cos, sin,
+                  s, eps, scale);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(weft, m) {
+  m.def(
+      "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
+      "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("decoder_stack_", &decoder_stack_); }
