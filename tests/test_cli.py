@@ -89,18 +89,28 @@ def test_bad_constraint_is_reported(tiny_llama, capsys):
 
 def test_bench_throughput_with_only_a_config_measures_real_rates(tiny_llama, tmp_path, capsys):
     """A user's clone has no shared tokenizer: prompts come from the config's vocabulary, and every
-    rate printed was measured (weft generated every token it was timed for)."""
-    out = tmp_path / "result.json"
+    rate printed was measured (weft generated every token it was timed for); two dtypes in one run,
+    each with its weight bytes, and the plot of both."""
+    out, plot = tmp_path / "result.json", tmp_path / "decode.png"
     args = ["--batch-sizes", "1,2", "--prompt-len", "8", "--output-len", "6", "--repeats", "1"]
     config = str(tiny_llama / "config.json")
-    code = main(["bench", "throughput", "--config", config, *args, "--no-transformers", "--json", str(out)])
+    dtypes = ["--dtype", "float32,bfloat16", "--plot", str(plot)]
+    code = main(
+        ["bench", "throughput", "--config", config, *args, *dtypes, "--no-transformers", "--json", str(out)]
+    )
     assert code == 0
     import json
 
-    results = json.loads(out.read_text())["results"]
-    assert [r["batch"] for r in results] == [1, 2]
-    for r in results:
-        assert 1 < r["weft_decode_tps"] < 1e6 and 1 < r["weft_prefill_tps"] < 1e7
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["float32", "bfloat16"]
+    assert runs["bfloat16"]["weight_bytes"] < 0.6 * runs["float32"]["weight_bytes"]
+    for run in runs.values():
+        results = run["results"]
+        assert [r["batch"] for r in results] == [1, 2]
+        for r in results:
+            assert 1 < r["weft_decode_tps"] < 1e6 and 1 < r["weft_prefill_tps"] < 1e7
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "bfloat16 weights, float32 activations" in capsys.readouterr().out
 
 
 def test_bench_overhead_measures_every_phase(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from weft.engine.factory import describe_kernels
 from weft.model.llama import LlamaForCausalLM
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -52,10 +53,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, "1,8,32,64")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32, bfloat16 or float16, or several comma-separated, measured in turn (default: float32)",
+    )
     add_repeats_argument(p)
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    p.add_argument(
+        "--plot", type=Path, default=None, help="write a PNG of decode tokens/s against batch size per dtype"
+    )
 
 
 @dataclass(slots=True)
@@ -152,18 +160,32 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timin
 
 
 def run(args: argparse.Namespace) -> int:
-    from weft import LLM
-    from weft.config import resolve_dtype
-
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    dtypes = [name.strip() for name in args.dtype.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     print(
         f"weft bench throughput: {args.config} dtype={args.dtype} prompt={args.prompt_len} "
         f"output={args.output_len} repeats={args.repeats} threads={torch.get_num_threads()}",
         flush=True,
     )
+    runs = {name: _run_dtype(name, batch_sizes, args) for name in dtypes}
+    if args.json:
+        args.json.write_text(json.dumps({"config": str(args.config), "runs": runs}, indent=2))
+    if args.plot:
+        from weft.bench.plot import plot_decode
+
+        plot_decode(runs, args.plot, f"{args.config.parent.name}, prompt {args.prompt_len}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> dict[str, object]:
+    """One dtype: a checkpoint stored in it, weft (and transformers) on it, the table printed."""
+    from weft import LLM
+    from weft.config import resolve_dtype
+
+    dtype = resolve_dtype(name, torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
-        print("building a random-weight checkpoint ...", flush=True)
+        print(f"[{name}] building a random-weight checkpoint ...", flush=True)
         path = build_checkpoint(args.config, dtype, Path(tmp))
         max_len = args.prompt_len + args.output_len + 8
         llm = LLM(
@@ -175,25 +197,13 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=False,
             show_progress=False,
         )
+        print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
         hf = None if args.no_transformers else _load_transformers(path, dtype)
         results = _measure_all(llm, hf, batch_sizes, args)
     weight_bytes = decode_weight_bytes(llm.engine.model)
     bandwidth = read_bandwidth_gbs()
     _print_table(results, args, weight_bytes, bandwidth)
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "config": str(args.config),
-                    "dtype": args.dtype,
-                    "results": results,
-                    "read_bandwidth_gbs": bandwidth,
-                    "weight_bytes": weight_bytes,
-                },
-                indent=2,
-            )
-        )
-    return 0
+    return {"results": results, "read_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes}
 
 
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:
