@@ -266,12 +266,15 @@ class NativeConfig:
     `$XDG_CACHE_HOME/weft` or `~/.cache/weft`; `WEFT_NATIVE_SANITIZE=1` builds them with
     AddressSanitizer and UndefinedBehaviorSanitizer, for tests run with libasan preloaded;
     `WEFT_NATIVE_ARCH` is the compiler's `-march`, by default `native`: `x86-64-v3` builds the
-    AVX2 path that machines without AVX-512 take)."""
+    AVX2 path that machines without AVX-512 take; `WEFT_NATIVE_CFLAGS` adds compiler flags, such as
+    `-DWEFT_EMULATE_BF16_DOT`, which builds the AVX512_BF16 path with its arithmetic emulated, to
+    test it on machines without the instruction)."""
 
     enabled: bool
     cache_dir: Path
     sanitize: bool = False
     arch: str = "native"
+    extra_cflags: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> NativeConfig:
@@ -282,4 +285,5 @@ class NativeConfig:
             cache_dir=Path(os.environ.get("WEFT_CACHE_DIR", default)),
             sanitize=os.environ.get("WEFT_NATIVE_SANITIZE", "0") == "1",
             arch=os.environ.get("WEFT_NATIVE_ARCH", "native"),
+            extra_cflags=tuple(os.environ.get("WEFT_NATIVE_CFLAGS", "").split()),
         )

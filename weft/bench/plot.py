@@ -27,6 +27,8 @@ def plot_decode(runs: dict[str, Any], path: Path, title: str) -> None:
             hf = [r["hf_decode_tps"] for r in rows]
             ax.plot(batches, hf, "s--", color=color, alpha=0.6, label=f"transformers {dtype}")
     ax.set_xscale("log", base=2)
+    all_batches = sorted({r["batch"] for run in runs.values() for r in run["results"]})
+    ax.set_xticks(all_batches, [str(b) for b in all_batches])
     ax.set_xlabel("batch size (sequences decoded together)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"Decode throughput: {title}")

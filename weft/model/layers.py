@@ -80,7 +80,7 @@ class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.from_panels = False
 
@@ -93,7 +93,9 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
         if self.from_panels:
-            return torch.ops.weft.embedding_from_panels(ids, self.weight, self.num_embeddings)  # float32
+            return torch.ops.weft.embedding_from_panels(
+                ids, self.weight, self.num_embeddings, self.embedding_dim
+            )
         return F.embedding(ids, self.weight)
 
 

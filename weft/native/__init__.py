@@ -40,7 +40,7 @@ _SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sa
 def build_flags(config: NativeConfig) -> tuple[list[str], list[str]]:
     """Compiler and linker flags: optimised, plus the sanitizers when asked for."""
     extra = _SANITIZE if config.sanitize else []
-    return [*_CFLAGS, f"-march={config.arch}", *extra], [*_LDFLAGS, *extra]
+    return [*_CFLAGS, f"-march={config.arch}", *config.extra_cflags, *extra], [*_LDFLAGS, *extra]
 
 
 _lock = threading.Lock()

@@ -12,11 +12,15 @@
 // prefetch 2 KB ahead keeps enough of the stream in flight: without it the decode-sized products
 // (2-32 rows) reached only 60-75% of the bandwidth of a single row (see docs/benchmarks.md).
 //
-// Widening: a bfloat16 is the top half of a float32. The packer stores each half-precision panel
-// row with columns j and j + 16 side by side in one 32-bit word (j low), so one 64-byte load gives
-// columns 0-15 as `word << 16` and columns 16-31 as `word & 0xffff0000`: two integer operations per
-// panel row, shared by every row of the tile. float16 rows keep their natural order and widen with
-// vcvtph2ps (F16C), or one value at a time on machines without it. Written with GCC vector
+// Widening: a bfloat16 is the top half of a float32. A bfloat16 panel stores its rows in pairs:
+// the 32-bit word of column c for rows 2i and 2i + 1 holds row 2i in its low half, so one 64-byte
+// load gives 16 columns of row 2i as `word << 16` and of row 2i + 1 as `word & 0xffff0000`: two
+// integer operations per 32 weights, shared by every row of the tile, and the sum still runs over
+// k in order (a bfloat16 load computes exactly what a float32 load of the same weights does).
+// Where the CPU has AVX512_BF16, the same layout feeds vdpbf16ps directly, two products per lane
+// per instruction, with x rounded to bfloat16 once per call (as llama.cpp and oneDNN do): twice
+// the arithmetic rate where a step is compute-bound. float16 rows keep the natural order and widen
+// with vcvtph2ps (F16C), or one value at a time on machines without it. Written with GCC vector
 // extensions, so it compiles to AVX-512, AVX2 or SSE as the machine has.
 
 #include <ATen/ATen.h>
@@ -48,25 +52,68 @@ typedef float vec16u __attribute__((vector_size(64), aligned(4)));   // unaligne
 typedef uint32_t words16 __attribute__((vector_size(64)));           // a half-precision panel row
 
 // One panel row of each weight type, widened to two vectors of 16 float32 columns (0-15, 16-31).
+// Row k of a panel (its base `panel`), widened to float32 columns 0-15 and 16-31; and a prefetch
+// kPrefetchBytes ahead of it (past the panel's end: the thread's next panel).
 struct Float32Row {
   using Storage = float;
-  static void load(const float* row, vec16 w[kVecs]) {
-    for (int j = 0; j < kVecs; ++j) w[j] = *reinterpret_cast<const vec16*>(row + 16 * j);
+  static constexpr bool kPaired = false;
+  static void load(const float* panel, int64_t k, vec16 w[kVecs]) {
+    for (int j = 0; j < kVecs; ++j) w[j] = *reinterpret_cast<const vec16*>(panel + k * kPanel + 16 * j);
+  }
+  static void prefetch(const float* panel, int64_t k) {
+    const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 64);
   }
 };
 
-struct BFloat16Row {  // interleaved by the packer: word j = column j (low half) | column j + 16
+// bfloat16 panels: rows in pairs (see the top); one pair of rows of 32 columns is 128 bytes.
+constexpr int64_t kPairElems = 2 * kPanel;
+
+#if defined(__AVX512BF16__) || defined(WEFT_EMULATE_BF16_DOT)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps,
+// or (WEFT_EMULATE_BF16_DOT, for testing this path on any machine) the same arithmetic, each step
+// rounded once as the instruction does.
+inline vec16 dot_pairs(vec16 acc, words16 x, words16 w) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
+                                                  reinterpret_cast<__m512bh>(w)));
+#else
+  acc += reinterpret_cast<vec16>(x & 0xffff0000u) * reinterpret_cast<vec16>(w & 0xffff0000u);
+  acc += reinterpret_cast<vec16>(x << 16) * reinterpret_cast<vec16>(w << 16);
+  return acc;
+#endif
+}
+
+struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k) half of each word
   using Storage = uint16_t;
-  static void load(const uint16_t* row, vec16 w[kVecs]) {
-    const words16 words = *reinterpret_cast<const words16*>(row);
-    w[0] = reinterpret_cast<vec16>(words << 16);
-    w[1] = reinterpret_cast<vec16>(words & 0xffff0000u);
+  static constexpr bool kPaired = true;
+  template <int kHalf>  // k % 2, known at compile time: one shift or one mask per vector
+  static void load(const uint16_t* panel, int64_t k, vec16 w[kVecs]) {
+    const words16* pair = reinterpret_cast<const words16*>(panel + (k / 2) * kPairElems);
+    for (int j = 0; j < kVecs; ++j)
+      w[j] = reinterpret_cast<vec16>(kHalf == 0 ? pair[j] << 16 : pair[j] & 0xffff0000u);
+  }
+  static void prefetch(const uint16_t* panel, int64_t k) {  // the pair's two lines
+    const char* ahead = reinterpret_cast<const char*>(panel + (k / 2) * kPairElems) + kPrefetchBytes;
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 64);
   }
 };
 
 struct Float16Row {  // natural column order
   using Storage = uint16_t;
-  static void load(const uint16_t* row, vec16 w[kVecs]) {
+  static constexpr bool kPaired = false;
+  static void prefetch(const uint16_t* panel, int64_t k) {
+    __builtin_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
+  }
+  static void load(const uint16_t* panel, int64_t k, vec16 w[kVecs]) {
+    const uint16_t* row = panel + k * kPanel;
 #if defined(__AVX512F__)
     for (int j = 0; j < kVecs; ++j)
       w[j] = reinterpret_cast<vec16>(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * j))));
@@ -85,6 +132,8 @@ struct Float16Row {  // natural column order
 struct Tile {
   const float* x;      // first row of the tile
   int64_t x_stride;
+  const uint32_t* xq;  // bfloat16 dot path: the tile's rows of x as bfloat16 pairs [rows, K / 2]
+  int64_t xq_stride;
   const void* panel;   // [K, 32] of the weight type
   int64_t k;
   float* out;          // first row, first column of the tile
@@ -93,27 +142,9 @@ struct Tile {
   const float* bias;   // the panel's bias, or nullptr
 };
 
-// out[i, :cols] = x[i, :] @ panel (+ bias) for the tile's kRows rows.
-template <int kRows, typename Row>
-void tile_kernel(const Tile& t) {
-  using Storage = typename Row::Storage;
-  constexpr int64_t kRowBytes = kPanel * sizeof(Storage);
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(Storage);  // elements
-  vec16 acc[kRows][kVecs];
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kVecs; ++j) acc[i][j] = vec16{};
-  const Storage* panel = static_cast<const Storage*>(t.panel);
-  for (int64_t k = 0; k < t.k; ++k) {
-    const Storage* row = panel + k * kPanel;
-    vec16 w[kVecs];
-    Row::load(row, w);
-    for (int64_t line = 0; line < kRowBytes; line += 64)  // past the panel's end: the thread's next panel
-      __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead) + line);
-    for (int i = 0; i < kRows; ++i) {
-      const float xv = t.x[i * t.x_stride + k];
-      for (int j = 0; j < kVecs; ++j) acc[i][j] += xv * w[j];
-    }
-  }
+// Adds the bias and stores the tile (shared by the kernels).
+template <int kRows>
+__attribute__((always_inline)) inline void finish_tile(const Tile& t, vec16 (&acc)[kRows][kVecs]) {
   if (t.bias != nullptr) {
     float bias[kPanel] = {};
     std::memcpy(bias, t.bias, sizeof(float) * t.cols);
@@ -130,39 +161,125 @@ void tile_kernel(const Tile& t) {
   }
 }
 
-using TileFn = void (*)(const Tile&);
-
-template <typename Row, int... kRows>
-constexpr std::array<TileFn, sizeof...(kRows) + 1> tile_table(std::integer_sequence<int, kRows...>) {
-  return {nullptr, &tile_kernel<kRows + 1, Row>...};
+// out[i, :cols] = x[i, :] @ panel (+ bias) for the tile's kRows rows.
+// acc[i] += x[i, k] * w for the tile's rows (w: row k of the panel, widened).
+template <int kRows>
+__attribute__((always_inline)) inline void add_row(vec16 (&acc)[kRows][kVecs], const Tile& t, int64_t k,
+                                                   const vec16 (&w)[kVecs]) {
+  for (int i = 0; i < kRows; ++i) {
+    const float xv = t.x[i * t.x_stride + k];
+    for (int j = 0; j < kVecs; ++j) acc[i][j] += xv * w[j];
+  }
 }
 
-template <typename Row>
-constexpr auto kTileKernels = tile_table<Row>(std::make_integer_sequence<int, kMaxTileRows>{});
+template <int kRows, typename Row>
+void tile_kernel(const Tile& t) {
+  using Storage = typename Row::Storage;
+  vec16 acc[kRows][kVecs];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = vec16{};
+  const Storage* panel = static_cast<const Storage*>(t.panel);
+  vec16 w[kVecs];
+  if constexpr (Row::kPaired) {  // two rows per step, the sum still over k in order
+    int64_t k = 0;
+    for (; k + 1 < t.k; k += 2) {
+      Row::template load<0>(panel, k, w);
+      Row::prefetch(panel, k);
+      add_row<kRows>(acc, t, k, w);
+      Row::template load<1>(panel, k, w);
+      add_row<kRows>(acc, t, k + 1, w);
+    }
+    if (k < t.k) {  // an odd K: the last pair's second row is padding
+      Row::template load<0>(panel, k, w);
+      add_row<kRows>(acc, t, k, w);
+    }
+  } else {
+    for (int64_t k = 0; k < t.k; ++k) {
+      Row::load(panel, k, w);
+      Row::prefetch(panel, k);
+      add_row<kRows>(acc, t, k, w);
+    }
+  }
+  finish_tile<kRows>(t, acc);
+}
+
+inline void prefetch_ahead(const uint16_t* pair) {  // 128 bytes: two lines, kPrefetchBytes ahead
+  const char* ahead = reinterpret_cast<const char*>(pair) + kPrefetchBytes;
+  __builtin_prefetch(ahead);
+  __builtin_prefetch(ahead + 64);
+}
+
+// bfloat16 panel, dot products of pairs with x rounded to bfloat16 (kBf16Dot builds only).
+template <int kRows>
+void tile_kernel_bf16_dot(const Tile& t) {
+  vec16 acc[kRows][kVecs];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = vec16{};
+  const uint16_t* panel = static_cast<const uint16_t*>(t.panel);
+  const int64_t pairs = (t.k + 1) / 2;
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const uint16_t* pair = panel + kk * kPairElems;
+    const words16 w0 = *reinterpret_cast<const words16*>(pair), w1 = *reinterpret_cast<const words16*>(pair + kPanel);
+    prefetch_ahead(pair);
+    for (int i = 0; i < kRows; ++i) {
+      const words16 xv = words16{} + t.xq[i * t.xq_stride + kk];  // broadcast
+      acc[i][0] = dot_pairs(acc[i][0], xv, w0);
+      acc[i][1] = dot_pairs(acc[i][1], xv, w1);
+    }
+  }
+  finish_tile<kRows>(t, acc);
+}
+
+using TileFn = void (*)(const Tile&);
+
+// The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
+struct Float32Tiles {
+  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, Float32Row>(t); }
+};
+struct Float16Tiles {
+  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, Float16Row>(t); }
+};
+struct BFloat16Tiles {
+  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, BFloat16Row>(t); }
+};
+struct BFloat16DotTiles {
+  template <int kRows> static void run(const Tile& t) { tile_kernel_bf16_dot<kRows>(t); }
+};
+
+template <typename Tiles, int... kRows>
+constexpr std::array<TileFn, sizeof...(kRows) + 1> tile_table(std::integer_sequence<int, kRows...>) {
+  return {nullptr, &Tiles::template run<kRows + 1>...};
+}
+
+template <typename Tiles>
+constexpr auto kTileKernels = tile_table<Tiles>(std::make_integer_sequence<int, kMaxTileRows>{});
+
+// Rows of a panel: K, or for bfloat16 K rounded up to whole pairs.
+inline int64_t panel_rows(at::ScalarType type, int64_t k) { return type == at::kBFloat16 ? k + k % 2 : k; }
+
+// Where weight (column c of the panel, input feature i) lives in its panel.
+inline int64_t panel_offset(bool paired, int64_t c, int64_t i) {
+  return paired ? (i / 2) * kPairElems + c * 2 + i % 2 : i * kPanel + c;
+}
 
 template <typename Storage>
-void pack_panels(const Storage* w, int64_t n, int64_t k, bool pair_halves, Storage* out) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
+void pack_panels(const Storage* w, int64_t n, int64_t k, bool paired, Storage* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, rows = paired ? k + k % 2 : k;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
+      Storage* panel = out + p * rows * kPanel;
       for (int64_t c = 0; c < kPanel; ++c) {
         const int64_t col = p * kPanel + c;  // output feature, a row of W
-        // bfloat16 pairs column j with column j + 16 in one 32-bit word (see the top)
-        const int64_t slot = pair_halves ? (c % 16) * 2 + c / 16 : c;
-        Storage* dst = out + p * k * kPanel + slot;
-        if (col >= n) {
-          for (int64_t i = 0; i < k; ++i) dst[i * kPanel] = Storage{};
-        } else {
-          const Storage* src = w + col * k;
-          for (int64_t i = 0; i < k; ++i) dst[i * kPanel] = src[i];
-        }
+        const Storage* src = w + col * k;
+        for (int64_t i = 0; i < rows; ++i) panel[panel_offset(paired, c, i)] = col < n && i < k ? src[i] : Storage{};
       }
     }
   });
 }
 
-// W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 32), K, 32] of the same type,
-// zero-padded past column N, in one pass (so loading a checkpoint holds one matrix twice at most).
+// W [N, K] float32, bfloat16 or float16 -> panels [ceil(N / 32), K', 32] of the same type (K' = K,
+// or for bfloat16 K rounded up to even, rows in pairs), zero-padded past column N and row K, in
+// one pass (so loading a checkpoint holds one matrix twice at most).
 at::Tensor pack_linear_weight(const at::Tensor& weight_in) {
   const auto type = weight_in.scalar_type();
   TORCH_CHECK(weight_in.device().is_cpu() && weight_in.dim() == 2 &&
@@ -170,7 +287,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight_in) {
               "pack_linear_weight: weight must be a float32, bfloat16 or float16 [out, in] matrix on the CPU");
   const at::Tensor weight = weight_in.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  auto out = at::empty({panels, k, kPanel}, weight.options());
+  auto out = at::empty({panels, panel_rows(type, k), kPanel}, weight.options());
   if (type == at::kFloat) {
     pack_panels(weight.data_ptr<float>(), n, k, false, out.data_ptr<float>());
   } else {
@@ -192,19 +309,19 @@ float widen(Storage v, at::ScalarType type) {
 }
 
 template <typename Storage>
-void gather_columns(const Storage* panels, int64_t k, at::ScalarType type, const int64_t* ids, int64_t tokens,
-                    float* out) {
+void gather_columns(const Storage* panels, int64_t rows, int64_t k, at::ScalarType type, const int64_t* ids,
+                    int64_t tokens, float* out) {
   const bool paired = type == at::kBFloat16;
   for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t c = ids[t] % kPanel, slot = paired ? (c % 16) * 2 + c / 16 : c;
-    const Storage* src = panels + (ids[t] / kPanel) * k * kPanel + slot;
-    for (int64_t i = 0; i < k; ++i) out[t * k + i] = widen(src[i * kPanel], type);
+    const Storage* panel = panels + (ids[t] / kPanel) * rows * kPanel;
+    for (int64_t i = 0; i < k; ++i) out[t * k + i] = widen(panel[panel_offset(paired, ids[t] % kPanel, i)], type);
   }
 }
 
 // Rows `ids` of W from its panels, as float32 [T, K]: the token embeddings of a model whose
 // embedding table is tied to its packed lm_head, so the table is not kept a second time.
-at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows) {
+at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows,
+                                 int64_t num_features) {
   const auto type = panels.scalar_type();
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "embedding_from_panels: ids must be a contiguous [T] int64 CPU tensor");
@@ -212,16 +329,18 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
                   num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
               "embedding_from_panels: panels must come from pack_linear_weight of a [num_rows, K] matrix");
-  const int64_t tokens = ids.size(0), k = panels.size(1);
+  TORCH_CHECK(panels.size(1) == panel_rows(type, num_features),
+              "embedding_from_panels: num_features does not match the panels");
+  const int64_t tokens = ids.size(0), rows = panels.size(1), k = num_features;
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
   }
   auto out = at::empty({tokens, k}, panels.options().dtype(at::kFloat));
   if (type == at::kFloat) {
-    gather_columns(panels.data_ptr<float>(), k, type, ip, tokens, out.data_ptr<float>());
+    gather_columns(panels.data_ptr<float>(), rows, k, type, ip, tokens, out.data_ptr<float>());
   } else {
-    gather_columns(static_cast<const uint16_t*>(panels.data_ptr()), k, type, ip, tokens, out.data_ptr<float>());
+    gather_columns(static_cast<const uint16_t*>(panels.data_ptr()), rows, k, type, ip, tokens, out.data_ptr<float>());
   }
   return out;
 }
@@ -241,7 +360,8 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
               "packed_linear: weight must come from pack_linear_weight");
-  TORCH_CHECK(panels.size(1) == x.size(1), "packed_linear: x and the packed weight differ in input features");
+  TORCH_CHECK(panels.size(1) == panel_rows(type, x.size(1)),
+              "packed_linear: x and the packed weight differ in input features");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0,
               "packed_linear: the packed weight must be 64-byte aligned (a whole tensor, not a view)");
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
@@ -251,12 +371,28 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
-template <typename Row>
-void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
-  using Storage = typename Row::Storage;
-  const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = panels.size(1);
-  const int64_t rows = tile_rows(m);
+// x rounded to bfloat16, as pairs of features in 32-bit words (feature 2i in the low half): [M, K / 2].
+at::Tensor bfloat16_pairs(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  auto out = at::empty({m, pairs}, x.options().dtype(at::kInt));
   const float* xp = x.data_ptr<float>();
+  auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < pairs; ++i) {
+      const float lo = xp[r * x.stride(0) + 2 * i], hi = 2 * i + 1 < k ? xp[r * x.stride(0) + 2 * i + 1] : 0.f;
+      op[r * pairs + i] = c10::BFloat16(lo).x | (static_cast<uint32_t>(c10::BFloat16(hi).x) << 16);
+    }
+  return out;
+}
+
+template <typename Tiles, typename Storage>
+void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out,
+                const at::Tensor& xq) {
+  const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = x.size(1);
+  const int64_t panel_elems = panels.size(1) * kPanel, rows = tile_rows(m);
+  const float* xp = x.data_ptr<float>();
+  const uint32_t* xqp = xq.defined() ? reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) : nullptr;
+  const int64_t xq_stride = xq.defined() ? xq.size(1) : 0;
   const Storage* wp = static_cast<const Storage*>(panels.data_ptr());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -264,9 +400,10 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias
       const int64_t col = p * kPanel;
       for (int64_t r = 0; r < m; r += rows) {
         const int64_t count = std::min(rows, m - r);
-        const Tile tile{xp + r * x.stride(0), x.stride(0), wp + p * k * kPanel, k, op + r * n + col, n,
-                        std::min(kPanel, n - col), bias == nullptr ? nullptr : bias + col};
-        kTileKernels<Row>[count](tile);
+        const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + r * xq_stride, xq_stride,
+                        wp + p * panel_elems, k, op + r * n + col, n, std::min(kPanel, n - col),
+                        bias == nullptr ? nullptr : bias + col};
+        kTileKernels<Tiles>[count](tile);
       }
     }
   });
@@ -281,9 +418,15 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   if (x.size(0) == 0) return out;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   switch (panels.scalar_type()) {
-    case at::kBFloat16: run_panels<BFloat16Row>(x, panels, bp, out); break;
-    case at::kHalf: run_panels<Float16Row>(x, panels, bp, out); break;
-    default: run_panels<Float32Row>(x, panels, bp, out); break;
+    case at::kBFloat16:
+      if constexpr (kBf16Dot) {
+        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x));
+      } else {
+        run_panels<BFloat16Tiles, uint16_t>(x, panels, bp, out, at::Tensor());
+      }
+      break;
+    case at::kHalf: run_panels<Float16Tiles, uint16_t>(x, panels, bp, out, at::Tensor()); break;
+    default: run_panels<Float32Tiles, float>(x, panels, bp, out, at::Tensor()); break;
   }
   return out;
 }
@@ -298,6 +441,8 @@ std::string build_info() {
 #endif
 #if defined(__AVX512BF16__)
   isa += "avx512_bf16 ";
+#elif defined(WEFT_EMULATE_BF16_DOT)
+  isa += "bf16_dot_emulated ";
 #endif
 #if defined(__F16C__)
   isa += "f16c ";
@@ -322,7 +467,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const st
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("build_info() -> str", &build_info);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows) -> Tensor");
+  m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows, int num_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
 

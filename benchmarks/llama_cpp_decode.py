@@ -4,7 +4,7 @@ file, with the workload of `weft bench throughput`: random prompts of --prompt-l
 step. Run it in its own virtual environment (llama-cpp-python is not a weft dependency); the recipe
 is in docs/benchmarks.md.
 
-    python scripts/bench_llama_cpp.py model-bf16.gguf --batch-sizes 1,8,32 --threads 2
+    python benchmarks/llama_cpp_decode.py model-bf16.gguf --batch-sizes 1,8,32 --threads 2
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _context(model, batch: int, args: argparse.Namespace):
     params.n_batch = params.n_ubatch = max(512, batch * args.prompt_len)
     params.n_seq_max = batch
     params.n_threads = params.n_threads_batch = args.threads
-    params.kv_unified = True  # one cache shared by the sequences
+    params.kv_unified = False  # a cache stream per sequence: each attends over its own tokens only
     return ll.llama_init_from_model(model, params)
 
 
