@@ -4,11 +4,12 @@ Steps, in order:
   1. build a random-weight model of a real shape from a config.json (default: SmolLM2-135M's) and
      save it once as a checkpoint, so that both engines load the very same weights;
   2. measure the machine's plain memory-read bandwidth (a large tensor reduction);
-  3. for each batch size, after an untimed warm-up: prefill time (1 new token) and total time
-     (`--output-len` new tokens, EOS ignored) of the same random prompts in weft and in
-     transformers; decode tokens/s = batch * (output_len - 1) / (total - prefill). The two engines
-     alternate `--repeats` times and each keeps its best run, so that a burst of load from other
-     tenants of a shared machine does not decide the ratio;
+  3. for each batch size, after an untimed warm-up: in one run per engine, the prefill time (until
+     every sequence has its first new token) and the total time (`--output-len` new tokens, EOS
+     ignored) of the same random prompts, in weft and in transformers; decode tokens/s = batch *
+     (output_len - 1) / (total - prefill). The two engines alternate `--repeats` times and each
+     keeps its best run, so that a burst of load from other tenants of a shared machine does not
+     decide the ratio;
   4. print one table with the weft/transformers ratio per batch size, and weft's achieved
      weight-read bandwidth at batch 1 (weight bytes / seconds per decode step).
 
@@ -18,6 +19,7 @@ Prefix caching is off in the benchmark, so repeated prompts are computed again e
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -33,6 +35,7 @@ from weft.model.llama import LlamaForCausalLM
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
 DEFAULT_TOKENIZER = SHARED / "tokenizers" / "smollm2" / "tokenizer.json"
+_RUN_IDS = itertools.count()
 
 
 def add_shape_arguments(p: argparse.ArgumentParser, batch_sizes: str) -> None:
@@ -117,46 +120,68 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
+    """One run: the prefill ends when every sequence has its first new token, the rest is decode
+    (both from the same run, so a slow moment in one does not skew the difference)."""
     from weft import SamplingParams
 
-    def run(num_tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        lengths = {len(o.outputs[0].token_ids) for o in outputs}
-        if lengths != {num_tokens}:  # never report a rate that was not measured
-            raise RuntimeError(
-                f"weft generated {sorted(lengths)} tokens per sequence instead of {num_tokens}"
-            )
-        return seconds
-
-    return Timing(prefill_s=run(1), total_s=run(output_len))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    request_ids = [f"bench-{next(_RUN_IDS)}" for _ in prompts]
+    started, lengths = set(), {}
+    start, prefill = time.perf_counter(), None
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                started.add(out.request_id)
+            if out.finished:
+                lengths[out.request_id] = len(out.outputs[0].token_ids)
+        if prefill is None and len(started) == len(request_ids):
+            prefill = time.perf_counter() - start
+    total = time.perf_counter() - start
+    if set(lengths.values()) != {output_len} or prefill is None:  # never report a rate not measured
+        raise RuntimeError(
+            f"weft generated {sorted(set(lengths.values()))} tokens per sequence, not {output_len}"
+        )
+    return Timing(prefill_s=prefill, total_s=total)
 
 
 def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timing:
+    """One generate() call; a streamer marks the first new token, which ends the prefill."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls, self.at = 0, 0.0
+
+        def put(self, value: torch.Tensor) -> None:  # first the prompt, then each new token
+            self.calls += 1
+            if self.calls == 2:
+                self.at = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
     input_ids = torch.tensor(prompts)
-    mask = torch.ones_like(input_ids)
-
-    def run(num_tokens: int) -> float:
-        with torch.inference_mode():
-            start = time.perf_counter()
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                pad_token_id=0,
-            )
-            seconds = time.perf_counter() - start
-        if out.shape[1] - input_ids.shape[1] != num_tokens:
-            raise RuntimeError(
-                f"transformers generated {out.shape[1] - input_ids.shape[1]} tokens, not {num_tokens}"
-            )
-        return seconds
-
-    return Timing(prefill_s=run(1), total_s=run(output_len))
+    streamer = FirstToken()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=0,
+            streamer=streamer,
+        )
+        total = time.perf_counter() - start
+    if out.shape[1] - input_ids.shape[1] != output_len or streamer.calls < 2:
+        raise RuntimeError(
+            f"transformers generated {out.shape[1] - input_ids.shape[1]} tokens, not {output_len}"
+        )
+    return Timing(prefill_s=streamer.at - start, total_s=total)
 
 
 def run(args: argparse.Namespace) -> int:
