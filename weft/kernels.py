@@ -177,12 +177,12 @@ class NativeCpuKernels(TorchKernels):
 
     def describe(self, device: torch.device, weight_dtype: torch.dtype) -> dict[str, str]:
         info = super().describe(device, weight_dtype)
+        isa = torch.ops.weft.build_info()  # the instruction sets of this build
         if self.packs_linear_weights(device, weight_dtype):
-            isa = torch.ops.weft.build_info()
             bf16 = ", vdpbf16ps dot products" if "bf16" in isa else ", widened by shift"
             widen = {torch.bfloat16: bf16, torch.float16: ", widened by vcvtph2ps"}
             info["linear"] = f"weft panels ({_dtype_name(weight_dtype)}{widen.get(weight_dtype, '')})"
-        info["cpu"] = torch.ops.weft.build_info()  # the instruction sets of this build
+        info["cpu"] = isa
         return info
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

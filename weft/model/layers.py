@@ -12,8 +12,6 @@ from torch import nn
 from weft.config import RopeConfig, RopeType
 from weft.kernels import TORCH_KERNELS, RopeTables, TorchKernels
 
-PANEL = 32  # columns per panel of the PANELS layout (weft/native/linear.cpp)
-
 
 class WeightLayout(enum.Enum):
     """How a `Linear` stores its weight; the loader picks one per device and dtype (`weight_layout`)."""
@@ -55,11 +53,10 @@ class Linear(nn.Module):
                 self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
         self.layout = layout
 
-    def expect_panels(self) -> None:
+    def expect_panels(self, shape: torch.Size) -> None:
         """Built on the meta device, to be assigned a weight that is already packed (a tied table
-        packed as it is read): take the panels' shape without packing anything."""
-        num_panels, in_features = -(-self.out_features // PANEL), self.weight.shape[1]
-        self.weight = nn.Parameter(torch.empty(num_panels, in_features, PANEL), requires_grad=False)
+        packed as it is read): take the panels' `shape` without packing anything."""
+        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         self.layout = WeightLayout.PANELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

@@ -88,7 +88,7 @@ class _Weights:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.files: dict[str, Path] = {}
-        self.packed: dict[str, tuple[int, ...]] = {}  # name -> the [out, in] shape it had
+        self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
 
     def add(self, name: str, path: Path, tensor: torch.Tensor) -> None:
         self.tensors[name] = tensor
@@ -98,7 +98,7 @@ class _Weights:
         """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype`."""
         matrix = self.take(name, shape)
         self.add(name, self.files[name], torch.ops.weft.pack_linear_weight(matrix.to(dtype)))
-        self.packed[name] = shape
+        self.packed.add(name)
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.tensors:
@@ -131,10 +131,11 @@ def load_model(
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
     weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
+    packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         model = arch.model_class(config, arch.spec, max_positions, kernels)
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-            model.lm_head.expect_panels()
+            model.lm_head.expect_panels(weights.tensors[EMBED].shape)
             model.embed.read_from_panels(model.lm_head)
     state = _convert(weights, arch.spec, config)
     model.load_state_dict(state, assign=True, strict=True)

@@ -17,7 +17,7 @@
 
 namespace {
 
-// Per layer, in this order (see weft/model/llama.py, `LlamaForCausalLM.stack_weights`):
+// Per layer, in this order (see weft/model/llama.py, `_stack_weights`):
 enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kWeightsPerLayer };
 
 struct StackShape {

@@ -203,12 +203,6 @@ void tile_kernel(const Tile& t) {
   finish_tile<kRows>(t, acc);
 }
 
-inline void prefetch_ahead(const uint16_t* pair) {  // 128 bytes: two lines, kPrefetchBytes ahead
-  const char* ahead = reinterpret_cast<const char*>(pair) + kPrefetchBytes;
-  __builtin_prefetch(ahead);
-  __builtin_prefetch(ahead + 64);
-}
-
 // bfloat16 panel, dot products of pairs with x rounded to bfloat16 (kBf16Dot builds only).
 template <int kRows>
 void tile_kernel_bf16_dot(const Tile& t) {
@@ -220,7 +214,7 @@ void tile_kernel_bf16_dot(const Tile& t) {
   for (int64_t kk = 0; kk < pairs; ++kk) {
     const uint16_t* pair = panel + kk * kPairElems;
     const words16 w0 = *reinterpret_cast<const words16*>(pair), w1 = *reinterpret_cast<const words16*>(pair + kPanel);
-    prefetch_ahead(pair);
+    BFloat16Row::prefetch(panel, 2 * kk);
     for (int i = 0; i < kRows; ++i) {
       const words16 xv = words16{} + t.xq[i * t.xq_stride + kk];  // broadcast
       acc[i][0] = dot_pairs(acc[i][0], xv, w0);
