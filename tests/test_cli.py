@@ -191,3 +191,13 @@ def test_score_prints_each_option_most_probable_first(tiny_llama, capsys):
 def test_score_needs_an_option(capsys):
     result = run_cli("score", "Hello")
     assert result.returncode != 0 and "--option" in result.stderr
+
+
+def test_generate_marks_forced_tokens_in_the_logprob_table(tiny_llama, capsys):
+    args = ["generate", "--model", str(tiny_llama), "--max-tokens", "60", "--temperature", "0", "Hello"]
+    assert main([*args, "--regex", "(alpha|omega) then a forced tail", "--logprobs", "1"]) == 0
+    out = capsys.readouterr().out
+    generated = out.split("generated tokens: probability, rank, alternatives")[1].strip().splitlines()
+    rows = [line for line in generated if line.startswith("| ") and not line.startswith("| #")]
+    assert rows[-1].split(" | ")[1].endswith("(forced)")
+    assert not rows[0].split(" | ")[1].endswith("(forced)")  # the first token is sampled

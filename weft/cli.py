@@ -265,13 +265,19 @@ def run_generate(args: argparse.Namespace) -> int:
             return 1
         print(completion.text if params.structured else args.prompt + completion.text)
         if completion.logprobs is not None:
-            print(logprob_table("generated", completion.token_ids, list(completion.logprobs)))
+            table = logprob_table(
+                "generated", completion.token_ids, list(completion.logprobs), completion.forced
+            )
+            print(table)
     return 0
 
 
-def logprob_table(title: str, token_ids: Sequence[int], positions: list[Any]) -> str:
+def logprob_table(
+    title: str, token_ids: Sequence[int], positions: list[Any], forced: Sequence[bool] | None = None
+) -> str:
     """A readable table of one logprob entry per token: the token, its probability and rank, and
-    the alternatives with theirs (`None` entries, the first prompt token, are skipped)."""
+    the alternatives with theirs (`None` entries, the first prompt token, are skipped). Tokens a
+    grammar forced are marked."""
     lines = [f"{title} tokens: probability, rank, alternatives", "| # | token | prob | rank | alternatives |"]
     lines.append("|---:|---|---:|---:|---|")
     for i, (token, position) in enumerate(zip(token_ids, positions, strict=True)):
@@ -282,9 +288,8 @@ def logprob_table(title: str, token_ids: Sequence[int], positions: list[Any]) ->
             f"{lp.decoded_token!r} {math.exp(lp.logprob):.3f}" for t, lp in position.items() if t != token
         ]
         probability = math.exp(chosen.logprob)
-        lines.append(
-            f"| {i} | {chosen.decoded_token!r} | {probability:.4f} | {chosen.rank} | {', '.join(others)} |"
-        )
+        token_text = repr(chosen.decoded_token) + (" (forced)" if forced is not None and forced[i] else "")
+        lines.append(f"| {i} | {token_text} | {probability:.4f} | {chosen.rank} | {', '.join(others)} |")
     return "\n".join(lines)
 
 

@@ -38,6 +38,10 @@ class CompletionOutput:
     # With logprobs: where each token's text starts in the completion's full text (as in the
     # OpenAI API's text_offset; a character split over tokens starts at the token that ends it).
     text_offsets: list[int] | None = None
+    # With logprobs: per generated position, True where the grammar forced the token (fast-forward)
+    # instead of it being sampled. A forced token's logprobs are the model's own (raw) distribution,
+    # computed in the step after it was appended, like a prompt token's.
+    forced: list[bool] | None = None
 
     @property
     def finished(self) -> bool:

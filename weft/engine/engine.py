@@ -318,7 +318,11 @@ class LLMEngine:
         rows, prompt_items = _to_host(self.sampler(logits, batch, fill), prompt)
         offset = 0
         for span in step.prompt_spans:
-            span.seq.add_prompt_logprobs(span.first_token, prompt_items[offset : offset + span.count])
+            items = prompt_items[offset : offset + span.count]
+            if span.forced:
+                span.seq.add_forced_logprobs(span.first_token, items)
+            else:
+                span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
         self.num_sampled_tokens += len(seqs) - len(rows.errors)
         self.num_forced_tokens += self.scheduler.update(sched, rows, fanouts)
@@ -345,10 +349,11 @@ class LLMEngine:
         return fanouts
 
     def _prompt_logprobs(self, step: StepLogits) -> torch.Tensor | None:
-        """The logprob block of this step's prompt tokens that were asked for, or None."""
+        """The logprob block of this step's known tokens whose logprobs were asked for (prompt
+        tokens, forced tokens), or None."""
         if step.prompt_hidden is None or step.prompt_targets is None:
             return None
-        num_top = max(span.seq.params.prompt_logprobs or 0 for span in step.prompt_spans)
+        num_top = max(span.num_top for span in step.prompt_spans)
         kernels = self.model.kernels
         ids, values, ranks = prompt_logprobs(
             step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits, kernels=kernels

@@ -165,7 +165,7 @@ class SequenceGroup:
         but the user did not ask for are left out."""
         out = seq.completion(kind)
         if self.params.logprobs is None and out.logprobs is not None:
-            out.logprobs = out.constraint_logmass = out.text_offsets = None
+            out.logprobs = out.constraint_logmass = out.text_offsets = out.forced = None
         return out
 
     def _prompt_logprobs(self, first: Sequence | None) -> list[PositionLogprobs | None] | None:

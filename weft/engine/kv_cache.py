@@ -127,11 +127,12 @@ class KVCacheManager:
         return [] if table is None else list(table.block_ids)
 
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
-        """Longest cached prefix of `seq`, in full blocks, leaving at least one token to compute
-        (the last token must run through the model to produce logits)."""
+        """Longest cached prefix of `seq`, in full blocks, leaving every position whose hidden
+        state the sequence needs to compute (at least the last token's, for its logits; see
+        `Sequence.first_position_needed`)."""
         if not self.enable_caching:
             return ComputedBlocks([], [])
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = seq.first_position_needed // self.block_size
         hits: list[Block] = []
         hashes: list[int] = []
         parent: int | None = None

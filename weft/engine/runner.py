@@ -19,12 +19,20 @@ from weft.model.llama import KVCache, LlamaForCausalLM
 
 @dataclass(frozen=True, slots=True)
 class PromptSpan:
-    """Prompt tokens whose logprobs this step computes: tokens `first_token`.. of `seq`, predicted
-    by the hidden states of the `count` step rows before them."""
+    """Known tokens whose logprobs this step computes, prompt tokens or tokens a grammar forced:
+    tokens `first_token`.. of `seq`, predicted by the hidden states of the `count` step rows
+    before them."""
 
     seq: Sequence
     first_token: int
     count: int
+    forced: bool = False  # tokens a grammar forced (fast-forward), not prompt tokens
+
+    @property
+    def num_top(self) -> int:
+        """How many alternatives the sequence wants at these positions."""
+        params = self.seq.params
+        return (params.logprobs if self.forced else params.prompt_logprobs) or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +41,8 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64, the last token of each sampling sequence
-    prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is a prompt token
-    prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) prompt tokens
+    prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is known and wants logprobs
+    prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) tokens
     prompt_spans: list[PromptSpan]
 
 
@@ -83,9 +91,9 @@ class ModelRunner:
         for item in sched.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
-            if seq.needs_prompt_logprobs:
-                self._prompt_span(
-                    seq, start, item.num_new_tokens, len(input_ids), prompt_rows, prompt_targets, spans
+            if seq.needs_prompt_logprobs or seq.num_pending_forced:
+                spans += _known_token_spans(
+                    seq, start, item.num_new_tokens, len(input_ids), prompt_rows, prompt_targets
                 )
             input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
             query_lens.append(item.num_new_tokens)
@@ -104,27 +112,6 @@ class ModelRunner:
             prompt_targets=column(prompt_targets, np.int64, self.device) if prompt_rows else None,
             prompt_spans=spans,
         )
-
-    @staticmethod
-    def _prompt_span(
-        seq: Sequence,
-        start: int,
-        num_new: int,
-        first_row: int,
-        rows: list[int],
-        targets: list[int],
-        spans: list[PromptSpan],
-    ) -> None:
-        """Rows of this step whose next token is a prompt token without its logprob yet: the row of
-        position p predicts token p + 1."""
-        assert seq.prompt_logprobs is not None
-        first_token = max(start + 1, len(seq.prompt_logprobs))
-        last_token = min(start + num_new, seq.num_prompt_tokens - 1)  # inclusive
-        if last_token < first_token:
-            return
-        rows.extend(range(first_row + first_token - 1 - start, first_row + last_token - start))
-        targets.extend(seq.token_ids[first_token : last_token + 1])
-        spans.append(PromptSpan(seq, first_token, last_token - first_token + 1))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepLogits:
@@ -145,3 +132,26 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for kv_cache in self.kv_caches:
             kv_cache[dst] = kv_cache[src]
+
+
+def _known_token_spans(
+    seq: Sequence, start: int, num_new: int, first_row: int, rows: list[int], targets: list[int]
+) -> list[PromptSpan]:
+    """The spans of this step's rows whose next token is known and still lacks its logprob: a
+    prompt token (`prompt_logprobs`), or a token a grammar forced (`num_pending_forced`). The row
+    of position p predicts token p + 1; this step computes positions start .. start + num_new - 1."""
+    spans = []
+    wanted = []  # (first token, last token inclusive, forced)
+    if seq.prompt_logprobs is not None:
+        wanted.append((len(seq.prompt_logprobs), seq.num_prompt_tokens - 1, False))
+    if seq.num_pending_forced:
+        wanted.append((seq.num_tokens - seq.num_pending_forced, seq.num_tokens - 1, True))
+    for first_wanted, last_wanted, forced in wanted:
+        first_token = max(start + 1, first_wanted)
+        last_token = min(start + num_new, last_wanted)
+        if last_token < first_token:
+            continue
+        rows.extend(range(first_row + first_token - 1 - start, first_row + last_token - start))
+        targets.extend(seq.token_ids[first_token : last_token + 1])
+        spans.append(PromptSpan(seq, first_token, last_token - first_token + 1, forced))
+    return spans

@@ -14,7 +14,9 @@ tokens appended without sampling (not yet computed).
      sequence from its longest prefix-cache hit.
 `update()` advances the counters, registers newly full blocks for prefix caching, and hands each
 sampled token to its sequence (`Sequence.append`, where the decision to stop is taken). Whatever
-finished releases its blocks at once: `_release` is the one place that happens.
+finished releases its blocks at once: `_release` is the one place that happens. (A sequence whose
+finish waits for the logprobs of tokens a grammar forced computes them without sampling, then
+finishes: `Sequence.pending_finish`.)
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class Scheduler:
         finished or was preempted holds no blocks: the fork then starts like any new sequence,
         from the prefix cache."""
         parent, seq.fork_parent = seq.fork_parent, None
-        num_shared = seq.num_tokens - 1
+        num_shared = seq.num_tokens - seq.num_pending_forced - 1  # forced tokens wanting logprobs: computed
         if parent is None or not self.kv.holds(parent.seq_id) or parent.num_computed_tokens < num_shared:
             return
         self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
@@ -168,10 +170,9 @@ class Scheduler:
             budget -= num_new
 
     def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
-        # A sequence that wants prompt logprobs computes its whole prompt: cached blocks have no logits.
+        # Cached blocks have no logits: a hit stops before the positions whose logprobs are wanted.
         fresh = seq.num_computed_tokens == 0  # not a fork holding its parent's blocks, not parked
-        use_cache = fresh and not seq.needs_prompt_logprobs
-        computed = self.kv.get_computed_blocks(seq) if use_cache else None
+        computed = self.kv.get_computed_blocks(seq) if fresh else None
         num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
         num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
         block_ids = self.kv.allocate_slots(seq, num_new, computed)
@@ -184,7 +185,8 @@ class Scheduler:
         return block_ids
 
     def _scheduled(self, seq: Sequence, num_new: int, block_ids: list[int]) -> ScheduledSequence:
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens and seq.pending_finish is None
         return ScheduledSequence(seq, num_new, block_ids, samples)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -215,6 +217,8 @@ class Scheduler:
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
             if samples_row is not None:
                 num_forced += self._accept(seq, sampled, samples_row)
+            elif seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
+                seq.finish_pending()
             if seq.is_finished:
                 self._release(seq)
         return num_forced

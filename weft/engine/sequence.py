@@ -113,7 +113,13 @@ class Sequence:
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     constraint_logmass: list[float] | None = None  # per position, with logprobs
-    text_offsets: list[int] | None = None  # per position, with logprobs: where its text starts
+    text_offsets: list[int] | None = None  # per output token, with logprobs: where its text starts
+    forced: list[bool] | None = None  # per position, with logprobs: appended by fast-forward
+    # With logprobs, tokens the grammar forced are computed (and get their logprobs) in the next
+    # step: the last `num_pending_forced` tokens still lack them, and a finish decided meanwhile
+    # waits in `pending_finish` until they are computed (`Scheduler.update` applies it).
+    num_pending_forced: int = 0
+    pending_finish: tuple[FinishReason, str | int | None] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
@@ -150,6 +156,7 @@ class Sequence:
             logprobs=[] if wants_logprobs else None,
             constraint_logmass=[] if wants_logprobs else None,
             text_offsets=[] if wants_logprobs else None,
+            forced=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -185,6 +192,16 @@ class Sequence:
         """Whether prompt tokens still lack their logprobs (so they must be computed, not cached)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
+    @property
+    def first_position_needed(self) -> int:
+        """The first position whose hidden state this sequence still needs: the last token's (to
+        sample), the one before its first forced token without a logprob, or the one before its
+        first prompt token without one. A prefix-cache hit must stop before it."""
+        position = self.num_tokens - self.num_pending_forced - 1
+        if self.prompt_logprobs is not None:
+            position = min(position, len(self.prompt_logprobs) - 1)
+        return position
+
     def add_prompt_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
         """Logprobs of prompt tokens `first_token`, `first_token + 1`, ... (each entry's column 0 is
         the actual token). Tokens already recorded (a recompute after preemption) are skipped."""
@@ -196,17 +213,44 @@ class Sequence:
                 continue
             self.prompt_logprobs.append(_position(item, num_top, text))
 
+    def add_forced_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
+        """The model's logprobs of forced tokens `first_token`, `first_token + 1`, ... (computed like
+        prompt tokens; column 0 is the forced token). Tokens already recorded are skipped."""
+        for offset, item in enumerate(items):
+            if first_token + offset == self.num_tokens - self.num_pending_forced:
+                self._add_logprobs(item, forced=True)
+                self.num_pending_forced -= 1
+
     # ---- the life cycle ---------------------------------------------------------------------
 
     def finish(
         self, reason: FinishReason, stop_reason: str | int | None = None, error: str | None = None
     ) -> None:
         """Mark the sequence finished and drop its matcher. Its KV blocks are released by the
-        scheduler, which sees the status (`Scheduler.update`, `Scheduler.finish`)."""
+        scheduler, which sees the status (`Scheduler.update`, `Scheduler.finish`). A stop or a
+        length limit reached while forced tokens still lack their logprobs waits for them
+        (`pending_finish`); an abort, a prune or an error does not."""
+        if self.num_pending_forced and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            if self.pending_finish is None or stop_reason is not None:
+                self.pending_finish = (reason, stop_reason)
+            return
+        self.num_pending_forced, self.pending_finish = 0, None
         self.status = _FINISHED_STATUS[reason]
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
         self.matcher = None
         self.fork_parent = None
+
+    @property
+    def is_finishing(self) -> bool:
+        """Finished, or finished as soon as its pending forced tokens are computed."""
+        return self.status >= _FIRST_FINISHED or self.pending_finish is not None
+
+    def finish_pending(self) -> None:
+        """Apply the finish that waited for the forced tokens' logprobs (all computed now)."""
+        assert self.pending_finish is not None
+        reason, stop_reason = self.pending_finish
+        self.num_pending_forced = 0
+        self.finish(reason, stop_reason)
 
     def complete_with(self, token_ids: list[int], text: str, cumulative_logprob: float) -> None:
         """Finish with an output chosen as a whole (exact choice selection), not decoded."""
@@ -235,6 +279,7 @@ class Sequence:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             constraint_logmass=None if self.constraint_logmass is None else list(self.constraint_logmass),
             text_offsets=None if self.text_offsets is None else list(self.text_offsets),
+            forced=None if self.forced is None else list(self.forced),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             candidates=None,
@@ -246,14 +291,15 @@ class Sequence:
         1. the grammar consumes it (a rejected token fails the sequence and is dropped);
         2. tokens the grammar now forces are appended without sampling (fast-forward);
         3. token stop rules: stop tokens, EOS, max_tokens, max_model_len, a finished grammar;
-        4. detokenize the new tokens and record the sampled token's logprobs;
+        4. record the sampled token's logprobs (forced tokens get theirs when they are computed,
+           in the next step) and detokenize the new tokens;
         5. stop strings, matched across token boundaries.
         Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones)."""
         self.token_ids.append(token_id)
         new_tokens, grammar_done = [token_id], False
         if self.matcher is not None:
             new_tokens, grammar_done = self._advance_grammar()
-        if not self.is_finished:
+        if not self.is_finishing:
             self._apply_token_stop_rules(grammar_done)
         if logprobs is not None and new_tokens:
             self._add_logprobs(logprobs)
@@ -261,9 +307,9 @@ class Sequence:
         return len(new_tokens)
 
     def _advance_grammar(self) -> tuple[list[int], bool]:
-        """Feed the sampled token to the matcher, then append the tokens the grammar forces (not
-        for sequences that want logprobs, whose every token must be sampled). Returns the new
-        output tokens and whether the grammar is complete."""
+        """Feed the sampled token to the matcher, then append the tokens the grammar forces (whose
+        logprobs, when wanted, the next step computes). Returns the new output tokens and whether
+        the grammar is complete."""
         matcher = self.matcher
         assert matcher is not None
         if not matcher.consume(self.token_ids[-1:]) or matcher.error is not None:
@@ -271,11 +317,13 @@ class Sequence:
             self.finish(FinishReason.ERROR, error=matcher.error or "the grammar rejected the sampled token")
             return [], False
         new_tokens = self.token_ids[-1:]
-        if not matcher.is_finished and self.params.fast_forward and self.params.logprobs is None:
+        if not matcher.is_finished and self.params.fast_forward:
             forced = matcher.forced_tokens()[: self._room_left()]
             if forced:
                 self.token_ids.extend(forced)
                 new_tokens += forced
+                if self.logprobs is not None:
+                    self.num_pending_forced = len(forced)
                 if not matcher.consume(forced) or matcher.error is not None:
                     self.finish(
                         FinishReason.ERROR, error=matcher.error or "the grammar rejected a forced token"
@@ -308,8 +356,8 @@ class Sequence:
         return None
 
     def _append_text(self, new_tokens: list[int]) -> None:
-        new_text = self.detokenizer.update(new_tokens)
-        if self.status >= _FIRST_FINISHED:
+        new_text = self._detokenize(new_tokens)
+        if self.is_finishing:
             new_text += self.detokenizer.flush()
         if not new_text:
             return
@@ -320,39 +368,54 @@ class Sequence:
         self.text = match.text
         self.finish(FinishReason.STOP, stop_reason=match.stop)  # also over LENGTH on the same token
 
-    def _add_logprobs(self, item: TokenLogprobs) -> None:
+    def _detokenize(self, new_tokens: list[int]) -> str:
+        """The new tokens' text; with logprobs, where each token's text starts is recorded."""
+        offsets = self.text_offsets
+        if offsets is None:
+            return self.detokenizer.update(new_tokens)
+        parts, end = [], len(self.text)
+        for token in new_tokens:
+            offsets.append(end)
+            parts.append(self.detokenizer.update([token]))
+            end += len(parts[-1])
+        return "".join(parts)
+
+    def _add_logprobs(self, item: TokenLogprobs, forced: bool = False) -> None:
+        """Record one position's logprobs. A forced token was the only one fast-forward allowed, so
+        the mass the constraint allowed there is its own probability."""
         if self.logprobs is None or self.cumulative_logprob is None:
             return
         position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_text)
         self.logprobs.append(position)
-        if self.text_offsets is not None:
-            self.text_offsets.append(len(self.text))  # the token's text is appended next
         if self.constraint_logmass is not None:
             constrained = self.params.structured is not None
-            self.constraint_logmass.append(item.constraint_logmass if constrained else 0.0)
+            logmass = item.logprobs[0] if forced else item.constraint_logmass
+            self.constraint_logmass.append(logmass if constrained else 0.0)
+        if self.forced is not None:
+            self.forced.append(forced)
         self.cumulative_logprob += item.logprobs[0]
 
     # ---- output -----------------------------------------------------------------------------
 
     def completion(self, kind: OutputKind) -> CompletionOutput:
         """The completion so far (CUMULATIVE/FINAL_ONLY) or what is new since the last call (DELTA)."""
-        finished = self.is_finished
-        # While stop strings may still match, hold back text that could be the start of one.
         sent = self.sent
-        visible = (
-            len(self.text) if finished else max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
-        )
+        ready, visible = self._ready()
+        first = len(self.prompt_token_ids)
         logprobs, logmass, offsets = self.logprobs, self.constraint_logmass, self.text_offsets
+        forced = self.forced
         if kind == OutputKind.DELTA:  # O(new tokens), not O(all of them)
             text = self.text[sent.num_chars : visible]
-            token_ids = self.token_ids[len(self.prompt_token_ids) + sent.num_tokens :]
+            token_ids = self.token_ids[first + sent.num_tokens : first + ready]
             logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
             logmass = None if logmass is None else logmass[sent.num_logprobs :]
-            offsets = None if offsets is None else offsets[sent.num_logprobs :]
+            offsets = None if offsets is None else offsets[sent.num_logprobs : ready]
+            forced = None if forced is None else forced[sent.num_logprobs :]
         else:
             text = self.text[:visible]
-            token_ids = self.output_token_ids
-        sent.num_chars, sent.num_tokens = visible, self.num_output_tokens
+            token_ids = self.token_ids[first : first + ready]
+            offsets = None if offsets is None else offsets[:ready]
+        sent.num_chars, sent.num_tokens = visible, ready
         sent.num_logprobs = len(self.logprobs or [])
         return CompletionOutput(
             index=self.index,
@@ -365,7 +428,22 @@ class Sequence:
             error=self.error,
             constraint_logmass=None if logmass is None else list(logmass),
             text_offsets=None if offsets is None else list(offsets),
+            forced=None if forced is None else list(forced),
         )
+
+    def _ready(self) -> tuple[int, int]:
+        """How many output tokens and characters can be handed out. While stop strings may still
+        match, text that could be the start of one is held back; and so are forced tokens whose
+        logprobs the next step computes, with their text."""
+        if self.is_finished:
+            return self.num_output_tokens, len(self.text)
+        sent = self.sent
+        visible = max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
+        ready = self.num_output_tokens
+        if self.num_pending_forced and self.text_offsets is not None:
+            ready -= self.num_pending_forced
+            visible = min(visible, max(sent.num_chars, self.text_offsets[ready]))
+        return ready, visible
 
 
 def _position(item: TokenLogprobs, num_top: int, text: Callable[[int], str]) -> PositionLogprobs:
