@@ -429,6 +429,10 @@ def test_body_limit_and_queue_limit():
     try:
         big = small.post("/v1/completions", {"model": MODEL, "prompt": "x" * 30000})
         assert big.status_code == 413 and "body" in big.json()["error"]["message"]
+        chunks = (b'{"model": "%s", "prompt": "' % MODEL.encode(), b"x" * 30000, b'"}')
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        chunked = httpx.post(f"{small.url}/v1/completions", content=iter(chunks), headers=headers, timeout=60)
+        assert chunked.status_code == 413 and "body" in chunked.json()["error"]["message"]  # no length
         body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with small.streaming("/v1/completions", body) as first:
             lines = first.iter_lines()  # kept: dropping the iterator closes the connection

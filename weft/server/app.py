@@ -217,7 +217,8 @@ def _too_large(limit: int) -> JSONResponse:
 
 
 def _limited(receive: Receive, limit: int) -> Callable[[], Awaitable[Message]]:
-    """A receive that fails a chunked body once it passes the limit."""
+    """A receive that fails a chunked body (no content-length) once it passes the limit: an HTTP
+    error, which FastAPI passes on as it is (any other error while reading a body becomes a 400)."""
     seen = 0
 
     async def limited_receive() -> Message:
@@ -226,7 +227,7 @@ def _limited(receive: Receive, limit: int) -> Callable[[], Awaitable[Message]]:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise RequestError(f"the request body is over {limit} bytes")
+                raise StarletteHTTPException(413, f"the request body is over {limit} bytes")
         return message
 
     return limited_receive
