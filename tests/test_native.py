@@ -425,3 +425,25 @@ def test_rank_of_matches_torch():
     assert torch.equal(NATIVE_CPU_KERNELS.rank_of(x, ids), TORCH_KERNELS.rank_of(x, ids))
     with pytest.raises(RuntimeError, match="outside the row"):
         torch.ops.weft.rank_of(x, torch.tensor([0, 0, 0, 0, 30]))
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20, 40])
+@pytest.mark.parametrize("vocab", [40, 100])
+def test_row_logprobs_matches_torch(num_top, vocab):
+    """The fused kernel (log-normalizer, then one pass for rank and top-n) gives the tokens, ranks
+    and logprobs of log_softmax + gather: ties (integer logits) to the smaller id, -inf entries,
+    a NaN row, widths with and without a tail past the 16-lane loop, and a given normalizer."""
+    gen = torch.Generator().manual_seed(num_top + vocab)
+    x = torch.randint(-4, 4, (7, vocab), generator=gen).float()
+    x[1, : vocab // 2] = float("-inf")
+    x[2, 3] = float("nan")
+    ids = torch.randint(0, vocab, (7,), generator=gen)
+    ids[1] = vocab - 1  # a finite entry
+    num_top = min(num_top, vocab)
+    for norm in (None, torch.randn(7, generator=gen)):
+        native = NATIVE_CPU_KERNELS.row_logprobs(x, ids, num_top, norm)
+        reference = TORCH_KERNELS.row_logprobs(x, ids, num_top, norm)
+        assert torch.equal(native[0], reference[0]) and torch.equal(native[2], reference[2])
+        torch.testing.assert_close(native[1], reference[1], equal_nan=True)
+    with pytest.raises(RuntimeError, match="outside the row"):
+        torch.ops.weft.row_logprobs(x, torch.full((7,), vocab), 1, torch.empty(0))

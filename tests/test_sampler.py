@@ -313,7 +313,7 @@ def test_top_alternatives_break_ties_by_token_id():
     ids, values = TORCH_KERNELS.top_by_value_then_index(logprobs, 5)
     assert ids.tolist() == [[1, 3, 7, 2, 4], [4, 5, 6, 0, 1]]
     torch.testing.assert_close(values, logprobs.gather(1, ids))
-    full_ids, _, ranks = ops.gather_logprobs(logprobs, torch.tensor([8, 6]), 5)
+    full_ids, _, ranks = TORCH_KERNELS.row_logprobs(logits, torch.tensor([8, 6]), 5)
     assert full_ids[:, 0].tolist() == [8, 6] and ranks.tolist() == [4, 1]
     assert TORCH_KERNELS.top_by_value_then_index(logprobs, 0)[0].shape == (2, 0)
 

@@ -145,6 +145,22 @@ class TorchKernels:
         x[r, ids[r]] (ids: [R] int64)."""
         return (x > x.gather(1, ids[:, None])).sum(dim=-1) + 1
 
+    def row_logprobs(
+        self,
+        x: torch.Tensor,  # [R, V] float32 logits
+        ids: torch.Tensor,  # [R] int64, the token of each row
+        num_top: int,
+        norm: torch.Tensor | None = None,  # [R] float32: logprobs are x - norm; None: log_softmax(x)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [R, k+1], logprobs [R, k+1], ranks [R]): column 0 is ids[r] with its logprob, then
+        the `num_top` most likely tokens by logprob, then by id; rank = 1 + the number of tokens
+        with a strictly higher logprob."""
+        logprobs = torch.log_softmax(x, dim=-1) if norm is None else x - norm[:, None]  # [R, V]
+        chosen = logprobs.gather(1, ids[:, None])  # [R, 1]
+        top_ids, top_values = self.top_by_value_then_index(logprobs, num_top)  # [R, k] each
+        ranks = self.rank_of(logprobs, ids)
+        return torch.cat([ids[:, None], top_ids], dim=1), torch.cat([chosen, top_values], dim=1), ranks
+
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
     ) -> None:
@@ -256,6 +272,19 @@ class NativeCpuKernels(TorchKernels):
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
             return super().rank_of(x, ids)
         return torch.ops.weft.rank_of(x, ids.contiguous())
+
+    def row_logprobs(
+        self, x: torch.Tensor, ids: torch.Tensor, num_top: int, norm: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One kernel call: per row, the log-normalizer, then one pass for the rank and the top-n,
+        the [R, V] log-softmax never written (at 64 x 49152 its write and two reads were most of
+        the time)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return super().row_logprobs(x, ids, num_top, norm)
+        empty = torch.empty(0, dtype=torch.float32)
+        return torch.ops.weft.row_logprobs(
+            x, ids.contiguous(), num_top, empty if norm is None else norm.contiguous()
+        )
 
     def apply_token_bitmask_(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None

@@ -591,6 +591,132 @@ at::Tensor rank_of(const at::Tensor& x, const at::Tensor& ids) {
   return ranks;
 }
 
+// Row r's log-normalizer: max + log(sum(exp(x - max))) as (max, log-sum), or NaN for a row with a
+// NaN; an all -inf row gives -inf - -inf = NaN values, as torch.log_softmax does.
+struct LogNormalizer {
+  float max;
+  float log_sum;
+};
+
+LogNormalizer log_normalizer(const float* row, int64_t vocab) {
+  float max = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 vmax_acc = _mm512_set1_ps(max);
+  __mmask16 unordered = 0;
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 v = _mm512_loadu_ps(row + j);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax_acc = _mm512_max_ps(vmax_acc, v);
+  }
+  max = _mm512_reduce_max_ps(vmax_acc);
+  nan = unordered != 0;
+#endif
+  for (; j < vocab; ++j) {
+    nan |= std::isnan(row[j]);
+    max = std::max(max, row[j]);
+  }
+  if (nan) return {std::numeric_limits<float>::quiet_NaN(), 0.f};
+  float sum = 0.f;
+  j = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= vocab; j += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax)));
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < vocab; ++j) sum += exp_approx(row[j] - max);
+  return {max, std::log(sum)};
+}
+
+// Insert (v, j) into a row's sorted top list (value descending, then index ascending) of `count`
+// entries out of `num_top`; an entry must beat the last one strictly once the list is full.
+inline void keep_top(float v, int64_t j, float* kept, int64_t* kept_ids, int64_t& count, int64_t num_top) {
+  if (count == num_top && !(v > kept[num_top - 1])) return;
+  int64_t pos = count < num_top ? count++ : num_top - 1;
+  while (pos > 0 && v > kept[pos - 1]) {
+    kept[pos] = kept[pos - 1];
+    kept_ids[pos] = kept_ids[pos - 1];
+    --pos;
+  }
+  kept[pos] = v;
+  kept_ids[pos] = j;
+}
+
+// One row of row_logprobs: lp[j] = x[j] - shift - log_sum (the log-softmax's own arithmetic, or
+// x[j] - norm), computed twice per entry, never stored: the rank of ids[r] and the top list.
+void row_logprobs_one(const float* row, int64_t vocab, int64_t chosen_id, float shift, float log_sum,
+                      int64_t num_top, float* values, int64_t* ids, int64_t* rank) {
+  const auto lp_of = [&](float x) { return (x - shift) - log_sum; };
+  const float chosen = lp_of(row[chosen_id]);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  float* kept = values + 1;
+  int64_t* kept_ids = ids + 1;
+  int64_t count = 0, above = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512 vshift = _mm512_set1_ps(shift), vlog_sum = _mm512_set1_ps(log_sum), vchosen = _mm512_set1_ps(chosen);
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 lp = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), vshift), vlog_sum);
+    above += __builtin_popcount(_mm512_cmp_ps_mask(lp, vchosen, _CMP_GT_OQ));
+    const float bar = count == num_top ? (num_top > 0 ? kept[num_top - 1] : std::numeric_limits<float>::infinity())
+                                       : -std::numeric_limits<float>::infinity();
+    __mmask16 enter = count == num_top ? _mm512_cmp_ps_mask(lp, _mm512_set1_ps(bar), _CMP_GT_OQ) : 0xFFFF;
+    if (!enter) continue;
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, lp);
+    for (int lane = 0; lane < 16; ++lane) {
+      if (num_top > 0) keep_top(std::isnan(lanes[lane]) ? minus_inf : lanes[lane], j + lane, kept, kept_ids, count, num_top);
+    }
+  }
+#endif
+  for (; j < vocab; ++j) {
+    const float lp = lp_of(row[j]);
+    above += lp > chosen;
+    if (num_top > 0) keep_top(std::isnan(lp) ? minus_inf : lp, j, kept, kept_ids, count, num_top);
+  }
+  for (int64_t i = 0; i < count; ++i) kept[i] = lp_of(row[kept_ids[i]]);  // a NaN ranked as -inf stays NaN
+  values[0] = chosen;
+  ids[0] = chosen_id;
+  *rank = above + 1;
+}
+
+// The logprobs a request asks for, from logits without materializing their log-softmax: for each
+// row of x ([R, V] float32) and its token ids[r], (ids [R, k+1], logprobs [R, k+1], ranks [R]) with
+// column 0 the token itself and columns 1.. the k most likely tokens (by logprob, then by id; NaN
+// counts as -inf), rank = 1 + the number of strictly higher logprobs. Logprobs are x's log-softmax,
+// or x - norm[r] where norm ([R]) is given. TorchKernels.row_logprobs in tensor operations.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& ids,
+                                                            int64_t num_top, const at::Tensor& norm) {
+  TORCH_CHECK(on_cpu({x, ids, norm}), "row_logprobs: every tensor must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "row_logprobs: x must be float32 [R, V] with contiguous rows");
+  const int64_t rows = x.size(0), vocab = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.size(0) == rows,
+              "row_logprobs: ids must be [R] int64");
+  TORCH_CHECK(num_top >= 0 && num_top <= vocab, "row_logprobs: num_top must be in [0, V]");
+  const bool given = norm.numel() > 0;
+  TORCH_CHECK(!given || (norm.scalar_type() == at::kFloat && norm.dim() == 1 && norm.is_contiguous() &&
+                         norm.size(0) == rows),
+              "row_logprobs: norm must be float32 [R] (or empty)");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < vocab, "row_logprobs: an id is outside the row");
+  auto out_ids = at::empty({rows, num_top + 1}, ids.options());
+  auto out_values = at::empty({rows, num_top + 1}, x.options());
+  auto ranks = at::empty({rows}, ids.options());
+  const float* xp = x.data_ptr<float>();
+  const float* np = given ? norm.data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * stride;
+      const LogNormalizer n = given ? LogNormalizer{np[r], 0.f} : log_normalizer(row, vocab);
+      row_logprobs_one(row, vocab, ip[r], n.max, n.log_sum, num_top, out_values.data_ptr<float>() + r * (num_top + 1),
+                       out_ids.data_ptr<int64_t>() + r * (num_top + 1), ranks.data_ptr<int64_t>() + r);
+    }
+  });
+  return {out_ids, out_values, ranks};
+}
+
 }  // namespace
 
 namespace weft {  // for decoder.cpp (ops.h)
@@ -616,6 +742,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");
+  m.def("row_logprobs(Tensor x, Tensor ids, int num_top, Tensor norm) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -626,4 +753,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("top_by_value_then_index", &top_by_value_then_index);
   m.impl("rank_of", &rank_of);
+  m.impl("row_logprobs", &row_logprobs);
 }

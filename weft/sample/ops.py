@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from weft.kernels import TORCH_KERNELS, TorchKernels
-
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -116,24 +114,3 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)  # [B, V]
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def gather_logprobs(
-    logprobs: torch.Tensor,  # [B, V] float32
-    token_ids: torch.Tensor,  # [B] int64, the sampled tokens
-    num_top: int,
-    kernels: TorchKernels = TORCH_KERNELS,  # the device's: ranks and the top-n in one pass on CPU
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sampled token's logprob and rank, plus the top `num_top` alternatives.
-
-    Returns (ids [B, num_top + 1], logprobs [B, num_top + 1], ranks [B]); column 0 is the sampled
-    token. One rule everywhere: rank = 1 + the number of tokens with a strictly higher logprob (tied
-    tokens share the best rank of the tie), and the alternatives are the `num_top` most likely
-    tokens ordered by logprob, then by token id (`TorchKernels.top_by_value_then_index`).
-    """
-    chosen = logprobs.gather(1, token_ids[:, None])  # [B, 1]
-    ranks = kernels.rank_of(logprobs, token_ids)  # [B]
-    top_ids, top_values = kernels.top_by_value_then_index(logprobs, num_top)  # [B, num_top] each
-    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
-    values = torch.cat([chosen, top_values], dim=1)
-    return ids, values, ranks

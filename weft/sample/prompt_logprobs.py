@@ -3,7 +3,7 @@
 Only the rows of sequences that asked (`SamplingParams.prompt_logprobs`) are computed, a chunk of
 rows at a time, so a long prompt never becomes one [prompt_len, vocab] float32 tensor. The
 distribution is the model's own (raw); ranks and the top-k follow the same rule as for sampled
-tokens (`ops.gather_logprobs`).
+tokens (`TorchKernels.row_logprobs`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 
 from weft.kernels import TORCH_KERNELS, TorchKernels
-from weft.sample import ops
 
 CHUNK_ROWS = 256  # rows of logits at a time: 256 x 128k float32 is 128 MiB
 
@@ -29,7 +28,7 @@ def prompt_logprobs(
     """(ids [N, k+1], logprobs [N, k+1], ranks [N]); column 0 is the actual token."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
-        logprobs = torch.log_softmax(compute_logits(hidden[start : start + chunk_rows]), dim=-1)  # [n, V]
-        parts.append(ops.gather_logprobs(logprobs, targets[start : start + chunk_rows], num_top, kernels))
+        logits = compute_logits(hidden[start : start + chunk_rows])  # [n, V]
+        parts.append(kernels.row_logprobs(logits, targets[start : start + chunk_rows], num_top))
     ids, values, ranks = zip(*parts, strict=True)
     return torch.cat(ids), torch.cat(values), torch.cat(ranks)

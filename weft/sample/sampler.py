@@ -245,7 +245,8 @@ def _banned_until_min_tokens(
 class Sampler:
     """Steps, in order:
     1. padding: ids past the tokenizer's vocabulary (rows of a padded embedding) are never sampled;
-    2. raw logprobs, the model's own distribution (only when some row asks for logprobs);
+    2. keep the raw logits of the rows that ask for logprobs (the model's own distribution; a copy
+       only when a later step changes the logits in place);
     3. the grammar mask of the constrained rows (`LogitsMask`, filled while the forward ran), and for
        the rows that want logprobs the model's log-probability mass on the tokens it allowed;
     4. ban EOS/stop tokens for rows below `min_tokens`;
@@ -256,7 +257,8 @@ class Sampler:
     9. sample: argmax for greedy rows, Gumbel-max keyed by (seed, position) for the others; a row
        whose logits are not finite (a NaN, or nothing left above -inf) gets `INVALID_TOKEN`, found
        from the row maxima that the argmax computes anyway;
-    10. gather the sampled token's logprob and rank, and the top-n alternatives.
+    10. the sampled token's logprob and rank, and the top-n alternatives (`row_logprobs`: one pass
+        over each row that asked, its log-softmax never written out).
     """
 
     def __init__(self, num_real_tokens: int | None = None, kernels: TorchKernels = TORCH_KERNELS) -> None:
@@ -269,15 +271,14 @@ class Sampler:
         """logits: [B, V] float32, modified in place."""
         if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
             logits[:, self.num_real_tokens :] = float("-inf")
-        raw_logprobs = None  # [R, V]: only the rows that want logprobs
-        if batch.num_top_logprobs is not None:
-            raw_logprobs = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
+        raw = self._raw_logits(logits, batch, mask)  # [R, V]: only the rows that want logprobs
         logmass = None  # [R]: the model's log-probability mass on what the grammar allowed
         if mask is not None:
             mask.apply(logits)
-            if raw_logprobs is not None:
+            if raw is not None:
                 allowed = _rows(logits, batch.logprob_index) > float("-inf")  # [R, V]
-                logmass = torch.logsumexp(raw_logprobs.masked_fill(~allowed, float("-inf")), dim=-1)
+                on_allowed = torch.logsumexp(raw.masked_fill(~allowed, float("-inf")), dim=-1)
+                logmass = on_allowed - torch.logsumexp(raw, dim=-1)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         errors = self._run_processors(logits, batch)
@@ -288,8 +289,23 @@ class Sampler:
             logits = logits / batch.temperature[:, None]
         logits = self._filter(logits, batch)
         token_ids = self._sample(logits, batch)
-        out = self._gather(logits, raw_logprobs, token_ids, batch, logmass)
+        out = self._gather(logits, raw, token_ids, batch, logmass)
         return replace(out, errors=errors) if errors else out
+
+    @staticmethod
+    def _raw_logits(
+        logits: torch.Tensor, batch: SamplingBatch, mask: LogitsMask | None
+    ) -> torch.Tensor | None:
+        """[R, V] the logits of the rows that want logprobs as the model gave them, or None. The
+        steps that change logits in place (mask, banned tokens, processors, penalties) get a copy."""
+        if batch.num_top_logprobs is None:
+            return None
+        if batch.logprob_index is not None:
+            return logits.index_select(0, batch.logprob_index)  # a copy already
+        in_place = (
+            mask is not None or batch.banned is not None or batch.processors or batch.penalties is not None
+        )
+        return logits.clone() if in_place else logits
 
     def _run_processors(self, logits: torch.Tensor, batch: SamplingBatch) -> dict[int, str]:
         """Third-party processors, row by row (they are Python callables). One that raises or returns
@@ -333,23 +349,18 @@ class Sampler:
     def _gather(
         self,
         logits: torch.Tensor,
-        raw_logprobs: torch.Tensor | None,
+        raw: torch.Tensor | None,
         token_ids: torch.Tensor,
         batch: SamplingBatch,
         logmass: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        if batch.num_top_logprobs is None or raw_logprobs is None:
+        if batch.num_top_logprobs is None or raw is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-        logprobs = raw_logprobs  # [R, V]
-        if batch.processed_rows is not None:
-            processed = torch.log_softmax(_rows(logits, batch.logprob_index), dim=-1)
-            logprobs = torch.where(batch.processed_rows[:, None], processed, raw_logprobs)
-        if batch.masked_rows is not None:
-            excluded = _rows(logits, batch.logprob_index) == float("-inf")  # [R, V]
-            masked = raw_logprobs.masked_fill(excluded, float("-inf"))
-            logprobs = torch.where(batch.masked_rows[:, None], masked, logprobs)
         valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
-        ids, values, ranks = ops.gather_logprobs(logprobs, valid_ids, batch.num_top_logprobs, self.kernels)
+        source, norm = raw, None  # [R, V] and [R]: logprobs are source - norm (None: its log-softmax)
+        if batch.processed_rows is not None or batch.masked_rows is not None:
+            source, norm = self._mixed_modes(logits, raw, batch)
+        ids, values, ranks = self.kernels.row_logprobs(source, valid_ids, batch.num_top_logprobs, norm)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],
@@ -361,6 +372,24 @@ class Sampler:
                 constraint_logmass=logmass,
             ),
         )
+
+    @staticmethod
+    def _mixed_modes(
+        logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the logits whose logprobs are reported and their log-normalizer: raw rows the
+        model's own; PROCESSED rows the distribution sampled from (after every step above); MASKED
+        rows the raw logprobs with -inf for the tokens that could not be sampled (not renormalized)."""
+        final = _rows(logits, batch.logprob_index)  # [R, V]
+        source, norm = raw, torch.logsumexp(raw, dim=-1)  # [R, V], [R]
+        if batch.processed_rows is not None:
+            processed = batch.processed_rows
+            source = torch.where(processed[:, None], final, source)
+            norm = torch.where(processed, torch.logsumexp(final, dim=-1), norm)
+        if batch.masked_rows is not None:
+            masked = raw.masked_fill(final == float("-inf"), float("-inf"))
+            source = torch.where(batch.masked_rows[:, None], masked, source)
+        return source, norm
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
