@@ -38,6 +38,19 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class TokenTexts(dict[int, str]):
+    """Token id -> the text of that token alone (special tokens included), decoded on first use. A
+    dict, so that `map(texts.__getitem__, ids)` looks up many ids without a Python call each."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
 class Tokenizer:
     """A `tokenizers` tokenizer plus what tokenizer_config.json says about special tokens and the
     chat template."""
@@ -50,7 +63,7 @@ class Tokenizer:
         self.chat_template: str | None = _chat_template(config)
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
-        self._token_texts: dict[int, str] = {}
+        self.token_texts = TokenTexts(self)  # token id -> its text alone, decoded on first use
         self.is_byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)  # GPT-2 style bytes
 
     @classmethod
@@ -80,10 +93,7 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The text of one token alone (special tokens included), decoded once per id and cached:
         logprobs show it for every alternative of every position."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
-        return text
+        return self.token_texts[token_id]
 
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any

@@ -9,9 +9,10 @@ belong to the KV manager, keyed by `seq_id`; the scheduler releases them when th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
@@ -206,12 +207,12 @@ class Sequence:
         """Logprobs of prompt tokens `first_token`, `first_token + 1`, ... (each entry's column 0 is
         the actual token). Tokens already recorded (a recompute after preemption) are skipped."""
         assert self.prompt_logprobs is not None
-        text = self.detokenizer.tokenizer.token_text
+        texts = self.detokenizer.tokenizer.token_texts
         num_top = self.params.prompt_logprobs or 0
         for offset, item in enumerate(items):
             if first_token + offset != len(self.prompt_logprobs):
                 continue
-            self.prompt_logprobs.append(_position(item, num_top, text))
+            self.prompt_logprobs.append(_position(item, num_top, texts))
 
     def add_forced_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
         """The model's logprobs of forced tokens `first_token`, `first_token + 1`, ... (computed like
@@ -385,7 +386,7 @@ class Sequence:
         the mass the constraint allowed there is its own probability."""
         if self.logprobs is None or self.cumulative_logprob is None:
             return
-        position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_text)
+        position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_texts)
         self.logprobs.append(position)
         if self.constraint_logmass is not None:
             constrained = self.params.structured is not None
@@ -446,12 +447,21 @@ class Sequence:
         return ready, visible
 
 
-def _position(item: TokenLogprobs, num_top: int, text: Callable[[int], str]) -> PositionLogprobs:
-    """One position's logprobs: the actual (or sampled) token first, then the top `num_top`."""
+def _position(item: TokenLogprobs, num_top: int, texts: Mapping[int, str]) -> PositionLogprobs:
+    """One position's logprobs: the actual (or sampled) token first (with its own rank, also when
+    it is among the alternatives), then the top `num_top` ranked 1, 2, ... in their order. Built
+    with C-level iteration (`map`, `zip`, `tuple.__new__`): one of these per position per step is
+    the bulk of what top-n logprobs cost on the host."""
     chosen_id = item.token_ids[0]
-    position: PositionLogprobs = {chosen_id: Logprob(item.logprobs[0], item.rank, text(chosen_id))}
-    top = zip(item.token_ids[1 : 1 + num_top], item.logprobs[1 : 1 + num_top], strict=True)
-    for rank, (tid, lp) in enumerate(top, start=1):
-        if tid not in position:
-            position[tid] = Logprob(lp, rank, text(tid))
+    chosen = _new_logprob(Logprob, (item.logprobs[0], item.rank, texts[chosen_id]))
+    position: PositionLogprobs = {chosen_id: chosen}
+    if num_top:
+        ids = item.token_ids[1 : 1 + num_top]
+        ranks = range(1, len(ids) + 1)
+        fields = zip(item.logprobs[1 : 1 + num_top], ranks, map(texts.__getitem__, ids), strict=True)
+        position.update(zip(ids, map(_new_logprob, repeat(Logprob), fields), strict=True))
+        position[chosen_id] = chosen  # keeps its place first
     return position
+
+
+_new_logprob = tuple.__new__

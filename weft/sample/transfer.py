@@ -55,7 +55,7 @@ def unpack(flat: list[Any], num_ids: int, shapes: list[tuple[int, int]]) -> tupl
         rows = []
         for i in range(num_rows):
             chunk = flat[offset + i * width : offset + (i + 1) * width]
-            rows.append(([int(t) for t in chunk[2 : 2 + k]], chunk[2 + k :], int(chunk[0]), chunk[1]))
+            rows.append((list(map(int, chunk[2 : 2 + k])), chunk[2 + k :], int(chunk[0]), chunk[1]))
         blocks.append(rows)
         offset += num_rows * width
     return token_ids, blocks
