@@ -447,3 +447,22 @@ def test_row_logprobs_matches_torch(num_top, vocab):
         torch.testing.assert_close(native[1], reference[1], equal_nan=True)
     with pytest.raises(RuntimeError, match="outside the row"):
         torch.ops.weft.row_logprobs(x, torch.full((7,), vocab), 1, torch.empty(0))
+
+
+def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
+    """The one-pass kernel draws the same keyed noise as `ops.gumbel_sample` (bit for bit before the
+    logs), so it picks the same tokens: flat rows (the noise alone decides), wide rows (most tokens
+    out of reach, skipped), masked and all -inf rows, and a width with a tail past the 16 lanes."""
+    from weft.sample import ops
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, vocab, scale in [(3000, 64, 0.0), (400, 1000, 1.0), (200, 517, 40.0)]:
+        logits = torch.randn(rows, vocab, generator=gen) * scale
+        logits[0, : vocab // 2] = float("-inf")
+        logits[1] = float("-inf")
+        seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+        positions = torch.randint(0, 4096, (rows,), generator=gen)
+        native = NATIVE_CPU_KERNELS.gumbel_argmax(logits, seeds, positions)
+        assert torch.equal(native, ops.gumbel_sample(logits, seeds, positions)), (rows, vocab, scale)
+        assert native[0] >= vocab // 2 and native[1] == 0
+    assert TORCH_KERNELS.gumbel_argmax(logits, seeds, positions) is None  # the sampler's tensor version

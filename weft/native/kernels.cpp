@@ -717,6 +717,153 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x,
   return {out_ids, out_values, ranks};
 }
 
+// ---- Gumbel-max sampling keyed by (seed, position, token id) ----------------------------------
+// The same noise as ops.keyed_uniform (splitmix64 over the key, 23 bits, strictly inside (0, 1)),
+// bit for bit; the Gumbel transform -log(-log(u)) uses Cephes' logf (within 1-2 ulp of torch.log).
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kMix1 = 0xBF58476D1CE4E5B9ull;
+constexpr uint64_t kMix2 = 0x94D049BB133111EBull;
+constexpr uint64_t kSeedMul = 0x2545F4914F6CDD1Dull;
+constexpr uint64_t kPosMul = 0x5851F42D4C957F2Dull;
+constexpr int kUniformBits = 23;
+// No Gumbel draw exceeds -log(-log(1 - 2^-24)) = 16.64 or falls below -log(-log(2^-24)) = -2.81,
+// so a token whose logit is more than 16.64 + 2.81 (+ a margin) below the row's largest can never
+// win: the largest logit alone reaches at least max - 2.81. Such tokens skip the hash and the logs.
+constexpr float kGumbelSpan = 19.5f;
+
+inline float keyed_uniform_one(uint64_t key, int64_t token) {
+  uint64_t z = key + static_cast<uint64_t>(token + 1) * kGolden;
+  z = (z ^ (z >> 30)) * kMix1;
+  z = (z ^ (z >> 27)) * kMix2;
+  z = z ^ (z >> 31);
+  return (static_cast<float>(z >> (64 - kUniformBits)) + 0.5f) * (1.0f / (1 << kUniformBits));
+}
+
+// log(x) for positive normal x: Cephes' logf, step for step as log16 below (explicit fma).
+inline float log_approx(float x) {
+  int e;
+  float m = std::frexp(x, &e);  // [0.5, 1)
+  if (m < 0.707106781186547524f) {
+    e -= 1;
+    m = m + m - 1.0f;
+  } else {
+    m = m - 1.0f;
+  }
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
+                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+    y = std::fma(y, m, c);
+  }
+  y = y * m * z;
+  const float ef = static_cast<float>(e);
+  y = std::fma(ef, -2.12194440e-4f, y);
+  y = std::fma(z, -0.5f, y);
+  return std::fma(ef, 0.693359375f, m + y);
+}
+
+inline float gumbel_one(uint64_t key, int64_t token) {
+  return -log_approx(-log_approx(keyed_uniform_one(key, token)));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+inline __m512 log16(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);  // [0.5, 1)
+  __m512 e = _mm512_add_ps(_mm512_getexp_ps(x), _mm512_set1_ps(1.f));
+  const __mmask16 small = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  e = _mm512_mask_sub_ps(e, small, e, _mm512_set1_ps(1.f));
+  m = _mm512_mask_add_ps(_mm512_sub_ps(m, _mm512_set1_ps(1.f)), small, _mm512_sub_ps(_mm512_add_ps(m, m), _mm512_set1_ps(1.f)),
+                         _mm512_setzero_ps());
+  const __m512 z = _mm512_mul_ps(m, m);
+  __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
+                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+    y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(c));
+  }
+  y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
+  y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+  y = _mm512_fmadd_ps(z, _mm512_set1_ps(-0.5f), y);
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(m, y));
+}
+
+// keyed_uniform_one for tokens first .. first + 7.
+inline __m256 keyed_uniform8(uint64_t key, int64_t first) {
+  const __m512i tokens = _mm512_add_epi64(_mm512_set1_epi64(first + 1), _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(key)),
+                               _mm512_mullo_epi64(tokens, _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(static_cast<int64_t>(kMix1)));
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(static_cast<int64_t>(kMix2)));
+  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+  const __m256 bits = _mm512_cvtepi64_ps(_mm512_srli_epi64(z, 64 - kUniformBits));
+  return _mm256_mul_ps(_mm256_add_ps(bits, _mm256_set1_ps(0.5f)), _mm256_set1_ps(1.0f / (1 << kUniformBits)));
+}
+
+inline __m512 gumbel16(uint64_t key, int64_t first) {
+  const __m512 u = _mm512_insertf32x8(_mm512_castps256_ps512(keyed_uniform8(key, first)), keyed_uniform8(key, first + 8), 1);
+  const __m512 minus = _mm512_set1_ps(-0.f);
+  return _mm512_xor_ps(log16(_mm512_xor_ps(log16(u), minus)), minus);
+}
+#endif
+
+// argmax over the row of logit + Gumbel noise (first index on ties), skipping hopeless tokens.
+int64_t gumbel_argmax_row(const float* row, int64_t vocab, uint64_t key) {
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < vocab; ++j) max = std::max(max, row[j]);  // NaN is skipped
+  const float floor = max - kGumbelSpan;
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_id = 0;
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512 vfloor = _mm512_set1_ps(floor);
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 x = _mm512_loadu_ps(row + j);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, vfloor, _CMP_GE_OQ);
+    if (!live) continue;
+    const __m512 value = _mm512_mask_add_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, x, gumbel16(key, j));
+    const float top = _mm512_reduce_max_ps(value);
+    if (top > best) {
+      best = top;
+      best_id = j + __builtin_ctz(_mm512_cmp_ps_mask(value, _mm512_set1_ps(top), _CMP_EQ_OQ));
+    }
+  }
+#endif
+  for (; j < vocab; ++j) {
+    if (!(row[j] >= floor)) continue;
+    const float value = row[j] + gumbel_one(key, j);
+    if (value > best) {
+      best = value;
+      best_id = j;
+    }
+  }
+  return best_id;
+}
+
+// One token per row of logits ([B, V] float32) by the Gumbel-max trick with noise keyed by (seeds[b],
+// positions[b], token id): ops.gumbel_sample in one pass, without the [B, V] noise tensors.
+at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& seeds, const at::Tensor& positions) {
+  TORCH_CHECK(on_cpu({logits, seeds, positions}), "gumbel_argmax: every tensor must be on the CPU");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "gumbel_argmax: logits must be float32 [B, V] with contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  for (const auto* t : {&seeds, &positions}) {
+    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows,
+                "gumbel_argmax: seeds and positions must be [B] int64");
+  }
+  auto out = at::empty({rows}, seeds.options());
+  const float* xp = logits.data_ptr<float>();
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint64_t key = static_cast<uint64_t>(sp[r]) * kSeedMul + static_cast<uint64_t>(pp[r]) * kPosMul;
+      op[r] = gumbel_argmax_row(xp + r * stride, vocab, key);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace weft {  // for decoder.cpp (ops.h)
@@ -743,6 +890,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");
   m.def("row_logprobs(Tensor x, Tensor ids, int num_top, Tensor norm) -> (Tensor, Tensor, Tensor)");
+  m.def("gumbel_argmax(Tensor logits, Tensor seeds, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -754,4 +902,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("top_by_value_then_index", &top_by_value_then_index);
   m.impl("rank_of", &rank_of);
   m.impl("row_logprobs", &row_logprobs);
+  m.impl("gumbel_argmax", &gumbel_argmax);
 }

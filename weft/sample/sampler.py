@@ -342,7 +342,9 @@ class Sampler:
         if batch.all_greedy:
             chosen = greedy
         else:
-            sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
+            sampled = self.kernels.gumbel_argmax(logits, batch.seeds, batch.positions)
+            if sampled is None:
+                sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
             chosen = torch.where(batch.is_greedy, greedy, sampled)
         return chosen.masked_fill(invalid, INVALID_TOKEN)
 
