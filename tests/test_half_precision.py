@@ -114,7 +114,9 @@ def test_other_builds_of_the_kernels_pass_the_same_tests(tmp_path, arch, cflags,
         assert "bf16_dot_emulated" in info.stdout.split(), info.stdout
     selections = [("panel", str(Path(__file__)))]
     if isa is not None:  # the sampling kernels' scalar paths (their vector paths need AVX-512)
-        selections.append(("gumbel or row_logprobs", str(Path(__file__).with_name("test_native.py"))))
+        selections.append(
+            ("gumbel or row_logprobs or top_p_filter", str(Path(__file__).with_name("test_native.py")))
+        )
     for selection, test_file in selections:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection, test_file]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -466,3 +466,30 @@ def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
         assert torch.equal(native, ops.gumbel_sample(logits, seeds, positions)), (rows, vocab, scale)
         assert native[0] >= vocab // 2 and native[1] == 0
     assert TORCH_KERNELS.gumbel_argmax(logits, seeds, positions) is None  # the sampler's tensor version
+
+
+def _top_p_reference(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep token j iff the float64 probability mass of the tokens strictly more likely is below
+    top_p (ties at the cut stay whole); rows with top_p = 1 or a NaN are left as they are."""
+    probs = torch.softmax(logits.double(), dim=-1)  # [B, V]
+    above = (probs[:, None, :] * (logits[:, None, :] > logits[:, :, None])).sum(-1)  # [B, V]
+    keep = (above < top_p.double()[:, None]) | (top_p[:, None] >= 1) | logits.isnan().any(-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("vocab", [37, 300])
+def test_top_p_filter_keeps_the_exact_nucleus(vocab):
+    """Against the float64 definition: integer logits (ties at the cut), -inf tokens, a NaN row
+    (left for the sampler to report), rows with top_p = 1, and an all -inf row."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.cat(
+        [torch.randint(-3, 4, (6, vocab), generator=gen).float(), torch.randn(6, vocab, generator=gen)]
+    )
+    logits[1, : vocab // 3] = float("-inf")
+    logits[2, 5] = float("nan")
+    logits[3] = float("-inf")
+    top_p = torch.rand(12, generator=gen) * 0.9 + 0.05
+    top_p[4] = 1.0
+    filtered = NATIVE_CPU_KERNELS.top_p_filter(logits, top_p)
+    torch.testing.assert_close(filtered, _top_p_reference(logits, top_p), equal_nan=True)
+    assert TORCH_KERNELS.top_p_filter(logits, top_p) is None  # the sampler's tensor version

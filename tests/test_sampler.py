@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weft.kernels import TORCH_KERNELS
+from weft.kernels import TORCH_KERNELS, TorchKernels, kernels_for
 from weft.params import SamplingParams
 from weft.sample import ops
 from weft.sample.sampler import Sampler, SamplingBatch
@@ -40,11 +40,19 @@ def make_requests(params: SamplingParams, count: int, prompt=(1, 2, 3), output=(
     return [Row(params, i, list(prompt), list(output)) for i in range(count)]
 
 
-def sample_counts(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+# The tensor version of every step, and this CPU's kernel set (native sampling and top-p passes).
+KERNEL_SETS = pytest.mark.parametrize(
+    "kernels", [TORCH_KERNELS, kernels_for(torch.device("cpu"))], ids=lambda k: k.name
+)
+
+
+def sample_counts(
+    logits_row: torch.Tensor, params: SamplingParams, kernels: TorchKernels = TORCH_KERNELS
+) -> torch.Tensor:
     """Sample NUM_DRAWS times from one row (each draw a different seed); counts per token [V]."""
     requests = make_requests(params, NUM_DRAWS)
     batch = SamplingBatch.build(requests, VOCAB, torch.device("cpu"))
-    out = Sampler()(logits_row.expand(NUM_DRAWS, -1).clone(), batch)
+    out = Sampler(kernels=kernels)(logits_row.expand(NUM_DRAWS, -1).clone(), batch)
     return torch.bincount(out.token_ids, minlength=VOCAB).double()
 
 
@@ -66,12 +74,15 @@ def logits() -> torch.Tensor:
     return torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0, 0.2, 0.1, -2.0, 1.2])
 
 
-def test_plain_sampling_matches_softmax(logits):
-    assert_matches(sample_counts(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
+@KERNEL_SETS
+def test_plain_sampling_matches_softmax(logits, kernels):
+    assert_matches(sample_counts(logits, SamplingParams(temperature=1.0), kernels), logits.softmax(-1))
 
 
-def test_temperature(logits):
-    assert_matches(sample_counts(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+@KERNEL_SETS
+def test_temperature(logits, kernels):
+    expected = (logits / 0.5).softmax(-1)
+    assert_matches(sample_counts(logits, SamplingParams(temperature=0.5), kernels), expected)
 
 
 def test_top_k(logits):
@@ -82,7 +93,9 @@ def test_top_k(logits):
     assert_matches(sample_counts(logits, SamplingParams(top_k=3)), expected / expected.sum())
 
 
-def test_top_p(logits):
+@KERNEL_SETS
+@pytest.mark.parametrize("top_p", [0.7, 0.95])
+def test_top_p(logits, kernels, top_p):
     probs = logits.softmax(-1)
     order = probs.argsort(descending=True)
     keep = torch.zeros(VOCAB, dtype=torch.bool)
@@ -90,10 +103,11 @@ def test_top_p(logits):
     for idx in order.tolist():  # smallest set of most likely tokens reaching 0.7
         keep[idx] = True
         mass += probs[idx].item()
-        if mass >= 0.7:
+        if mass >= top_p:
             break
     expected = torch.where(keep, probs, 0.0)
-    assert_matches(sample_counts(logits, SamplingParams(top_p=0.7)), expected / expected.sum())
+    counts = sample_counts(logits, SamplingParams(top_p=top_p), kernels)
+    assert_matches(counts, expected / expected.sum())
 
 
 def test_min_p(logits):
@@ -102,14 +116,15 @@ def test_min_p(logits):
     assert_matches(sample_counts(logits, SamplingParams(min_p=0.2)), expected / expected.sum())
 
 
-def test_combined_filters_in_order(logits):
+@KERNEL_SETS
+def test_combined_filters_in_order(logits, kernels):
     scaled = (logits / 0.8).softmax(-1)
     keep = torch.zeros(VOCAB, dtype=torch.bool)
     keep[logits.argsort(descending=True)[:5]] = True  # top-k 5 first, then min-p within them
     within = torch.where(keep, scaled, 0.0)
     within = within / within.sum()
     expected = torch.where(within >= 0.3 * within.max(), within, 0.0)
-    counts = sample_counts(logits, SamplingParams(temperature=0.8, top_k=5, min_p=0.3))
+    counts = sample_counts(logits, SamplingParams(temperature=0.8, top_k=5, min_p=0.3), kernels)
     assert_matches(counts, expected / expected.sum())
 
 

@@ -156,6 +156,11 @@ class TorchKernels:
         operations; None: not available, use those."""
         return None
 
+    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+        """logits ([B, V] float32) with the tokens nucleus filtering removes (top_p [B] float32, 1 =
+        keep all) set to -inf, as a new tensor; None: not available, use `ops.apply_top_p`."""
+        return None
+
     def row_logprobs(
         self,
         x: torch.Tensor,  # [R, V] float32 logits
@@ -293,6 +298,13 @@ class NativeCpuKernels(TorchKernels):
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
             return super().gumbel_argmax(logits, seeds, positions)
         return torch.ops.weft.gumbel_argmax(logits, seeds.contiguous(), positions.contiguous())
+
+    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+        """No sort: the probabilities are bucketed by their float bits and only the bucket where
+        the mass crosses top_p is sorted (32 x 49152: 69 ms for the sort-and-cumsum version)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            return None
+        return torch.ops.weft.top_p_filter(logits, top_p.float().contiguous())
 
     def row_logprobs(
         self, x: torch.Tensor, ids: torch.Tensor, num_top: int, norm: torch.Tensor | None = None

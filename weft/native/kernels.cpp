@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <tuple>
@@ -864,6 +865,113 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& seeds, cons
   return out;
 }
 
+// ---- Nucleus (top-p) filtering -----------------------------------------------------------------
+// Token j stays iff the probability mass of the tokens strictly more likely than it is below top_p
+// (a tie at the cut stays whole; the most likely token always stays). Without sorting the row:
+// e = exp(x - max) is bucketed by its float bits (monotone for positive floats), the bucket where
+// the mass crosses top_p * sum(e) is found from the top, and only that bucket's values are sorted.
+
+constexpr int kMassBucketShift = 19;  // e in [0, 1]: bits >> 19 < 2048 buckets, 16 per octave
+constexpr int kMassBuckets = (0x3F800000 >> kMassBucketShift) + 1;
+
+inline int mass_bucket(float e) { return static_cast<int>(__builtin_bit_cast(uint32_t, e) >> kMassBucketShift); }
+
+// The smallest e a token may have and stay, for one row of e (all >= 0) whose kept mass is `target`.
+float smallest_kept(const std::vector<float>& e, double target) {
+  // Four interleaved histograms: neighbouring tokens often share a bucket, and one histogram would
+  // make each addition wait for the previous one.
+  std::vector<double> lanes(4 * kMassBuckets, 0.0);
+  const size_t n = e.size();
+  size_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (size_t k = 0; k < 4; ++k) lanes[k * kMassBuckets + mass_bucket(e[j + k])] += e[j + k];
+  }
+  for (; j < n; ++j) lanes[mass_bucket(e[j])] += e[j];
+  std::vector<double> mass(kMassBuckets);
+  for (int b = 0; b < kMassBuckets; ++b) {
+    mass[b] = (lanes[b] + lanes[kMassBuckets + b]) + (lanes[2 * kMassBuckets + b] + lanes[3 * kMassBuckets + b]);
+  }
+  double above = 0.0;  // the mass of every bucket above the current one
+  int crossing = kMassBuckets - 1;
+  for (; crossing >= 0 && above + mass[crossing] < target; --crossing) above += mass[crossing];
+  if (crossing < 0) return 0.f;  // rounding left the whole row under the target: keep everything
+  std::vector<float> members;
+  for (const float v : e) {
+    if (mass_bucket(v) == crossing) members.push_back(v);
+  }
+  std::sort(members.begin(), members.end(), std::greater<float>());
+  float kept = members.front();  // above < target: the bucket's largest value stays
+  for (size_t i = 0; i < members.size();) {
+    size_t end = i;
+    double group = 0.0;
+    for (; end < members.size() && members[end] == members[i]; ++end) group += members[end];
+    if (above >= target) break;
+    kept = members[i];
+    above += group;
+    i = end;
+  }
+  return kept;
+}
+
+// e[j] = exp(x[j] - max) (0 for a -inf logit); returns their sum.
+double masses(const float* x, int64_t vocab, float max, float* e) {
+  double total = 0.0;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(max), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __m512 m = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, minus_inf, _CMP_GT_OQ), exp16(_mm512_sub_ps(v, vmax)));
+    _mm512_storeu_ps(e + j, m);
+    acc_lo = _mm512_add_pd(acc_lo, _mm512_cvtps_pd(_mm512_castps512_ps256(m)));
+    acc_hi = _mm512_add_pd(acc_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1))));
+  }
+  total = _mm512_reduce_add_pd(_mm512_add_pd(acc_lo, acc_hi));
+#endif
+  for (; j < vocab; ++j) {
+    e[j] = x[j] > -std::numeric_limits<float>::infinity() ? exp_approx(x[j] - max) : 0.f;
+    total += e[j];
+  }
+  return total;
+}
+
+// logits ([B, V] float32) with every token that top-p removes set to -inf; rows with top_p >= 1
+// are copied as they are. A new tensor; the input is not modified.
+at::Tensor top_p_filter(const at::Tensor& logits, const at::Tensor& top_p) {
+  TORCH_CHECK(on_cpu({logits, top_p}), "top_p_filter: every tensor must be on the CPU");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "top_p_filter: logits must be float32 [B, V] with contiguous rows");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(top_p.dim() == 1 && top_p.scalar_type() == at::kFloat && top_p.is_contiguous() && top_p.size(0) == rows,
+              "top_p_filter: top_p must be [B] float32");
+  auto out = at::empty({rows, vocab}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  const float* tp = top_p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * stride;
+      float* o = op + r * vocab;
+      if (!(tp[r] < 1.f)) {
+        std::copy(x, x + vocab, o);
+        continue;
+      }
+      const LogNormalizer n = log_normalizer(x, vocab);  // NaN max for a row with a NaN
+      if (!(n.max > minus_inf)) {  // a NaN stays for the sampler to report; nothing is finite
+        std::copy(x, x + vocab, o);
+        continue;
+      }
+      const double total = masses(x, vocab, n.max, e.data());
+      const float cut = smallest_kept(e, static_cast<double>(tp[r]) * total);
+      for (int64_t j = 0; j < vocab; ++j) o[j] = e[j] >= cut ? x[j] : minus_inf;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 namespace weft {  // for decoder.cpp (ops.h)
@@ -891,6 +999,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");
   m.def("row_logprobs(Tensor x, Tensor ids, int num_top, Tensor norm) -> (Tensor, Tensor, Tensor)");
   m.def("gumbel_argmax(Tensor logits, Tensor seeds, Tensor positions) -> Tensor");
+  m.def("top_p_filter(Tensor logits, Tensor top_p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -903,4 +1012,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rank_of", &rank_of);
   m.impl("row_logprobs", &row_logprobs);
   m.impl("gumbel_argmax", &gumbel_argmax);
+  m.impl("top_p_filter", &top_p_filter);
 }

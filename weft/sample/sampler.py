@@ -330,7 +330,8 @@ class Sampler:
         if batch.top_k is not None:
             logits = ops.apply_top_k(logits, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
-            logits = ops.apply_top_p(logits, batch.top_p)
+            filtered = self.kernels.top_p_filter(logits, batch.top_p)
+            logits = ops.apply_top_p(logits, batch.top_p) if filtered is None else filtered
         if batch.min_p is not None:
             logits = ops.apply_min_p(logits, batch.min_p)
         return logits
