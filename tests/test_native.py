@@ -14,6 +14,7 @@ from weft.config import RopeConfig
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, kernels_for
 from weft.model.attention import PagedAttention
 from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout
+from weft.sample import ops
 
 NATIVE, TORCH = PagedAttention(NATIVE_CPU_KERNELS), PagedAttention(TORCH_KERNELS)
 
@@ -453,8 +454,6 @@ def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
     """The one-pass kernel draws the same keyed noise as `ops.gumbel_sample` (bit for bit before the
     logs), so it picks the same tokens: flat rows (the noise alone decides), wide rows (most tokens
     out of reach, skipped), masked and all -inf rows, and a width with a tail past the 16 lanes."""
-    from weft.sample import ops
-
     gen = torch.Generator().manual_seed(3)
     for rows, vocab, scale in [(3000, 64, 0.0), (400, 1000, 1.0), (200, 517, 40.0)]:
         logits = torch.randn(rows, vocab, generator=gen) * scale
@@ -492,4 +491,7 @@ def test_top_p_filter_keeps_the_exact_nucleus(vocab):
     top_p[4] = 1.0
     filtered = NATIVE_CPU_KERNELS.top_p_filter(logits, top_p)
     torch.testing.assert_close(filtered, _top_p_reference(logits, top_p), equal_nan=True)
-    assert TORCH_KERNELS.top_p_filter(logits, top_p) is None  # the sampler's tensor version
+    assert TORCH_KERNELS.top_p_filter(logits, top_p) is None  # the sampler's tensor version:
+    finite = ~logits.isnan().any(-1)
+    expected = _top_p_reference(logits, top_p)[finite]
+    torch.testing.assert_close(ops.apply_top_p(logits, top_p)[finite], expected)  # the same rule

@@ -99,14 +99,19 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches
-    `top_p` ([B] float32, 1 = keep all). The most likely token is always kept."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] probability of strictly better tokens
-    remove_sorted = mass_before >= top_p[:, None]
+    `top_p` ([B] float32, 1 = keep all), and every token tied with the least likely of them (a
+    token stays iff the mass of the tokens strictly more likely is below top_p). The most likely
+    token is always kept. The mass is summed in float64: over a 128k vocabulary a float32 cumsum
+    moved the cut by thousands of tokens."""
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
+    probs = sorted_logits.double().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] probability of the better-placed tokens
+    remove_sorted = mass_before >= top_p.double()[:, None]
     remove_sorted[:, 0] = False
-    remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+    smallest_kept = sorted_logits.masked_fill(remove_sorted, float("inf")).amin(
+        dim=-1, keepdim=True
+    )  # [B, 1]
+    return logits.masked_fill(logits < smallest_kept, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
