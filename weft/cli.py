@@ -69,7 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _benches() -> list[tuple[str, Any, str]]:
     """(name, module, summary) of every `weft bench` benchmark."""
-    from weft.bench import logprobs, overhead, parallel, schema_corpus, serve, structured, throughput
+    from weft.bench import (
+        logprobs,
+        overhead,
+        parallel,
+        sampling,
+        schema_corpus,
+        serve,
+        structured,
+        throughput,
+    )
 
     return [
         ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
@@ -77,6 +86,7 @@ def _benches() -> list[tuple[str, Any, str]]:
         ("parallel", parallel, "n samples, best_of and beam search: time and KV vs transformers"),
         ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),
         ("logprobs", logprobs, "decode and prefill cost of logprobs and prompt logprobs"),
+        ("sampling", sampling, "the sampler's work per step: tensor operations vs the device's kernels"),
         ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
         ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
     ]
