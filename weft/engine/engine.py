@@ -29,7 +29,7 @@ import torch
 from weft.arrays import column
 from weft.config import EngineConfig
 from weft.engine.beam import BeamSearch
-from weft.engine.group import GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
+from weft.engine.group import NO_UPDATE, GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import Fanout, SampledRows, Scheduler, SchedulerOutput
@@ -256,7 +256,9 @@ class LLMEngine:
             touched += self._fail_unschedulable()
         groups = list({id(g): g for g in touched}.values())
         for group in groups:
-            self._apply(group.policy.after_step(group))
+            update = group.policy.after_step(group)
+            if update is not NO_UPDATE:
+                self._apply(update)
         return self._emit(groups)
 
     def _fail_unschedulable(self) -> list[SequenceGroup]:

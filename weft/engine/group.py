@@ -45,6 +45,9 @@ class GroupUpdate:
     resumes: list[Sequence] = field(default_factory=list)  # parked sequences given a token: run again
 
 
+NO_UPDATE = GroupUpdate()  # what most groups decide after most steps; read, never modified
+
+
 class GroupPolicy(Protocol):
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         """The group's first sequence is ready (its grammar compiled, or failed); create the rest."""
@@ -89,7 +92,7 @@ class ParallelSampling:
 
     def after_step(self, group: SequenceGroup) -> GroupUpdate:
         if not self.pending:
-            return GroupUpdate()
+            return NO_UPDATE
         first = group.sequences[0]
         if not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
             return GroupUpdate()
@@ -138,7 +141,10 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.sequences)
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests: no generator per step
+            return sequences[0].is_finished
+        return all(s.is_finished for s in sequences)
 
     def make_output(self, finished: bool) -> RequestOutput | None:
         """The request's output now (`finished`: whether every sequence has finished), or None for

@@ -202,6 +202,7 @@ class Scheduler:
         `output.sampling` order, then the fanout rows). Sequences that finish release their
         blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
         by_parent = {f.parent.seq_id: f for f in fanouts}
+        block_size = self.kv.block_size
         num_forced = 0
         row = 0
         for item in output.scheduled:
@@ -211,7 +212,8 @@ class Scheduler:
             if seq.is_finished:  # finished (aborted) since it was scheduled
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(seq)
+            if seq.num_computed_tokens % block_size < item.num_new_tokens:  # a block filled up
+                self.kv.cache_full_blocks(seq)
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)

@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
@@ -357,8 +356,11 @@ class Sequence:
         return None
 
     def _append_text(self, new_tokens: list[int]) -> None:
-        new_text = self._detokenize(new_tokens)
-        if self.is_finishing:
+        if self.text_offsets is None:
+            new_text = self.detokenizer.update(new_tokens)
+        else:
+            new_text = self._detokenize_each(new_tokens, self.text_offsets)
+        if self.status >= _FIRST_FINISHED or self.pending_finish is not None:
             new_text += self.detokenizer.flush()
         if not new_text:
             return
@@ -369,11 +371,8 @@ class Sequence:
         self.text = match.text
         self.finish(FinishReason.STOP, stop_reason=match.stop)  # also over LENGTH on the same token
 
-    def _detokenize(self, new_tokens: list[int]) -> str:
-        """The new tokens' text; with logprobs, where each token's text starts is recorded."""
-        offsets = self.text_offsets
-        if offsets is None:
-            return self.detokenizer.update(new_tokens)
+    def _detokenize_each(self, new_tokens: list[int], offsets: list[int]) -> str:
+        """The new tokens' text, recording where each token's text starts (for logprobs)."""
         parts, end = [], len(self.text)
         for token in new_tokens:
             offsets.append(end)
@@ -436,7 +435,7 @@ class Sequence:
         """How many output tokens and characters can be handed out. While stop strings may still
         match, text that could be the start of one is held back; and so are forced tokens whose
         logprobs the next step computes, with their text."""
-        if self.is_finished:
+        if self.status >= _FIRST_FINISHED or not (self.stop_matcher.holdback or self.num_pending_forced):
             return self.num_output_tokens, len(self.text)
         sent = self.sent
         visible = max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
@@ -449,18 +448,17 @@ class Sequence:
 
 def _position(item: TokenLogprobs, num_top: int, texts: Mapping[int, str]) -> PositionLogprobs:
     """One position's logprobs: the actual (or sampled) token first (with its own rank, also when
-    it is among the alternatives), then the top `num_top` ranked 1, 2, ... in their order. Built
-    with C-level iteration (`map`, `zip`, `tuple.__new__`): one of these per position per step is
-    the bulk of what top-n logprobs cost on the host."""
-    chosen_id = item.token_ids[0]
-    chosen = _new_logprob(Logprob, (item.logprobs[0], item.rank, texts[chosen_id]))
+    it is among the alternatives), then the top `num_top` ranked 1, 2, ... in their order. One of
+    these per position per step is most of what top-n logprobs cost on the host: records are made
+    with `tuple.__new__` (half the time of a named tuple's own constructor), texts from a dict."""
+    ids, values = item.token_ids, item.logprobs
+    chosen_id = ids[0]
+    chosen = _new_logprob(Logprob, (values[0], item.rank, texts[chosen_id]))
     position: PositionLogprobs = {chosen_id: chosen}
-    if num_top:
-        ids = item.token_ids[1 : 1 + num_top]
-        ranks = range(1, len(ids) + 1)
-        fields = zip(item.logprobs[1 : 1 + num_top], ranks, map(texts.__getitem__, ids), strict=True)
-        position.update(zip(ids, map(_new_logprob, repeat(Logprob), fields), strict=True))
-        position[chosen_id] = chosen  # keeps its place first
+    for i in range(1, min(num_top, len(ids) - 1) + 1):
+        token = ids[i]
+        position[token] = _new_logprob(Logprob, (values[i], i, texts[token]))
+    position[chosen_id] = chosen  # keeps its place first
     return position
 
 
