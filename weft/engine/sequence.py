@@ -411,10 +411,12 @@ class Sequence:
             logmass = None if logmass is None else logmass[sent.num_logprobs :]
             offsets = None if offsets is None else offsets[sent.num_logprobs : ready]
             forced = None if forced is None else forced[sent.num_logprobs :]
-        else:
+        else:  # copies of the lists that keep growing (logprobs themselves are shared: O(n) per step)
             text = self.text[:visible]
             token_ids = self.token_ids[first : first + ready]
             offsets = None if offsets is None else offsets[:ready]
+            logmass = None if logmass is None else list(logmass)
+            forced = None if forced is None else list(forced)
         sent.num_chars, sent.num_tokens = visible, ready
         sent.num_logprobs = len(self.logprobs or [])
         return CompletionOutput(
@@ -426,9 +428,9 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=logprobs,
             error=self.error,
-            constraint_logmass=None if logmass is None else list(logmass),
-            text_offsets=None if offsets is None else list(offsets),
-            forced=None if forced is None else list(forced),
+            constraint_logmass=logmass,  # fresh slices or copies, from above
+            text_offsets=offsets,
+            forced=forced,
         )
 
     def _ready(self) -> tuple[int, int]:
