@@ -247,3 +247,23 @@ def test_loading_a_bfloat16_checkpoint_peaks_near_its_size(tmp_path):
     assert peak - before <= 1.3 * size, (
         f"loading {size / 1e6:.0f} MB peaked {(peak - before) / 1e6:.0f} MB higher"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_long_prefill_multiplies_through_a_dense_copy_of_the_panels(dtype):
+    """At DENSE_PANEL_ROWS rows and more a panel Linear uses the BLAS GEMM on W.T rebuilt from its
+    panels (half precision widened exactly, an odd input width, a bias): the same as F.linear on
+    the float32 widening of the weight, and close to the panel kernel itself."""
+    from weft.model.layers import DENSE_PANEL_ROWS, Linear, WeightLayout
+
+    gen = torch.Generator().manual_seed(1)
+    layer = Linear(577, 70, bias=True)
+    layer.weight.data = torch.randn(70, 577, generator=gen).to(dtype)
+    layer.bias.data = torch.randn(70, generator=gen)
+    weight, bias = layer.weight.data.float().clone(), layer.bias.data.clone()
+    layer.set_layout(WeightLayout.PANELS)
+    x = torch.randn(DENSE_PANEL_ROWS, 577, generator=gen)
+    out = layer(x)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight, bias))
+    panels = torch.ops.weft.packed_linear(x, layer.weight, layer.bias, 70)
+    torch.testing.assert_close(out, panels, rtol=1e-4, atol=1e-4)

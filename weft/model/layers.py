@@ -61,6 +61,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.layout is WeightLayout.PANELS:
+            if x.shape[0] >= DENSE_PANEL_ROWS:  # a long prefill: the BLAS GEMM on a dense copy
+                dense = self._dense_from_panels(x.shape[1])  # [in, out] float32
+                return torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)
             return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features)
         if self.layout is WeightLayout.IN_OUT:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -68,6 +71,26 @@ class Linear(nn.Module):
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    def _dense_from_panels(self, in_features: int) -> torch.Tensor:
+        """W.T as float32 [in, out] from the panels (half precision widened exactly), a copy made for
+        one call and dropped after it: memory stays one copy of the weights."""
+        panels = self.weight  # [P, K', 32]
+        num_panels, rows, width = panels.shape
+        dense = torch.empty(rows, num_panels * width)  # [K', P * 32]
+        if panels.dtype == torch.bfloat16:  # input features in pairs (see weft/native/linear.cpp)
+            pairs = panels.view(num_panels, rows // 2, width, 2).permute(1, 3, 0, 2)
+            dense.view(rows // 2, 2, num_panels, width).copy_(pairs)
+        else:
+            dense.view(rows, num_panels, width).copy_(panels.permute(1, 0, 2))
+        return dense[:in_features, : self.out_features]
+
+
+# Steps of at least this many rows multiply through a dense float32 copy of the panels made per call
+# (torch's BLAS GEMM, MKL or oneDNN): on the 2-core AVX-512 machine, for the SmolLM2-135M shapes,
+# 1.2-1.5x faster than the panels at 1,024-4,096 rows counting the copy, even at 512, slower below
+# (docs/benchmarks.md). Decode steps never come near it.
+DENSE_PANEL_ROWS = 1024
 
 
 class Embedding(nn.Module):
