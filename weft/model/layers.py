@@ -27,7 +27,8 @@ class Linear(nn.Module):
 
     Measured on the 2-core CPU machines over the weights of a SmolLM2-135M shaped model
     (docs/benchmarks.md), in float32: weft's panel kernel (`PANELS`) against `x @ W` on [in, out]
-    is 1.0-1.1x at 1 row, 1.4-1.8x at 2-16 rows, 1.3x at 32 and 1.05x at 256 (prefill); `x @ W` on
+    is 1.0-1.1x at 1 row, 1.4-1.8x at 2-16 rows, 1.3x at 32 and 1.05x at 256; from ~1,000 rows MKL is
+    faster and panels go through it (`DENSE_PANEL_ROWS`); `x @ W` on
     [in, out] is itself 1.2-1.4x `F.linear` on [out, in]. Half-precision weights take the same panels
     (float32 activations, the weights widened as they stream in): 2.3x the float32 panels at one row,
     and 4-10x torch's bfloat16 `F.linear` from 8 rows up on CPUs without AVX512_BF16. Without weft's
