@@ -207,8 +207,8 @@ def test_bench_sampling_compares_both_kernel_sets(tmp_path):
     import json
 
     out = tmp_path / "sampling.json"
-    args = ["bench", "sampling", "--batch-sizes", "1,3", "--vocab", "300", "--repeats", "1", "--json", str(out)]
-    assert main(args) == 0
+    args = ["--batch-sizes", "1,3", "--vocab", "300", "--repeats", "1", "--json", str(out)]
+    assert main(["bench", "sampling", *args]) == 0
     results = json.loads(out.read_text())
     assert len(results) == 2 * 7 and all(r["same_tokens"] for r in results)
     assert all(r["tensor_ops_ms"] > 0 and r["kernel_set_ms"] > 0 for r in results)

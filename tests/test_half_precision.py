@@ -250,10 +250,10 @@ def test_loading_a_bfloat16_checkpoint_peaks_near_its_size(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_long_prefill_multiplies_through_a_dense_copy_of_the_panels(dtype):
-    """At DENSE_PANEL_ROWS rows and more a panel Linear uses the BLAS GEMM on W.T rebuilt from its
+def test_long_prefill_multiplies_through_a_dense_copy_of_the_weights(dtype):
+    """At DENSE_PANEL_ROWS rows and more a packed Linear uses the BLAS GEMM on W.T rebuilt from its
     panels (half precision widened exactly, an odd input width, a bias): the same as F.linear on
-    the float32 widening of the weight, and close to the panel kernel itself."""
+    the float32 widening of the weight, and close to the packed kernel itself (this build's)."""
     from weft.model.layers import DENSE_PANEL_ROWS, Linear, WeightLayout
 
     gen = torch.Generator().manual_seed(1)
