@@ -527,6 +527,20 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& bitmask, const a
   });
 }
 
+// Insert (v, j) into a row's sorted top list (value descending, then index ascending) of `count`
+// entries out of `num_top`; an entry must beat the last one strictly once the list is full.
+inline void keep_top(float v, int64_t j, float* kept, int64_t* kept_ids, int64_t& count, int64_t num_top) {
+  if (count == num_top && !(v > kept[num_top - 1])) return;
+  int64_t pos = count < num_top ? count++ : num_top - 1;
+  while (pos > 0 && v > kept[pos - 1]) {
+    kept[pos] = kept[pos - 1];
+    kept_ids[pos] = kept_ids[pos - 1];
+    --pos;
+  }
+  kept[pos] = v;
+  kept_ids[pos] = j;
+}
+
 // The num_top largest values of each row of x ([R, V] float32), ordered by value then by the
 // smaller index (NaN counts as -inf): one pass over each row keeping a small sorted list, where a
 // value must beat the list's last entry strictly to enter (an equal one has a larger index).
@@ -549,16 +563,7 @@ std::tuple<at::Tensor, at::Tensor> top_by_value_then_index(const at::Tensor& x, 
       int64_t* kept_ids = ip + r * num_top;
       int64_t count = 0;
       for (int64_t j = 0; j < vocab && num_top > 0; ++j) {
-        const float v = std::isnan(row[j]) ? minus_inf : row[j];
-        if (count == num_top && !(v > kept[num_top - 1])) continue;
-        int64_t pos = count < num_top ? count++ : num_top - 1;
-        while (pos > 0 && v > kept[pos - 1]) {
-          kept[pos] = kept[pos - 1];
-          kept_ids[pos] = kept_ids[pos - 1];
-          --pos;
-        }
-        kept[pos] = v;
-        kept_ids[pos] = j;
+        keep_top(std::isnan(row[j]) ? minus_inf : row[j], j, kept, kept_ids, count, num_top);
       }
     }
   });
@@ -629,20 +634,6 @@ LogNormalizer log_normalizer(const float* row, int64_t vocab) {
 #endif
   for (; j < vocab; ++j) sum += exp_approx(row[j] - max);
   return {max, std::log(sum)};
-}
-
-// Insert (v, j) into a row's sorted top list (value descending, then index ascending) of `count`
-// entries out of `num_top`; an entry must beat the last one strictly once the list is full.
-inline void keep_top(float v, int64_t j, float* kept, int64_t* kept_ids, int64_t& count, int64_t num_top) {
-  if (count == num_top && !(v > kept[num_top - 1])) return;
-  int64_t pos = count < num_top ? count++ : num_top - 1;
-  while (pos > 0 && v > kept[pos - 1]) {
-    kept[pos] = kept[pos - 1];
-    kept_ids[pos] = kept_ids[pos - 1];
-    --pos;
-  }
-  kept[pos] = v;
-  kept_ids[pos] = j;
 }
 
 // One row of row_logprobs: lp[j] = x[j] - shift - log_sum (the log-softmax's own arithmetic, or
