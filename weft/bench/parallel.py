@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from weft.bench.throughput import add_repeats_argument, build_checkpoint
+from weft.bench.throughput import add_repeats_argument, build_checkpoint, generate_exactly
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
@@ -59,21 +59,7 @@ def run_weft(llm, requests: list[tuple[list[int], object]]) -> tuple[float, int]
 
 
 def run_transformers(model, prompt: list[int], output_len: int, **options) -> float:
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=output_len,
-            min_new_tokens=output_len,
-            pad_token_id=0,
-            **options,
-        )
-        seconds = time.perf_counter() - start
-    if out.shape[1] - len(prompt) != output_len:
-        raise RuntimeError(f"transformers generated {out.shape[1] - len(prompt)} tokens, not {output_len}")
-    return seconds
+    return generate_exactly(model, [prompt], output_len, **options)[1]
 
 
 def _best(repeats: int, fn: Callable[[], tuple[float, int]]) -> tuple[float, int]:

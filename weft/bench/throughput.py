@@ -163,25 +163,33 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timin
         def end(self) -> None:
             pass
 
-    input_ids = torch.tensor(prompts)
     streamer = FirstToken()
+    start, total = generate_exactly(model, prompts, output_len, do_sample=False, streamer=streamer)
+    if streamer.calls < 2:
+        raise RuntimeError("transformers' streamer saw no new token")
+    return Timing(prefill_s=streamer.at - start, total_s=total)
+
+
+def generate_exactly(model, prompts: list[list[int]], output_len: int, **options) -> tuple[float, float]:
+    """One transformers generate() of exactly `output_len` new tokens per prompt (EOS ignored), with
+    `options`: (the perf_counter reading at its start, its seconds)."""
+    input_ids = torch.tensor(prompts)
     with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
             max_new_tokens=output_len,
             min_new_tokens=output_len,
             pad_token_id=0,
-            streamer=streamer,
+            **options,
         )
-        total = time.perf_counter() - start
-    if out.shape[1] - input_ids.shape[1] != output_len or streamer.calls < 2:
+        seconds = time.perf_counter() - start
+    if out.shape[1] - input_ids.shape[1] != output_len:
         raise RuntimeError(
             f"transformers generated {out.shape[1] - input_ids.shape[1]} tokens, not {output_len}"
         )
-    return Timing(prefill_s=streamer.at - start, total_s=total)
+    return start, seconds
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,7 +95,7 @@ class ParallelSampling:
             return NO_UPDATE
         first = group.sequences[0]
         if not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens:
-            return GroupUpdate()
+            return NO_UPDATE
         pending, self.pending = self.pending, []
         if first.finish_reason == FinishReason.ERROR and first.num_output_tokens == 0:
             for child in pending:  # e.g. its grammar is invalid: every sample fails the same way

@@ -360,7 +360,7 @@ class Sequence:
             new_text = self.detokenizer.update(new_tokens)
         else:
             new_text = self._detokenize_each(new_tokens, self.text_offsets)
-        if self.status >= _FIRST_FINISHED or self.pending_finish is not None:
+        if self.is_finishing:
             new_text += self.detokenizer.flush()
         if not new_text:
             return

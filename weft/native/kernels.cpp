@@ -604,7 +604,8 @@ struct LogNormalizer {
   float log_sum;
 };
 
-LogNormalizer log_normalizer(const float* row, int64_t vocab) {
+// The row's largest value, or NaN when it holds a NaN.
+float row_max_or_nan(const float* row, int64_t vocab) {
   float max = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t j = 0;
@@ -623,9 +624,14 @@ LogNormalizer log_normalizer(const float* row, int64_t vocab) {
     nan |= std::isnan(row[j]);
     max = std::max(max, row[j]);
   }
-  if (nan) return {std::numeric_limits<float>::quiet_NaN(), 0.f};
+  return nan ? std::numeric_limits<float>::quiet_NaN() : max;
+}
+
+LogNormalizer log_normalizer(const float* row, int64_t vocab) {
+  const float max = row_max_or_nan(row, vocab);
+  if (std::isnan(max)) return {max, 0.f};
   float sum = 0.f;
-  j = 0;
+  int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 vmax = _mm512_set1_ps(max);
   __m512 acc = _mm512_setzero_ps();
@@ -950,12 +956,12 @@ at::Tensor top_p_filter(const at::Tensor& logits, const at::Tensor& top_p) {
         std::copy(x, x + vocab, o);
         continue;
       }
-      const LogNormalizer n = log_normalizer(x, vocab);  // NaN max for a row with a NaN
-      if (!(n.max > minus_inf)) {  // a NaN stays for the sampler to report; nothing is finite
+      const float max = row_max_or_nan(x, vocab);
+      if (!(max > minus_inf)) {  // a NaN stays for the sampler to report; nothing is finite
         std::copy(x, x + vocab, o);
         continue;
       }
-      const double total = masses(x, vocab, n.max, e.data());
+      const double total = masses(x, vocab, max, e.data());
       const float cut = smallest_kept(e, static_cast<double>(tp[r]) * total);
       for (int64_t j = 0; j < vocab; ++j) o[j] = e[j] >= cut ? x[j] : minus_inf;
     }
