@@ -260,6 +260,24 @@ def read_optional_json(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """Which kernel set runs a model (environment variable `WEFT_KERNELS`): unset or `auto`, the
+    device's best (Triton on CUDA when it imports); `triton`, the Triton set on any device (CPU
+    tensors need `TRITON_INTERPRET=1`); `torch`, no Triton (CPU still takes weft's C++ kernels
+    unless `WEFT_NATIVE=0`)."""
+
+    triton: bool | None  # None: the device decides
+
+    @classmethod
+    def from_env(cls) -> KernelChoice:
+        value = os.environ.get("WEFT_KERNELS", "auto").strip().lower()
+        choices = {"auto": None, "": None, "triton": True, "torch": False}
+        if value not in choices:
+            raise ConfigError(f"WEFT_KERNELS={value!r}: use auto, triton or torch")
+        return cls(choices[value])
+
+
+@dataclass(frozen=True, slots=True)
 class NativeConfig:
     """Where weft's CPU kernels are built, and whether to use them (environment variables:
     `WEFT_NATIVE=0` turns them off; `WEFT_CACHE_DIR` moves the build cache, by default

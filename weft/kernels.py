@@ -10,16 +10,22 @@ mask call; nothing else asks which device or which build it runs on. Two sets ex
   embedding in place, SiLU-and-multiply, decode attention that reads the paged cache in place, the
   grammar bitmask, and the float32 panel GEMM of every linear layer.
 
-A CUDA kernel set (paged attention in Triton, say) is a third subclass, chosen here.
+- `TritonKernels` (`weft/cuda/kernels.py`): Triton kernels for CUDA tensors: paged attention over
+  every row of a step in one launch, fused RMSNorm (with the residual add), SiLU-and-multiply and
+  rotary embedding. Chosen for CUDA devices when Triton imports (it ships with PyTorch's CUDA
+  builds); `WEFT_KERNELS=torch` turns it off, `WEFT_KERNELS=triton` forces it (on CPU tensors it
+  then needs Triton's interpreter, `TRITON_INTERPRET=1`: that is how CI tests it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from weft.config import KernelChoice
 from weft.native import use_kernels
 
 
@@ -30,6 +36,17 @@ class RopeTables:
     positions: torch.Tensor  # [T] int64
     cos: torch.Tensor  # the step's rows [T, 1, D/2] in x's dtype, or (native) the whole table [P, D/2]
     sin: torch.Tensor  # the same shape as cos
+
+
+@dataclass(frozen=True, slots=True)
+class RaggedBatch:
+    """A step's sequences for an attention kernel that takes every row of a step in one call
+    (`ragged_paged_attention`): on the device, built once per step, shared by all layers."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor  # [B] int32, tokens of each sequence after this step
+    query_start: torch.Tensor  # [B + 1] int32, the first step row of each sequence, then T
+    max_query_len: int  # host value: sizes the kernel's grid
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +121,28 @@ class TorchKernels:
         scale: float,
     ) -> torch.Tensor | None:  # [B, H, D], or None: not available, use the gather + SDPA path
         return None
+
+    def takes_ragged_batch(self, head_dim: int, block_size: int) -> bool:
+        """Whether `ragged_paged_attention` attends every row of a step in one call for this head
+        size and cache block size (then the step's metadata is a `RaggedBatch`)."""
+        return False
+
+    def ragged_paged_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D], the step's K/V already in it
+        batch: RaggedBatch,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Every new token of the step over its sequence's cache, causal within the step."""
+        raise NotImplementedError(f"the {self.name} kernel set has no ragged_paged_attention")
+
+    def add_rms_norm_(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The residual add and the next norm: x += delta in place ([T, dim]); returns RMSNorm(x)."""
+        x.add_(delta)
+        return self.rms_norm(x, weight, eps)
 
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         """Whether `decoder_stack_` runs on `device` with activations in `activations` (for
@@ -336,7 +375,17 @@ NATIVE_CPU_KERNELS = NativeCpuKernels()
 
 def kernels_for(device: torch.device) -> TorchKernels:
     """The kernel set for `device` (on CPU this builds weft's kernels on first use)."""
+    choice = KernelChoice.from_env()
+    if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
+        from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
+
+        return TRITON_KERNELS
     return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+def triton_available() -> bool:
+    """Whether Triton imports (it ships with PyTorch's CUDA builds)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

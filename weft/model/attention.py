@@ -12,6 +12,10 @@ weft's native kernel, which reads each sequence's keys and values in place throu
 instead of gathering them first). Rows with a few new tokens (fast-forwarded grammar tokens) then
 join them token by token: token i of a row is a one-query row whose context ends at itself.
 
+A kernel set that attends every row of a step in one call (`takes_ragged_batch`: Triton on CUDA)
+gets the step as a `RaggedBatch` instead (block table, sequence lengths, query offsets), and no
+groups are built.
+
 `PagedAttention` is the backend: it owns the cache layout (`kv_cache_shape`), builds a step's
 metadata and attends, with the kernel set chosen for the device at load.
 """
@@ -25,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from weft.arrays import padded, to_device
-from weft.kernels import TORCH_KERNELS, TorchKernels
+from weft.kernels import TORCH_KERNELS, RaggedBatch, TorchKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,16 @@ class AttentionGroup:
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block_id * block_size + offset) per token
-    groups: tuple[AttentionGroup, ...]  # one or two
+    groups: tuple[AttentionGroup, ...]  # one or two; none when `ragged` is set
+    ragged: RaggedBatch | None = None  # the whole step for `ragged_paged_attention`
+
+    @property
+    def decode_group(self) -> AttentionGroup | None:
+        """The step's one group when every row attends as one query (the fused decoder stack's
+        case), else None."""
+        if len(self.groups) == 1 and self.groups[0].max_query_len == 1:
+            return self.groups[0]
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +88,15 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     max_tokenwise_query_len: int = 1,
+    ragged: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
     `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
     `query_lens[i]` of them. Rows of up to `max_tokenwise_query_len` new tokens attend token by
-    token, as single-query rows (the kernel set's choice). Arrays are built on the host with numpy
-    and moved to the device once each; nothing is read back from a device.
+    token, as single-query rows (the kernel set's choice). With `ragged`, the step is one
+    `RaggedBatch` instead of groups. Arrays are built on the host with numpy and moved to the device
+    once each; nothing is read back from a device.
     """
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
@@ -94,6 +109,9 @@ def build_attention_metadata(
         starts = np.cumsum(q_lens) - q_lens  # [B]
         positions = (ctx_lens - q_lens)[seq_idx] + np.arange(num_tokens) - starts[seq_idx]  # [T]
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
+    if ragged:
+        batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
+        return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
     shape = _StepShape(query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size)
     short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
     groups: tuple[AttentionGroup, ...]
@@ -110,6 +128,20 @@ def build_attention_metadata(
             _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
         )
     return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+
+
+def _ragged_batch(
+    table: np.ndarray, q_lens: np.ndarray, ctx_lens: np.ndarray, max_query_len: int, device: torch.device
+) -> RaggedBatch:
+    """table: [B, max_blocks]; q_lens, ctx_lens: [B] int64."""
+    query_start = np.zeros(len(q_lens) + 1, dtype=np.int32)  # [B + 1]
+    np.cumsum(q_lens, out=query_start[1:])
+    return RaggedBatch(
+        block_table=to_device(table.astype(np.int32), device),
+        seq_lens=to_device(ctx_lens.astype(np.int32), device),
+        query_start=to_device(query_start, device),
+        max_query_len=max_query_len,
+    )
 
 
 def build_tree_metadata(
@@ -211,6 +243,9 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _, num_kv_heads, _ = kv_cache.shape
     kv_cache.view(num_blocks * block_size, 2, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
+    if meta.ragged is not None:
+        out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale)  # [T, H, D]
+        return out.view(num_tokens, num_heads * head_dim)
     if len(meta.groups) == 1:
         return _attend(q, kv_cache, meta.groups[0], scale, kernels)
     out = q.new_empty(num_tokens, num_heads * head_dim)
@@ -263,8 +298,9 @@ class PagedAttention:
     """The attention backend: the KV-cache layout, a step's metadata, and attention over it, with
     the kernel set chosen for the device at load."""
 
-    def __init__(self, kernels: TorchKernels = TORCH_KERNELS) -> None:
+    def __init__(self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None) -> None:
         self.kernels = kernels
+        self.head_dim = head_dim  # None: unknown, no ragged batches
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -281,8 +317,9 @@ class PagedAttention:
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """See `build_attention_metadata`."""
         max_tokenwise = self.kernels.max_tokenwise_query_len
+        ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         return build_attention_metadata(
-            query_lens, context_lens, block_tables, block_size, device, max_tokenwise
+            query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged
         )
 
     @staticmethod

@@ -137,6 +137,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
+    def add_residual_(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place ([T, dim], the residual stream); returns this norm of the sum (one
+        kernel where the kernel set fuses them)."""
+        return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim  # [D/2]

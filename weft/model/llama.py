@@ -93,13 +93,15 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
+        normed: torch.Tensor,  # [T, hidden], input_norm(x)
+        next_norm: RMSNorm,  # the next layer's input norm, or the model's final norm
         rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = x + self.attn(self.input_norm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+    ) -> torch.Tensor:  # [T, hidden], next_norm(x) after this layer
+        normed = self.post_attn_norm.add_residual_(x, self.attn(normed, rope, kv_cache, meta))
+        return next_norm.add_residual_(x, self.mlp(normed))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels  # the device's kernel set, chosen once at load
         self.activation_dtype: torch.dtype | None = None  # None: the embedding's dtype (set at load)
         self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
-        self.attention = PagedAttention(kernels)
+        self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, self.attention) for _ in range(config.num_layers)
@@ -133,8 +135,8 @@ class LlamaForCausalLM(nn.Module):
         if self.activation_dtype is not None:
             x = x.to(self.activation_dtype)  # half-precision weights, float32 activations (CPU kernels)
         rope = self.rotary.tables(positions, x.dtype)
-        group = meta.groups[0]
-        if self.stack is not None and len(meta.groups) == 1 and group.max_query_len == 1:
+        group = meta.decode_group
+        if self.stack is not None and group is not None:
             self.kernels.decoder_stack_(
                 x,
                 self.stack,
@@ -146,9 +148,12 @@ class LlamaForCausalLM(nn.Module):
                 self._shape,
             )
             return self.norm(x)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+        layers = cast(list[DecoderLayer], list(self.layers))
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        normed = layers[0].input_norm(x)
+        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches, strict=True):
+            normed = layer(x, normed, next_norm, rope, kv_cache, meta)
+        return normed
 
     def fuse_stack(self) -> None:
         """Let steps whose rows each attend as one query (decode) run every layer in one call of the

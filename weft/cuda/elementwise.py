@@ -1,0 +1,131 @@
+"""Fused row-wise kernels in Triton: one launch each where plain torch takes several.
+
+- `rms_norm`: RMSNorm in float32 whatever the input dtype, times the weight (torch: 4-6 kernels);
+- `add_rms_norm_`: the residual add and the next RMSNorm in one pass (x += delta; returns the norm);
+- `silu_mul`: SiLU(gate) * up from the fused gate|up projection (torch: 3 kernels and a temporary);
+- `rope_`: the rotary embedding of q and k in place, looking each token's position up in the
+  [P, D/2] cos/sin tables itself (torch: a gather of the tables, then 5 kernels).
+
+Each program owns one row (one token, or one token's head for `rope_`). Runs on CUDA, and on CPU
+tensors in Triton's interpreter (`TRITON_INTERPRET=1`), where CI tests it against `TorchKernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_delta, stride_out, dim, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
+    if HAS_DELTA:
+        x += tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(x_ptr + row * stride_x + cols, x.to(x_ptr.dtype.element_ty), mask=ok)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)  # normalise the stored sum, as torch would
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / dim + eps)
+    normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as torch's is
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_table, half,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < half
+    pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_ptr + pos * stride_table + cols, mask=ok, other=0.0)  # [BLOCK] float32
+    sin = tl.load(sin_ptr + pos * stride_table + cols, mask=ok, other=0.0)
+    base = x_ptr + token * stride_xt + head * stride_xh
+    dtype = x_ptr.dtype.element_ty
+    cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)  # the tables in x's dtype
+    x1 = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(base + cols, (x1 * cos - x2 * sin).to(dtype), mask=ok)
+    tl.store(base + half + cols, (x2 * cos + x1 * sin).to(dtype), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, dim]
+    out = torch.empty_like(x)
+    _launch_norm(x, None, weight, out, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place ([T, dim] each); returns RMSNorm(x) * weight."""
+    out = torch.empty_like(x)
+    _launch_norm(x, delta, weight, out, eps)
+    return out
+
+
+def _launch_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float
+) -> None:
+    num_rows, dim = x.shape
+    if num_rows == 0:
+        return
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        x if delta is None else delta,
+        weight,
+        out,
+        x.stride(0),
+        0 if delta is None else delta.stride(0),
+        out.stride(0),
+        dim,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=triton.next_power_of_2(dim),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate | up) -> [T, I]
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(num_rows, inter)
+    block = min(1024, triton.next_power_of_2(inter))
+    if num_rows:
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+        )
+    return out
+
+
+def rope_(
+    x: torch.Tensor,  # [T, heads, D], head dims contiguous; rotated in place (rotate-half layout)
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, D/2] float32
+    sin: torch.Tensor,  # [P, D/2] float32
+) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    half = head_dim // 2
+    if num_tokens:
+        _rope_kernel[(num_tokens, num_heads)](
+            x,
+            positions,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            half,
+            BLOCK=triton.next_power_of_2(half),
+        )

@@ -1,0 +1,66 @@
+"""`TritonKernels`: the kernel set of CUDA devices (see `weft/kernels.py` for the protocol).
+
+What it replaces in `TorchKernels`, and why:
+- attention: one launch for every row of a step, reading the paged cache in place
+  (`cuda/attention.py`), instead of gathering each sequence's blocks and running a masked SDPA
+  over the copy (close to half of the GPU time at batch 256);
+- RMSNorm, the residual add before it, SiLU-and-multiply and the rotary embedding: one launch each
+  (`cuda/elementwise.py`), where torch takes 3-6 kernels and temporaries (at batch 1 a step is
+  about 330 launches, and launches, not bytes, set its time).
+
+The linear layers stay cuBLAS (`F.linear`); everything else (sampling, logprobs, bitmask) is the
+torch version, which runs on the device without a host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weft.cuda import attention, elementwise
+from weft.kernels import RaggedBatch, RopeTables, TorchKernels
+
+MAX_HEAD_DIM = 256
+
+
+class TritonKernels(TorchKernels):
+    """Triton kernels for tensors of a CUDA device (or CPU tensors under `TRITON_INTERPRET=1`)."""
+
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1:
+            return super().rms_norm(x, weight, eps)
+        return elementwise.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(1) != 1 or delta.stride(1) != 1:
+            return super().add_rms_norm_(x, delta, weight, eps)
+        return elementwise.add_rms_norm_(x, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            return super().silu_mul(gate_up)
+        return elementwise.silu_mul(gate_up)
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeTables:
+        return RopeTables(positions, cos, sin)  # the kernel looks the positions up itself
+
+    def apply_rope_(self, x: torch.Tensor, rope: RopeTables) -> None:
+        elementwise.rope_(x, rope.positions, rope.cos, rope.sin)
+
+    def takes_ragged_batch(self, head_dim: int, block_size: int) -> bool:
+        """Block sizes of at least 16 (the smallest `tl.dot`), powers of two; head sizes up to 256."""
+        power_of_two = block_size & (block_size - 1) == 0
+        return head_dim <= MAX_HEAD_DIM and block_size >= attention.MIN_DOT_ROWS and power_of_two
+
+    def ragged_paged_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: RaggedBatch, scale: float
+    ) -> torch.Tensor:
+        return attention.paged_attention(q, kv_cache, batch, scale)
+
+
+TRITON_KERNELS = TritonKernels()
