@@ -75,6 +75,7 @@ class LLM:
         max_logprobs: int = 20,
         seed: int = 0,
         show_progress: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = build_engine(
             EngineArgs(
@@ -91,6 +92,7 @@ class LLM:
                 max_logprobs=max_logprobs,
                 seed=seed,
                 show_progress=show_progress,
+                enforce_eager=enforce_eager,
             )
         )
         self.tokenizer = self.engine.tokenizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from weft.config import (
     resolve_dtype,
 )
 from weft.engine.engine import LLMEngine
+from weft.engine.graphs import cuda_capture
 from weft.engine.runner import ModelRunner
 from weft.kernels import kernels_for
 from weft.model.loader import load_config, load_model
@@ -55,6 +57,7 @@ class EngineArgs:
     max_logprobs: int = 20
     seed: int = 0
     show_progress: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs, every step eager
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -86,7 +89,30 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     config = EngineConfig(
         model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, weight_dtype=dtype
     )
-    return LLMEngine(config, model, tokenizer)
+    engine = LLMEngine(config, model, tokenizer)
+    if device.type == "cuda" and not args.enforce_eager:
+        _capture_graphs(engine, args.show_progress)
+    return engine
+
+
+def _capture_graphs(engine: LLMEngine, progress: bool) -> None:
+    """Capture the decode steps as CUDA graphs; a failure leaves every step eager, with a warning."""
+    scheduler = engine.config.scheduler
+    try:
+        report = engine.runner.capture_graphs(
+            scheduler.max_model_len, scheduler.max_num_seqs, cuda_capture, progress
+        )
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        engine.runner.graphs = None
+        warnings.warn(f"CUDA graphs are off, every step runs eagerly: {exc}", stacklevel=3)
+        return
+    if report is not None and progress:
+        print(
+            f"weft: captured decode graphs for batch sizes {report.sizes[0]}..{report.sizes[-1]} "
+            f"({len(report.sizes)} graphs) in {report.seconds:.1f} s, {report.memory_bytes / 2**20:.0f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def describe_kernels(info: dict[str, str]) -> str:

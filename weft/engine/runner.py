@@ -11,6 +11,7 @@ import torch
 
 from weft.arrays import column
 from weft.config import CacheConfig, ModelConfig
+from weft.engine.graphs import Capture, CaptureReport, DecodeGraphs
 from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
@@ -70,10 +71,15 @@ class ModelRunner:
         shape = self.attention.kv_cache_shape(
             cache_config.num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim
         )
-        # Zero-filled: slots never written are masked out, but 0 * garbage could still be NaN.
+        # One block more than the pool: the scratch block, never given to a sequence, where the
+        # padding rows of a replayed decode graph write. Zero-filled: slots never written are masked
+        # out, but 0 * garbage could still be NaN.
+        self.scratch_block = cache_config.num_blocks
+        shape = (cache_config.num_blocks + 1, *shape[1:])
         self.kv_caches: list[KVCache] = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -119,10 +125,32 @@ class ModelRunner:
         states of the rows whose prompt logprobs are wanted (their logits are computed in chunks)."""
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)  # [T, hidden]
+        hidden = (
+            None if self.graphs is None else self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        )
+        if hidden is None:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn
+            )  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
         return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
+
+    @torch.inference_mode()
+    def capture_graphs(
+        self, max_model_len: int, max_num_seqs: int, capture: Capture, progress: bool = False
+    ) -> CaptureReport | None:
+        """Capture decode steps for replay (see `weft/cuda/graphs.py`); None, and every step eager,
+        when the kernel set cannot read a static block table (no `RaggedBatch`)."""
+        if not self.model.kernels.takes_ragged_batch(self.model.config.head_dim, self.block_size):
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.scratch_block, self.block_size, max_model_len, max_num_seqs
+        )
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        report = graphs.capture(capture, pool, progress)
+        self.graphs = graphs
+        return report
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its private copy."""

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask")
     engine.add_argument("--seed", type=int, default=0, help="engine seed")
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (CUDA only)"
+    )
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
 
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             max_logprobs=args.max_logprobs,
             seed=args.seed,
+            enforce_eager=args.enforce_eager,
         )
     )
     name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")
