@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (default: 16)")
     p.add_argument("--tokenizer", type=Path, default=LLAMA3_TOKENIZER, help="a tokenizer directory")
     p.add_argument("--profile", type=Path, default=None, help="write a cProfile of the timed steps here")
+    p.add_argument(
+        "--device", default="cpu", help="cpu or cuda: where the stand-in logits live (default: cpu)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
 
 
@@ -131,7 +134,8 @@ class StandInRunner:
     def __init__(self, runner: Any, vocab_size: int, max_rows: int, clock: PhaseClock) -> None:
         self.runner, self.model, self.clock = runner, runner.model, clock
         gen = torch.Generator().manual_seed(0)
-        self.logits = torch.randn(max_rows, vocab_size, generator=gen) * 3  # [max_rows, V] float32
+        logits = torch.randn(max_rows, vocab_size, generator=gen) * 3
+        self.logits = logits.to(runner.device)  # [max_rows, V] float32
         self.out = torch.empty_like(self.logits)  # reused, as a device allocator would (no frees)
 
     def execute(self, sched: Any) -> StepLogits:
@@ -361,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         path = build_checkpoint(tokenizer_dir, Path(tmp))
         llm = LLM(
             str(path),
-            device="cpu",
+            device=args.device,
             dtype="float32",
             max_model_len=PROMPT_LEN + args.steps + 32,
             max_num_seqs=max(batch_sizes),

@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="most new tokens per sequence (default: 64)")
     p.add_argument("--schemas", type=Path, default=SCHEMAS, help="a JSONSchemaBench .jsonl.gz file")
     add_repeats_argument(p)
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
 
 
@@ -198,7 +199,7 @@ def time_transformers(
     from transformers import LogitsProcessorList
 
     processor = LLGuidanceProcessor(tokenizer_json, hf.config.vocab_size, eos_id, schemas)
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(
@@ -230,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         path = build_checkpoint(args.config, torch.float32, Path(tmp))
         llm = LLM(
             str(path),
+            device=args.device,
             max_model_len=256,
             max_num_seqs=max(batch_sizes),
             enable_prefix_caching=False,
@@ -239,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_transformers:
             import transformers
 
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+            hf = torch.nn.Module.to(model, args.device).eval()
         rows = _measure(llm, hf, schemas, batch_sizes, args)
     _print(rows)
     return 0

@@ -3,7 +3,8 @@
 Steps, in order:
   1. build a random-weight model of a real shape from a config.json (default: SmolLM2-135M's) and
      save it once as a checkpoint, so that both engines load the very same weights;
-  2. measure the machine's plain memory-read bandwidth (a large tensor reduction);
+  2. measure the device's plain memory bandwidth (CPU: a large tensor reduction; CUDA: a
+     device-to-device copy, bytes read and written);
   3. for each batch size, after an untimed warm-up: in one run per engine, the prefill time (until
      every sequence has its first new token) and the total time (`--output-len` new tokens, EOS
      ignored) of the same random prompts, in weft and in transformers; decode tokens/s = batch *
@@ -11,7 +12,12 @@ Steps, in order:
      keeps its best run, so that a burst of load from other tenants of a shared machine does not
      decide the ratio;
   4. print one table with the weft/transformers ratio per batch size, and weft's achieved
-     weight-read bandwidth at batch 1 (weight bytes / seconds per decode step).
+     weight-read bandwidth at batch 1 (weight bytes / seconds per decode step), and its share of
+     the bandwidth limit (the tokens/s at which one step reads every weight at the plain bandwidth).
+
+`--device cuda` runs both engines on the GPU (transformers with its default attention); the
+reference workload of the CUDA path is `--config .../llama-3.2-1b/config.json --dtype bfloat16
+--batch-sizes 1,16,64,256 --device cuda`.
 
 Prefix caching is off in the benchmark, so repeated prompts are computed again each time.
 """
@@ -62,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="float32, bfloat16 or float16, or several comma-separated, measured in turn (default: float32)",
     )
     add_repeats_argument(p)
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument(
@@ -106,17 +113,32 @@ def build_checkpoint(config_path: Path, dtype: torch.dtype, out: Path) -> Path:
     return out
 
 
-def read_bandwidth_gbs() -> float:
-    """Plain memory-read bandwidth: GB/s of summing a 512 MiB float32 tensor (best of 5)."""
+def read_bandwidth_gbs(device: torch.device | str = "cpu") -> float:
+    """Plain memory bandwidth, best of 5: on CPU, GB/s read by summing a 512 MiB float32 tensor; on
+    CUDA, GB/s read and written by a 1 GiB device-to-device copy."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        src = torch.ones(256 * 1024 * 1024, device=device)
+        dst = torch.empty_like(src)
+        best = min(_timed(lambda: dst.copy_(src), device) for _ in range(5))
+        return 2 * src.numel() * 4 / best / 1e9
     data = torch.ones(128 * 1024 * 1024)
     best = min(_timed(lambda: data.sum()) for _ in range(5))
     return data.numel() * 4 / best / 1e9
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the device's queued work (CUDA), so that a wall-clock reading covers it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
@@ -173,8 +195,9 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timin
 def generate_exactly(model, prompts: list[list[int]], output_len: int, **options) -> tuple[float, float]:
     """One transformers generate() of exactly `output_len` new tokens per prompt (EOS ignored), with
     `options`: (the perf_counter reading at its start, its seconds)."""
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
     with torch.inference_mode():
+        synchronize(model.device)
         start = time.perf_counter()
         out = model.generate(
             input_ids=input_ids,
@@ -184,6 +207,7 @@ def generate_exactly(model, prompts: list[list[int]], output_len: int, **options
             pad_token_id=0,
             **options,
         )
+        synchronize(model.device)
         seconds = time.perf_counter() - start
     if out.shape[1] - input_ids.shape[1] != output_len:
         raise RuntimeError(
@@ -195,9 +219,11 @@ def generate_exactly(model, prompts: list[list[int]], output_len: int, **options
 def run(args: argparse.Namespace) -> int:
     dtypes = [name.strip() for name in args.dtype.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    device = torch.device(args.device)
+    where = f"threads={torch.get_num_threads()}" if device.type == "cpu" else _device_name(device)
     print(
         f"weft bench throughput: {args.config} dtype={args.dtype} prompt={args.prompt_len} "
-        f"output={args.output_len} repeats={args.repeats} threads={torch.get_num_threads()}",
+        f"output={args.output_len} repeats={args.repeats} device={args.device} {where}",
         flush=True,
     )
     runs = {name: _run_dtype(name, batch_sizes, args) for name in dtypes}
@@ -211,12 +237,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> dict[str, object]:
     """One dtype: a checkpoint stored in it, weft (and transformers) on it, the table printed."""
     from weft import LLM
     from weft.config import resolve_dtype
 
-    dtype = resolve_dtype(name, torch.device("cpu"))
+    device = torch.device(args.device)
+    dtype = resolve_dtype(name, device)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"[{name}] building a random-weight checkpoint ...", flush=True)
         path = build_checkpoint(args.config, dtype, Path(tmp))
@@ -224,6 +255,7 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
         llm = LLM(
             str(path),
             dtype=dtype,
+            device=device,
             max_model_len=max_len,
             max_num_seqs=max(batch_sizes),
             max_num_batched_tokens=max(2048, max(batch_sizes) * args.prompt_len),
@@ -231,10 +263,10 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             show_progress=False,
         )
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
-        hf = None if args.no_transformers else _load_transformers(path, dtype)
+        hf = None if args.no_transformers else _load_transformers(path, dtype, device)
         results = _measure_all(llm, hf, batch_sizes, args)
     weight_bytes = decode_weight_bytes(llm.engine.model)
-    bandwidth = read_bandwidth_gbs()
+    bandwidth = read_bandwidth_gbs(device)
     _print_table(results, args, weight_bytes, bandwidth)
     return {"results": results, "read_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes}
 
@@ -249,10 +281,11 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
     return total
 
 
-def _load_transformers(path: Path, dtype: torch.dtype):
+def _load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return torch.nn.Module.to(model, device).eval()
 
 
 def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, float]]:
@@ -290,6 +323,10 @@ def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> l
     return results
 
 
+def _bandwidth_kind(device: str) -> str:
+    return "device copy" if torch.device(device).type == "cuda" else "memory read"
+
+
 def _print_table(
     results: list[dict[str, float]], args: argparse.Namespace, weight_bytes: int, bandwidth: float
 ) -> None:
@@ -310,8 +347,10 @@ def _print_table(
     batch1 = next((r for r in results if r["batch"] == 1), None)
     if batch1 is not None:
         achieved = weight_bytes / batch1["weft_decode_step_s"] / 1e9
+        limit_tps = bandwidth * 1e9 / weight_bytes
         print(
             f"\nweft batch-1 decode streams {weight_bytes / 1e6:.0f} MB of weights per token: "
-            f"{achieved:.1f} GB/s achieved vs {bandwidth:.1f} GB/s plain memory read "
-            f"({100 * achieved / bandwidth:.0f}%)"
+            f"{achieved:.1f} GB/s achieved vs {bandwidth:.1f} GB/s plain {_bandwidth_kind(args.device)} "
+            f"({100 * achieved / bandwidth:.0f}%); bandwidth limit {limit_tps:.0f} tok/s, "
+            f"weft {batch1['weft_decode_tps']:.1f} tok/s"
         )
