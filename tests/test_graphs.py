@@ -106,7 +106,8 @@ def test_cuda_graphs_equal_eager(checkpoint_factory, arch):
         llm = LLM(str(path), show_progress=False, device="cuda", dtype="float32", max_num_seqs=8,
                   enforce_eager=eager)  # fmt: skip
         assert (llm.engine.runner.graphs is None) == eager
-        results.append([llm.generate(PROMPTS[:size] * 2, params, use_tqdm=False) for size in (1, 2, 3, 4)])
+        batches = [(PROMPTS * 2)[:size] for size in [*capture_sizes(8), 3]]  # every size, one padded
+        results.append([llm.generate(batch, params, use_tqdm=False) for batch in batches])
     for eager_outs, graph_outs in zip(*results, strict=True):
         for want, got in zip(eager_outs, graph_outs, strict=True):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids

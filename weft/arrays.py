@@ -11,8 +11,13 @@ import torch
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as a tensor on `device` (shares the memory on CPU)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    """`array` as a tensor on `device` (shares the memory on CPU). On CUDA the copy goes through
+    pinned memory (PyTorch's caching host allocator, which keeps a block until its copy is done) and
+    does not wait: a copy from pageable memory would make the host wait for the device."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def column(values: Sequence[float], dtype: np.dtype | type, device: torch.device) -> torch.Tensor:
