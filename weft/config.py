@@ -286,13 +286,15 @@ class NativeConfig:
     `WEFT_NATIVE_ARCH` is the compiler's `-march`, by default `native`: `x86-64-v3` builds the
     AVX2 path that machines without AVX-512 take; `WEFT_NATIVE_CFLAGS` adds compiler flags, such as
     `-DWEFT_EMULATE_BF16_DOT`, which builds the AVX512_BF16 path with its arithmetic emulated, to
-    test it on machines without the instruction)."""
+    test it on machines without the instruction; `WEFT_DENSE_ROWS=N` fixes the row count from which a
+    long prefill takes torch's GEMM instead of measuring it, see weft/model/prefill_gemm.py)."""
 
     enabled: bool
     cache_dir: Path
     sanitize: bool = False
     arch: str = "native"
     extra_cflags: tuple[str, ...] = ()
+    dense_rows: int | None = None  # WEFT_DENSE_ROWS: a fixed prefill-GEMM threshold, nothing measured
 
     @classmethod
     def from_env(cls) -> NativeConfig:
@@ -304,4 +306,15 @@ class NativeConfig:
             sanitize=os.environ.get("WEFT_NATIVE_SANITIZE", "0") == "1",
             arch=os.environ.get("WEFT_NATIVE_ARCH", "native"),
             extra_cflags=tuple(os.environ.get("WEFT_NATIVE_CFLAGS", "").split()),
+            dense_rows=_optional_int("WEFT_DENSE_ROWS"),
         )
+
+
+def _optional_int(name: str) -> int | None:
+    """An environment variable holding a positive integer, or None when unset."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={value!r}: expected a positive integer")
+    return int(value)

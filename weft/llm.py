@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from weft.engine.beam import beam_score
 from weft.engine.factory import EngineArgs, build_engine, default_model_path
+from weft.model.prefill_gemm import NEVER
 from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, RequestOutput
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
 from weft.tokenizer import Message, Tokenizer
@@ -106,7 +107,12 @@ class LLM:
         activations' dtypes, the linear-layer kernel and (on CPU) the instruction sets it uses."""
         config = self.engine.config
         weights = config.weight_dtype or config.dtype
-        return self.engine.model.kernels.describe(config.device, weights)
+        info = self.engine.model.kernels.describe(config.device, weights)
+        thresholds = sorted(set(self.engine.model.dense_rows.values()))
+        if thresholds:
+            rows = [str(t) if t < NEVER else "never" for t in thresholds]
+            info["prefill_gemm"] = f"torch GEMM from {'/'.join(rows)} rows"
+        return info
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

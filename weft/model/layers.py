@@ -37,7 +37,9 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
         self.out_features = out_features  # the panel layout pads it to a multiple of 32
+        self.dense_rows = DENSE_PANEL_ROWS  # PANELS: from this many rows, the BLAS GEMM (prefill_gemm.py)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
@@ -62,16 +64,22 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.layout is WeightLayout.PANELS:
-            if x.shape[0] >= DENSE_PANEL_ROWS:  # a long prefill: the BLAS GEMM on a dense copy
-                dense = self._dense_from_panels(x.shape[1])  # [in, out] float32
-                return torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)
-            return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features)
+            if x.shape[0] >= self.dense_rows:  # a long prefill: the BLAS GEMM on a dense copy
+                return self.dense_forward(x)
+            return self.panel_forward(x)
         if self.layout is WeightLayout.IN_OUT:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
+        return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features)
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
+        dense = self._dense_from_panels(x.shape[1])  # [in, out] float32
+        return torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)
 
     def _dense_from_panels(self, in_features: int) -> torch.Tensor:
         """W.T as float32 [in, out] from the panels (half precision widened exactly), a copy made for
@@ -87,10 +95,11 @@ class Linear(nn.Module):
         return dense[:in_features, : self.out_features]
 
 
-# Steps of at least this many rows multiply through a dense float32 copy of the panels made per call
-# (torch's BLAS GEMM, MKL or oneDNN): on the 2-core AVX-512 machine, for the SmolLM2-135M shapes,
-# 1.2-1.5x faster than the panels at 1,024-4,096 rows counting the copy, even at 512, slower below
-# (docs/benchmarks.md). Decode steps never come near it.
+# The default of `Linear.dense_rows` (the lm_head keeps it; the loader measures the others per machine
+# and shape, weft/model/prefill_gemm.py): steps of at least this many rows multiply through a dense
+# float32 copy of the panels made per call (torch's BLAS GEMM, MKL or oneDNN): on the 2-core AVX-512
+# machine, for the SmolLM2-135M shapes, 1.2-1.5x faster than the panels at 1,024-4,096 rows counting
+# the copy, even at 512, slower below (docs/benchmarks.md). Decode steps never come near it.
 DENSE_PANEL_ROWS = 1024
 
 

@@ -113,6 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels  # the device's kernel set, chosen once at load
         self.activation_dtype: torch.dtype | None = None  # None: the embedding's dtype (set at load)
         self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
+        # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
+        self.dense_rows: dict[tuple[int, int, torch.dtype], int] = {}
         self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

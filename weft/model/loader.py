@@ -26,12 +26,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from weft.config import ConfigError, ModelConfig
-from weft.kernels import kernels_for
+from weft.config import ConfigError, ModelConfig, NativeConfig
+from weft.kernels import TORCH_KERNELS, kernels_for
 from weft.model import safetensors_io
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
-from weft.model.registry import resolve_architecture
+from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
+from weft.model.registry import Architecture, resolve_architecture
 
 EMBED = "model.embed_tokens.weight"
 
@@ -130,6 +131,7 @@ def load_model(
     arch = resolve_architecture(config)
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
+    dense_rows = _dense_rows(arch, config, dtype, show_progress) if layout is WeightLayout.PANELS else {}
     weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
@@ -151,8 +153,28 @@ def load_model(
             if isinstance(module, Linear) and module.layout is not layout:
                 module.set_layout(layout)
     _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
+    if layout is WeightLayout.PANELS:
+        apply_dense_rows(_body_linears(model), dense_rows)
+        model.dense_rows = dense_rows
     model.fuse_stack()
     return model
+
+
+def _dense_rows(
+    arch: Architecture, config: ModelConfig, dtype: torch.dtype, show_progress: bool
+) -> dict[Shape, int]:
+    """The prefill-GEMM threshold of each linear shape (weft/model/prefill_gemm.py), measured before
+    any weight is read."""
+    with torch.device("meta"):
+        skeleton = arch.model_class(config, arch.spec, 1, TORCH_KERNELS)
+    shapes = [(lin.in_features, lin.out_features, dtype) for lin in _body_linears(skeleton)]
+    native = NativeConfig.from_env()
+    return choose_dense_rows(shapes, native.cache_dir, native.dense_rows, progress=show_progress)
+
+
+def _body_linears(model: LlamaForCausalLM) -> list[Linear]:
+    """Every Linear but the lm_head (a prefill computes logits for a few rows only)."""
+    return [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
 
 
 def _read_weights(
