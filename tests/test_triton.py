@@ -188,4 +188,8 @@ def test_kernel_choice_is_validated(monkeypatch):
     monkeypatch.setenv("WEFT_KERNELS", "torch")
     assert kernels_for(torch.device("cpu")) is not TRITON_KERNELS
     monkeypatch.setenv("WEFT_KERNELS", "triton")
-    assert kernels_for(torch.device("cpu")) is TRITON_KERNELS
+    assert kernels_for(torch.device("cpu")) is TRITON_KERNELS  # under TRITON_INTERPRET=1 (conftest)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+            kernels_for(torch.device("cpu"))

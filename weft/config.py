@@ -267,6 +267,7 @@ class KernelChoice:
     unless `WEFT_NATIVE=0`)."""
 
     triton: bool | None  # None: the device decides
+    interpreted: bool = False  # TRITON_INTERPRET=1: Triton kernels run on CPU tensors, slowly
 
     @classmethod
     def from_env(cls) -> KernelChoice:
@@ -274,7 +275,7 @@ class KernelChoice:
         choices = {"auto": None, "": None, "triton": True, "torch": False}
         if value not in choices:
             raise ConfigError(f"WEFT_KERNELS={value!r}: use auto, triton or torch")
-        return cls(choices[value])
+        return cls(choices[value], os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @dataclass(frozen=True, slots=True)

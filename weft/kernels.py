@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.config import KernelChoice
+from weft.config import ConfigError, KernelChoice
 from weft.native import use_kernels
 
 
@@ -376,6 +376,11 @@ NATIVE_CPU_KERNELS = NativeCpuKernels()
 def kernels_for(device: torch.device) -> TorchKernels:
     """The kernel set for `device` (on CPU this builds weft's kernels on first use)."""
     choice = KernelChoice.from_env()
+    if choice.triton is True and device.type != "cuda" and not choice.interpreted:
+        raise ConfigError(
+            f"WEFT_KERNELS=triton on {device.type}: Triton compiles for CUDA GPUs only; set "
+            "TRITON_INTERPRET=1 to run its kernels in the interpreter (slow; for tests) or unset WEFT_KERNELS"
+        )
     if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
         from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
 
