@@ -102,8 +102,7 @@ def _capture_graphs(engine: LLMEngine, progress: bool) -> None:
         report = engine.runner.capture_graphs(
             scheduler.max_model_len, scheduler.max_num_seqs, cuda_capture, progress
         )
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        engine.runner.graphs = None
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # runner.graphs stays None
         warnings.warn(f"CUDA graphs are off, every step runs eagerly: {exc}", stacklevel=3)
         return
     if report is not None and progress:

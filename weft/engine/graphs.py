@@ -90,11 +90,12 @@ class DecodeGraphs:
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)  # [Bmax]
         self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)  # [Bmax]
-        self.slot_mapping = torch.zeros(max_size, dtype=torch.int64, device=device)  # [Bmax]
+        # Every row starts as a padding row (`_pad_rows`): the scratch block's first slot, length 1.
+        scratch_slot = scratch_block * block_size
+        self.slot_mapping = torch.full((max_size,), scratch_slot, dtype=torch.int64, device=device)  # [Bmax]
         self.block_table = torch.full((max_size, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)  # [Bmax]
         self.query_start = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # [Bmax + 1]
-        self._pad_rows(0, max_size)
         self.replays: dict[int, Forward] = {}
 
     def capture(self, capture: Capture, pool: Any = None, progress: bool = False) -> CaptureReport:
@@ -123,7 +124,7 @@ class DecodeGraphs:
             return None
         num_rows = input_ids.shape[0]
         size = next((s for s in self.sizes if s >= num_rows), None)
-        if size is None or size not in self.replays:
+        if size is None:
             return None
         width = batch.block_table.shape[1]
         self.input_ids[:num_rows].copy_(input_ids)

@@ -125,22 +125,24 @@ class ModelRunner:
         states of the rows whose prompt logprobs are wanted (their logits are computed in chunks)."""
         self.copy_blocks(sched.block_copies)
         inputs = self.prepare(sched)
-        hidden = (
-            None if self.graphs is None else self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
-        )
-        if hidden is None:
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn
-            )  # [T, hidden]
+        hidden = self._forward(inputs)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
         return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
+
+    def _forward(self, inputs: ModelInput) -> torch.Tensor:  # [T, hidden]
+        """A replayed decode graph where one fits the step, else the eager forward."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+            if hidden is not None:
+                return hidden
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     @torch.inference_mode()
     def capture_graphs(
         self, max_model_len: int, max_num_seqs: int, capture: Capture, progress: bool = False
     ) -> CaptureReport | None:
-        """Capture decode steps for replay (see `weft/cuda/graphs.py`); None, and every step eager,
+        """Capture decode steps for replay (see `weft/engine/graphs.py`); None, and every step eager,
         when the kernel set cannot read a static block table (no `RaggedBatch`)."""
         if not self.model.kernels.takes_ragged_batch(self.model.config.head_dim, self.block_size):
             return None

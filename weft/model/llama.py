@@ -21,6 +21,7 @@ from weft.config import ModelConfig
 from weft.kernels import RopeTables, StackShape, TorchKernels
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, WeightLayout
+from weft.model.prefill_gemm import Shape
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.activation_dtype: torch.dtype | None = None  # None: the embedding's dtype (set at load)
         self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
         # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
-        self.dense_rows: dict[tuple[int, int, torch.dtype], int] = {}
+        self.dense_rows: dict[Shape, int] = {}
         self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

@@ -27,12 +27,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig, NativeConfig
-from weft.kernels import TORCH_KERNELS, kernels_for
+from weft.kernels import kernels_for
 from weft.model import safetensors_io
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
-from weft.model.registry import Architecture, resolve_architecture
+from weft.model.registry import resolve_architecture
 
 EMBED = "model.embed_tokens.weight"
 
@@ -131,11 +131,12 @@ def load_model(
     arch = resolve_architecture(config)
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
-    dense_rows = _dense_rows(arch, config, dtype, show_progress) if layout is WeightLayout.PANELS else {}
+    with torch.device("meta"):
+        model = arch.model_class(config, arch.spec, max_positions, kernels)
+    dense_rows = _dense_rows(model, dtype, show_progress) if layout is WeightLayout.PANELS else {}
     weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
-        model = arch.model_class(config, arch.spec, max_positions, kernels)
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
             model.lm_head.expect_panels(weights.tensors[EMBED].shape)
             model.embed.read_from_panels(model.lm_head)
@@ -160,14 +161,10 @@ def load_model(
     return model
 
 
-def _dense_rows(
-    arch: Architecture, config: ModelConfig, dtype: torch.dtype, show_progress: bool
-) -> dict[Shape, int]:
-    """The prefill-GEMM threshold of each linear shape (weft/model/prefill_gemm.py), measured before
-    any weight is read."""
-    with torch.device("meta"):
-        skeleton = arch.model_class(config, arch.spec, 1, TORCH_KERNELS)
-    shapes = [(lin.in_features, lin.out_features, dtype) for lin in _body_linears(skeleton)]
+def _dense_rows(model: LlamaForCausalLM, dtype: torch.dtype, show_progress: bool) -> dict[Shape, int]:
+    """The prefill-GEMM threshold of each linear shape of `model` (still on the meta device:
+    measured before any weight is read; weft/model/prefill_gemm.py)."""
+    shapes = [(lin.in_features, lin.out_features, dtype) for lin in _body_linears(model)]
     native = NativeConfig.from_env()
     return choose_dense_rows(shapes, native.cache_dir, native.dense_rows, progress=show_progress)
 

@@ -25,6 +25,7 @@ adds to the weights'):
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import subprocess
@@ -70,8 +71,9 @@ def choose_dense_rows(
             found = {shape: crossover(probe_linear(shape), measure) for shape in missing}
         else:
             found = _measure_in_child(missing)
-        cache.update({_cache_key(shape): rows for shape, rows in found.items()})
-        _write_cache(cache_path, cache)
+        if found:
+            cache.update({_cache_key(shape): rows for shape, rows in found.items()})
+            _write_cache(cache_path, cache)
     return {shape: cache.get(_cache_key(shape), DENSE_PANEL_ROWS) for shape in unique}
 
 
@@ -164,6 +166,7 @@ def _cache_key(shape: Shape) -> str:
     return f"{where}|{in_features}x{out_features}|{dtype}"
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
