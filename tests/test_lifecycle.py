@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from weft.config import CacheConfig, SchedulerConfig
@@ -106,6 +106,13 @@ def check_invariants(world: World) -> None:
     num_blocks=st.integers(11, 18),
     max_seqs=st.integers(2, 6),
     budget=st.integers(4, 32),
+)
+@example(  # queued forks held the blocks the preempted head needed, and nothing ran to free them
+    first=[(1, 5, 3), (7, 5, 15), (11, 5, 6), (3, 5, 3)],
+    ops=[("step", 5), ("step", 5), ("fork", 0), ("step", 5), ("fork", 0), ("fork", 1)],
+    num_blocks=11,
+    max_seqs=4,
+    budget=19,
 )
 def test_random_life_cycles_keep_the_kv_cache_consistent(first, ops, num_blocks, max_seqs, budget):
     world = World(num_blocks, max_seqs, budget)

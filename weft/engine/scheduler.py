@@ -160,6 +160,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             block_ids = self._allocate_fresh(seq, budget)
+            if block_ids is None and not self.running and self._preempt_waiting_holder():
+                continue
             if block_ids is None:
                 break
             self.waiting.popleft()
@@ -190,12 +192,28 @@ class Scheduler:
         return ScheduledSequence(seq, num_new, block_ids, samples)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_blocks(seq)
+        self.waiting.appendleft(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+
+    def _preempt_waiting_holder(self) -> bool:
+        """Nothing runs and the head of the queue gets no blocks: the rest of the cache is held by
+        queued sequences (forks sharing their parent's blocks, resumed beams), which no step would
+        ever free. The newest of them behind the head gives its blocks back and will recompute, as
+        a preempted sequence does. False when none holds any."""
+        for seq in reversed(self.waiting):
+            if seq is self.waiting[0]:
+                return False
+            if self.kv.holds(seq.seq_id):
+                self._drop_blocks(seq)
+                return True
+        return False
 
     def update(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
         """Advance every scheduled sequence and hand each sampled token to its sequence (rows in
