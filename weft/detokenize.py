@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-import codecs
 import weakref
+from codecs import utf_8_decode
 from collections.abc import Sequence
 from functools import cache
 
@@ -44,15 +44,15 @@ class TokenBytes:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.special_ids = {i for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}
-        self._cache: dict[int, bytes] = {}
+        self.cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
-        data = self._cache.get(token_id)
+        data = self.cache.get(token_id)
         if data is None:
             text = self.tokenizer.id_to_token(token_id) or ""
             table = _byte_of_char()
             data = b"".join(bytes([table[c]]) if c in table else c.encode() for c in text)
-            self._cache[token_id] = data
+            self.cache[token_id] = data
         return data
 
 
@@ -68,7 +68,11 @@ def token_bytes_for(tokenizer: Tokenizer) -> TokenBytes:
 
 
 class ByteLevelDetokenizer:
-    """Text of a growing list of byte-level BPE tokens, a few tokens at a time, at O(new tokens)."""
+    """Text of a growing list of byte-level BPE tokens, a few tokens at a time, at O(new tokens).
+
+    The UTF-8 decoding is incremental: `pending` holds the bytes of a character whose last byte has
+    not come yet (the state `codecs`' incremental decoder keeps, without its Python-level wrapper:
+    this runs once per row per step)."""
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
@@ -76,25 +80,47 @@ class ByteLevelDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_bytes = token_bytes_for(tokenizer)
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.decoder.decode(self._bytes(prompt_ids[-NUM_PROMPT_CONTEXT_TOKENS:]))  # keeps an unfinished char
+        self._skip = self.token_bytes.special_ids if skip_special_tokens else frozenset()
+        self.pending = b""
+        self._decode(self._bytes(prompt_ids[-NUM_PROMPT_CONTEXT_TOKENS:]))  # keeps an unfinished char
 
     def _bytes(self, token_ids: Sequence[int]) -> bytes:
-        skip = self.token_bytes.special_ids if self.skip_special_tokens else ()
-        if len(token_ids) == 1:  # the common case: one sampled token
-            return b"" if token_ids[0] in skip else self.token_bytes(token_ids[0])
+        skip = self._skip
         return b"".join(self.token_bytes(t) for t in token_ids if t not in skip)
 
+    def _decode(self, data: bytes, final: bool = False) -> str:
+        if self.pending:
+            data = self.pending + data
+        text, used = utf_8_decode(data, "replace", final)
+        self.pending = data[used:]
+        return text
+
     def update(self, new_token_ids: Sequence[int]) -> str:
-        return self.decoder.decode(self._bytes(new_token_ids))
+        if len(new_token_ids) == 1:
+            return self.update_one(new_token_ids[0])
+        return self._decode(self._bytes(new_token_ids))
+
+    def update_one(self, token_id: int) -> str:
+        """The text that one more token completes (the common step: one sampled token)."""
+        if token_id in self._skip:
+            return ""
+        data = self.token_bytes.cache.get(token_id)
+        if data is None:
+            data = self.token_bytes(token_id)
+        if self.pending:
+            return self._decode(data)
+        try:
+            return data.decode()  # whole characters: no state to keep
+        except UnicodeDecodeError:
+            return self._decode(data)
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end), as U+FFFD."""
-        return self.decoder.decode(b"", final=True)
+        return self._decode(b"", final=True)
 
     def fork(self) -> ByteLevelDetokenizer:
         child = ByteLevelDetokenizer(self.tokenizer, [], self.skip_special_tokens)
-        child.decoder.setstate(self.decoder.getstate())
+        child.pending = self.pending
         return child
 
 

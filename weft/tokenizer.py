@@ -208,6 +208,9 @@ class IncrementalDetokenizer:
         child.read_offset, child.prefix_offset = self.read_offset, self.prefix_offset
         return child
 
+    def update_one(self, token_id: int) -> str:
+        return self.update([token_id])
+
     def update(self, new_token_ids: Sequence[int]) -> str:
         self.token_ids.extend(new_token_ids)
         return self._emit(final=False)

@@ -254,7 +254,7 @@ class LLMEngine:
             touched += [item.seq.group for item in sched.scheduled if item.seq.group is not None]
         elif self.scheduler.waiting and not self.scheduler.running:
             touched += self._fail_unschedulable()
-        groups = list({id(g): g for g in touched}.values())
+        groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)
             if update is not NO_UPDATE:
@@ -340,8 +340,8 @@ class LLMEngine:
                 continue
             seq, parent_row = item.seq, row
             row += 1
-            ends_prompt = seq.num_computed_tokens + item.num_new_tokens == seq.num_prompt_tokens
-            if room <= 0 or seq.group is None or not ends_prompt:
+            ends_prompt = seq.num_computed_tokens + item.num_new_tokens == len(seq.prompt_token_ids)
+            if not ends_prompt or room <= 0 or seq.group is None:
                 continue
             children = seq.group.policy.take_fanout(seq, room)
             if children:
@@ -443,7 +443,8 @@ def _to_host(
             logprobs[row] = TokenLogprobs(*item)
     prompt_items = [TokenLogprobs(*item) for item in host_blocks[-1]] if prompt_block is not None else []
     errors = dict(out.errors)
-    for row, token in enumerate(token_ids):
-        if token == INVALID_TOKEN:
-            errors.setdefault(row, NON_FINITE_ERROR)
+    if INVALID_TOKEN in token_ids:
+        for row, token in enumerate(token_ids):
+            if token == INVALID_TOKEN:
+                errors.setdefault(row, NON_FINITE_ERROR)
     return SampledRows(token_ids, logprobs, errors), prompt_items

@@ -156,14 +156,14 @@ class SequenceGroup:
         if reported is None:
             return None
         first = self.sequences[0] if self.sequences else None
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[self._completion(s, kind) for s in reported],
-            finished=finished,
-            num_cached_tokens=first.num_cached_prompt_tokens if first else 0,
-            prompt_logprobs=self._prompt_logprobs(first),
+        return RequestOutput(  # positional, as CompletionOutput (once per request per step)
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [self._completion(s, kind) for s in reported],
+            finished,
+            first.num_cached_prompt_tokens if first else 0,
+            self._prompt_logprobs(first),
         )
 
     def _completion(self, seq: Sequence, kind: OutputKind) -> CompletionOutput:

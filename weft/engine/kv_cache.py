@@ -156,7 +156,13 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens of `seq` (after any prefix-cache hits in
         `computed`). Returns the sequence's block table, or None (changing nothing) if there are
         not enough free blocks."""
-        table = self.tables.get(seq.seq_id) or SeqBlocks()
+        table = self.tables.get(seq.seq_id)
+        if table is not None and computed is None:  # a running sequence: most often its blocks have room
+            blocks, write_idx = table.blocks, seq.num_computed_tokens // self.block_size
+            fits = seq.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+            if fits and write_idx < len(blocks) and blocks[write_idx].ref_cnt == 1:
+                return table.block_ids
+        table = table or SeqBlocks()
         blocks = table.blocks
         hits = computed.blocks if computed else []
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size

@@ -126,10 +126,10 @@ class Scheduler:
         num_preempted_before = self.num_preemptions
         budget = self._schedule_running(budget, scheduled)
         if self.num_preemptions == num_preempted_before:
-            self._schedule_waiting(budget, scheduled)
+            budget = self._schedule_waiting(budget, scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=sum(s.num_new_tokens for s in scheduled),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
             block_copies=self.kv.take_pending_copies(),
             num_preempted=self.num_preemptions - num_preempted_before,
         )
@@ -138,7 +138,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -156,7 +156,7 @@ class Scheduler:
             idx += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             block_ids = self._allocate_fresh(seq, budget)
@@ -170,6 +170,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new, block_ids))
             budget -= num_new
+        return budget
 
     def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
         # Cached blocks have no logits: a hit stops before the positions whose logprobs are wanted.
@@ -221,12 +222,12 @@ class Scheduler:
         blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
         by_parent = {f.parent.seq_id: f for f in fanouts}
         block_size = self.kv.block_size
+        token_ids, logprobs, errors = sampled.token_ids, sampled.logprobs, sampled.errors
         num_forced = 0
-        row = 0
+        row = -1
         for item in output.scheduled:
             seq = item.seq
-            samples_row = row if item.samples else None
-            row += int(item.samples)
+            row += item.samples
             if seq.is_finished:  # finished (aborted) since it was scheduled
                 continue
             seq.num_computed_tokens += item.num_new_tokens
@@ -235,10 +236,15 @@ class Scheduler:
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
-            if samples_row is not None:
-                num_forced += self._accept(seq, sampled, samples_row)
-            elif seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
-                seq.finish_pending()
+            if not item.samples:
+                if seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
+                    seq.finish_pending()
+            elif errors or seq.defers_sampling:
+                num_forced += self._accept(seq, sampled, row)
+            else:  # the common case, inline: one row, one token (and those a grammar forced)
+                num_appended = seq.append(token_ids[row], logprobs[row])
+                if num_appended > 1:
+                    num_forced += num_appended - 1
             if seq.is_finished:
                 self._release(seq)
         return num_forced

@@ -131,6 +131,11 @@ class Sequence:
     candidates: TokenLogprobs | None = None
     sent: OutputCursor = field(default_factory=OutputCursor)
     arrival_time: float = field(default_factory=time.monotonic)
+    # The token stop rules, resolved once from params and limits (`Sequence.create`): the ids that
+    # end the sequence once it has min_tokens (stop tokens, and EOS unless ignored), and the total
+    # token count at which it stops for length (max_tokens after the prompt, or max_model_len).
+    stop_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
 
     @classmethod
     def create(
@@ -143,6 +148,12 @@ class Sequence:
         tokenizer: Tokenizer,
     ) -> Sequence:
         wants_logprobs = params.logprobs is not None
+        stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else limits.eos_token_ids
+        )
+        max_num_tokens = limits.max_model_len
+        if params.max_tokens is not None:
+            max_num_tokens = min(max_num_tokens, len(prompt_token_ids) + params.max_tokens)
         return cls(
             seq_id=seq_id,
             index=0,
@@ -159,6 +170,8 @@ class Sequence:
             forced=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            stop_ids=stop_ids,
+            max_num_tokens=max_num_tokens,
         )
 
     # ---- counts -----------------------------------------------------------------------------
@@ -296,14 +309,25 @@ class Sequence:
         5. stop strings, matched across token boundaries.
         Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones)."""
         self.token_ids.append(token_id)
-        new_tokens, grammar_done = [token_id], False
-        if self.matcher is not None:
-            new_tokens, grammar_done = self._advance_grammar()
+        if self.matcher is None:  # most rows: one new token, no grammar
+            if self.status < _FIRST_FINISHED and self.pending_finish is None:
+                self._apply_token_stop_rules(False)
+            if logprobs is not None:
+                self._add_logprobs(logprobs)
+            if self.text_offsets is None:
+                self._append_text(self.detokenizer.update_one(token_id))
+            else:
+                self._append_text(self._detokenize_each([token_id], self.text_offsets))
+            return 1
+        new_tokens, grammar_done = self._advance_grammar()
         if not self.is_finishing:
             self._apply_token_stop_rules(grammar_done)
         if logprobs is not None and new_tokens:
             self._add_logprobs(logprobs)
-        self._append_text(new_tokens)
+        if self.text_offsets is None:
+            self._append_text(self.detokenizer.update(new_tokens))
+        else:
+            self._append_text(self._detokenize_each(new_tokens, self.text_offsets))
         return len(new_tokens)
 
     def _advance_grammar(self) -> tuple[list[int], bool]:
@@ -338,33 +362,29 @@ class Sequence:
         return max(room, 0)
 
     def _apply_token_stop_rules(self, grammar_done: bool) -> None:
-        params, token_ids = self.params, self.token_ids
+        token_ids = self.token_ids
         num_tokens = len(token_ids)
-        num_output = num_tokens - len(self.prompt_token_ids)
         last = token_ids[-1]
-        if num_output >= params.min_tokens and num_output > 0:
-            if last in params.stop_token_ids:  # type: ignore[operator]
-                return self.finish(FinishReason.STOP, stop_reason=last)
-            if not params.ignore_eos and last in self.limits.eos_token_ids:
-                return self.finish(FinishReason.STOP)
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return self.finish(FinishReason.LENGTH)
-        if num_tokens >= self.limits.max_model_len:
+        if last in self.stop_ids:
+            num_output = num_tokens - len(self.prompt_token_ids)
+            if num_output >= self.params.min_tokens:
+                stop_tokens = self.params.stop_token_ids
+                return self.finish(FinishReason.STOP, stop_reason=last if last in stop_tokens else None)  # type: ignore[operator]
+        if num_tokens >= self.max_num_tokens:
             return self.finish(FinishReason.LENGTH)
         if grammar_done:
             return self.finish(FinishReason.STOP)
         return None
 
-    def _append_text(self, new_tokens: list[int]) -> None:
-        if self.text_offsets is None:
-            new_text = self.detokenizer.update(new_tokens)
-        else:
-            new_text = self._detokenize_each(new_tokens, self.text_offsets)
-        if self.is_finishing:
+    def _append_text(self, new_text: str) -> None:
+        """Add the text of the new tokens; flush the detokenizer at a finish; stop strings."""
+        if self.status >= _FIRST_FINISHED or self.pending_finish is not None:
             new_text += self.detokenizer.flush()
         if not new_text:
             return
         self.text += new_text
+        if not self.stop_matcher.stops:
+            return
         match = self.stop_matcher.check(self.text, len(new_text))
         if match is None or self.finish_reason == FinishReason.ERROR:
             return
@@ -419,18 +439,18 @@ class Sequence:
             forced = None if forced is None else list(forced)
         sent.num_chars, sent.num_tokens = visible, ready
         sent.num_logprobs = len(self.logprobs or [])
-        return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=token_ids,  # a fresh slice already
-            finish_reason=self.finish_reason.value if self.finish_reason else None,
-            stop_reason=self.stop_reason,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs,
-            error=self.error,
-            constraint_logmass=logmass,  # fresh slices or copies, from above
-            text_offsets=offsets,
-            forced=forced,
+        return CompletionOutput(  # positional: a dozen keywords cost 4x as much, once per row per step
+            self.index,
+            text,
+            token_ids,  # a fresh slice already
+            self.finish_reason.value if self.finish_reason else None,
+            self.stop_reason,
+            self.cumulative_logprob,
+            logprobs,
+            self.error,
+            logmass,  # fresh slices or copies, from above
+            offsets,
+            forced,
         )
 
     def _ready(self) -> tuple[int, int]:

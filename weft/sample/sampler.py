@@ -94,11 +94,10 @@ class SamplingBatch:
             **static.columns,
             positions=_column([r.num_tokens for r in requests], torch.int64, device),
             penalties=_penalties(requests, static, vocab_size, device),
-            banned=_banned_until_min_tokens(requests, device),
+            banned=_banned_until_min_tokens(requests, static.min_tokens_rows, device),
             processors=[
-                (i, r.params.logits_processors, r.output_token_ids)
-                for i, r in enumerate(requests)
-                if r.params.logits_processors
+                (i, requests[i].params.logits_processors, requests[i].output_token_ids)
+                for i in static.processor_rows
             ],
         )
 
@@ -109,6 +108,8 @@ class StaticColumns:
     sequences run in the same order (the steady decoding state)."""
 
     columns: dict[str, Any]  # SamplingBatch fields
+    min_tokens_rows: tuple[int, ...]  # the rows with a min_tokens (EOS and stop tokens banned below it)
+    processor_rows: tuple[int, ...]  # the rows with logits processors
     prompt_ids: torch.Tensor | None  # [B, Lp] int64 padded with V, for the penalties; None if unused
     penalty_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, presence, frequency
 
@@ -149,7 +150,9 @@ class StaticColumns:
             else None,
             "masked_rows": column([masked[i] for i in logprob_rows], torch.bool) if any(masked) else None,
         }
-        return cls(columns, *_penalty_statics(requests, vocab_size, device))
+        min_tokens_rows = tuple(i for i, p in enumerate(params) if p.min_tokens > 0)
+        processor_rows = tuple(i for i, p in enumerate(params) if p.logits_processors)
+        return cls(columns, min_tokens_rows, processor_rows, *_penalty_statics(requests, vocab_size, device))
 
 
 def _penalty_statics(
@@ -225,12 +228,14 @@ def _penalties(
 
 
 def _banned_until_min_tokens(
-    requests: Sequence[SamplingRow], device: torch.device
+    requests: Sequence[SamplingRow], candidates: Sequence[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """EOS and stop tokens may not end a request before it has `min_tokens` output tokens."""
+    """EOS and stop tokens may not end a request before it has `min_tokens` output tokens
+    (`candidates`: the rows with a min_tokens)."""
     rows: list[int] = []
     tokens: list[int] = []
-    for i, r in enumerate(requests):
+    for i in candidates:
+        r = requests[i]
         if r.num_output_tokens < r.params.min_tokens:
             stop_ids = set(r.params.stop_token_ids or ()) | (
                 set() if r.params.ignore_eos else r.eos_token_ids

@@ -48,6 +48,8 @@ def pack(token_ids: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
 def unpack(flat: list[Any], num_ids: int, shapes: list[tuple[int, int]]) -> tuple[list[int], list[list[Any]]]:
     """The host side of `pack`: the ids, and each block as rows of (ids [k+1], logprobs [k+1], rank,
     extra)."""
+    if not shapes:  # the ids alone, as ints already
+        return flat, []
     token_ids = [int(t) for t in flat[:num_ids]]
     blocks, offset = [], num_ids
     for num_rows, width in shapes:
