@@ -95,15 +95,16 @@ class ModelRunner:
         prompt_targets: list[int] = []
         spans: list[PromptSpan] = []
         for item in sched.scheduled:
-            seq = item.seq
+            seq, num_new = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            if seq.needs_prompt_logprobs or seq.num_pending_forced:
-                spans += _known_token_spans(
-                    seq, start, item.num_new_tokens, len(input_ids), prompt_rows, prompt_targets
-                )
-            input_ids.extend(seq.token_ids[start : start + item.num_new_tokens])
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(start + item.num_new_tokens)
+            if seq.num_pending_forced or (seq.prompt_logprobs is not None and seq.needs_prompt_logprobs):
+                spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
+            if num_new == 1:
+                input_ids.append(seq.token_ids[start])
+            else:
+                input_ids.extend(seq.token_ids[start : start + num_new])
+            query_lens.append(num_new)
+            context_lens.append(start + num_new)
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
         attn, positions = self.attention.build_metadata(

@@ -393,6 +393,9 @@ class Sequence:
 
     def _detokenize_each(self, new_tokens: list[int], offsets: list[int]) -> str:
         """The new tokens' text, recording where each token's text starts (for logprobs)."""
+        if len(new_tokens) == 1:
+            offsets.append(len(self.text))
+            return self.detokenizer.update_one(new_tokens[0])
         parts, end = [], len(self.text)
         for token in new_tokens:
             offsets.append(end)
@@ -420,6 +423,8 @@ class Sequence:
     def completion(self, kind: OutputKind) -> CompletionOutput:
         """The completion so far (CUMULATIVE/FINAL_ONLY) or what is new since the last call (DELTA)."""
         sent = self.sent
+        if kind is OutputKind.DELTA and self.logprobs is None:
+            return self._plain_delta(sent)
         ready, visible = self._ready()
         first = len(self.prompt_token_ids)
         logprobs, logmass, offsets = self.logprobs, self.constraint_logmass, self.text_offsets
@@ -453,12 +458,25 @@ class Sequence:
             forced,
         )
 
+    def _plain_delta(self, sent: OutputCursor) -> CompletionOutput:
+        """`completion(DELTA)` of a sequence without logprobs: a server's stream, every step."""
+        ready, visible = self._ready()
+        first = len(self.prompt_token_ids)
+        text = self.text[sent.num_chars : visible]
+        token_ids = self.token_ids[first + sent.num_tokens : first + ready]
+        sent.num_chars, sent.num_tokens = visible, ready
+        reason = self.finish_reason
+        return CompletionOutput(
+            self.index, text, token_ids, reason.value if reason else None, self.stop_reason,
+            self.cumulative_logprob, None, self.error, None, None, None,
+        )  # fmt: skip
+
     def _ready(self) -> tuple[int, int]:
         """How many output tokens and characters can be handed out. While stop strings may still
         match, text that could be the start of one is held back; and so are forced tokens whose
         logprobs the next step computes, with their text."""
         if self.status >= _FIRST_FINISHED or not (self.stop_matcher.holdback or self.num_pending_forced):
-            return self.num_output_tokens, len(self.text)
+            return len(self.token_ids) - len(self.prompt_token_ids), len(self.text)
         sent = self.sent
         visible = max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
         ready = self.num_output_tokens

@@ -113,8 +113,11 @@ def build_attention_metadata(
         batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
         return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
     shape = _StepShape(query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size)
-    short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
     groups: tuple[AttentionGroup, ...]
+    if num_tokens == num_seqs:  # decode only: every row is one query already
+        groups = (_group(shape, None, None, device),)
+        return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+    short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
     if not short_rows:
         groups = (_group(shape, None, None, device),)
     elif len(short_rows) == num_seqs:

@@ -2,26 +2,28 @@
 
 Everything the host needs from a step travels in one tensor, through one call of `to_host`: the
 sampled token ids and, when some row asked for them, blocks of logprobs (the sampled tokens' and
-the prompt tokens'), each row of a block being (rank, k+1 ids, k+1 logprobs). On CUDA it goes
-through pinned memory with a non-blocking copy and one wait on the stream; on CPU it is a plain
-conversion. Nothing else in a step reads a device tensor back.
+the prompt tokens'), each row of a block being (rank, extra, k+1 ids, k+1 logprobs). On CUDA it
+goes through pinned memory with a non-blocking copy and one wait on the stream; on CPU the array
+shares the tensor's memory. Nothing else in a step reads a device tensor back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
-def to_host(tensor: torch.Tensor) -> list[Any]:
-    """`tensor` as (nested) Python lists: the step's single device-to-host transfer."""
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor` as a host array: the step's single device-to-host transfer (on CPU it shares the
+    tensor's memory). Rows are split on the host with numpy, not element by element in Python."""
     if tensor.device.type == "cpu":
-        return tensor.tolist()
+        return tensor.numpy()
     pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     pinned.copy_(tensor, non_blocking=True)
     torch.cuda.current_stream(tensor.device).synchronize()
-    return pinned.tolist()
+    return pinned.numpy()
 
 
 def logprob_block(
@@ -45,19 +47,20 @@ def pack(token_ids: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([token_ids.double(), *(b.flatten() for b in blocks)])
 
 
-def unpack(flat: list[Any], num_ids: int, shapes: list[tuple[int, int]]) -> tuple[list[int], list[list[Any]]]:
+def unpack(
+    flat: np.ndarray, num_ids: int, shapes: list[tuple[int, int]]
+) -> tuple[list[int], list[list[Any]]]:
     """The host side of `pack`: the ids, and each block as rows of (ids [k+1], logprobs [k+1], rank,
     extra)."""
-    if not shapes:  # the ids alone, as ints already
-        return flat, []
-    token_ids = [int(t) for t in flat[:num_ids]]
+    if not shapes:  # the ids alone
+        return flat.tolist(), []
+    token_ids = flat[:num_ids].astype(np.int64).tolist()
     blocks, offset = [], num_ids
     for num_rows, width in shapes:
-        k = (width - 2) // 2
-        rows = []
-        for i in range(num_rows):
-            chunk = flat[offset + i * width : offset + (i + 1) * width]
-            rows.append((list(map(int, chunk[2 : 2 + k])), chunk[2 + k :], int(chunk[0]), chunk[1]))
-        blocks.append(rows)
+        block = flat[offset : offset + num_rows * width].reshape(num_rows, width)  # [R, 2 + 2 (k+1)]
+        k1 = (width - 2) // 2
+        ids = block[:, 2 : 2 + k1].astype(np.int64).tolist()
+        ranks = block[:, 0].astype(np.int64).tolist()
+        blocks.append(list(zip(ids, block[:, 2 + k1 :].tolist(), ranks, block[:, 1].tolist(), strict=True)))
         offset += num_rows * width
     return token_ids, blocks
