@@ -45,6 +45,8 @@ class GroupUpdate:
     resumes: list[Sequence] = field(default_factory=list)  # parked sequences given a token: run again
 
 
+_FINAL_ONLY = OutputKind.FINAL_ONLY  # a module constant: an Enum member lookup costs ~0.2 us per row
+
 NO_UPDATE = GroupUpdate()  # what most groups decide after most steps; read, never modified
 
 
@@ -150,20 +152,24 @@ class SequenceGroup:
         """The request's output now (`finished`: whether every sequence has finished), or None for
         a FINAL_ONLY request that is still running."""
         kind = self.params.output_kind
-        if kind == OutputKind.FINAL_ONLY and not finished:
+        if kind is _FINAL_ONLY and not finished:
             return None
         reported = self.policy.reported(self, finished)
         if reported is None:
             return None
         first = self.sequences[0] if self.sequences else None
+        if len(reported) == 1:  # most requests (a comprehension is a function call on 3.11)
+            outputs = [self._completion(reported[0], kind)]
+        else:
+            outputs = [self._completion(s, kind) for s in reported]
         return RequestOutput(  # positional, as CompletionOutput (once per request per step)
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
-            [self._completion(s, kind) for s in reported],
+            outputs,
             finished,
             first.num_cached_prompt_tokens if first else 0,
-            self._prompt_logprobs(first),
+            None if first is None or first.prompt_logprobs is None else self._prompt_logprobs(first),
         )
 
     def _completion(self, seq: Sequence, kind: OutputKind) -> CompletionOutput:

@@ -151,7 +151,8 @@ class Scheduler:
                 block_ids = self.kv.allocate_slots(seq, num_new)
             if block_ids is None:
                 break
-            scheduled.append(self._scheduled(seq, num_new, block_ids))
+            samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
+            scheduled.append(ScheduledSequence(seq, num_new, block_ids, samples))  # as `_scheduled`
             budget -= num_new
             idx += 1
         return budget
