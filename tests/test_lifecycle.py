@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -82,6 +83,7 @@ def check_invariants(world: World) -> None:
     # computed prefix); nothing else.
     holders = list(world.sched.running) + [s for s in world.sched.waiting if s.num_computed_tokens > 0]
     assert set(kv.tables) == {s.seq_id for s in holders}, "only running sequences and forks hold blocks"
+    check_block_table_rows(kv)
     for seq in holders:
         table = kv.tables[seq.seq_id]
         assert table.block_ids == [b.block_id for b in table.blocks], "cached block ids drifted"
@@ -95,6 +97,24 @@ def check_invariants(world: World) -> None:
     for seq in world.live:
         assert seq.num_computed_tokens <= seq.num_tokens
         assert not (seq.is_finished and (seq in world.sched.running or seq in world.sched.waiting))
+
+
+def check_block_table_rows(kv: KVCacheManager) -> None:
+    """The persistent block-table array equals the tables rebuilt from scratch: each sequence's
+    row holds exactly its block ids, padded with 0, no two sequences share a row, and every other
+    row is all zeros."""
+    array = kv.block_tables.array
+    rows = [t.row for t in kv.tables.values()]
+    assert len(set(rows)) == len(rows), "two sequences share a block-table row"
+    expected = np.zeros_like(array)
+    for table in kv.tables.values():
+        expected[table.row, : len(table.block_ids)] = table.block_ids
+    assert np.array_equal(array, expected), "the persistent block tables drifted from the sequences'"
+    if kv.tables:
+        gathered = kv.block_tables.gather(rows)
+        width = max(len(t.block_ids) for t in kv.tables.values())
+        assert gathered.shape == (len(rows), width)
+        assert np.array_equal(gathered, expected[rows, :width])
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,7 +11,9 @@ The KV tensors themselves live in the model runner; this module only hands out b
 - Forking a sequence shares the blocks of the prefix it copied. Before a sequence writes into a
   block that others also reference, it gets a private copy (copy-on-write), recorded as a
   (src, dst) pair for the runner to copy before the forward pass.
-- Sequences are known by their integer `seq_id`; the manager keeps one `SeqBlocks` per sequence.
+- Sequences are known by their integer `seq_id`; the manager keeps one `SeqBlocks` per sequence,
+  whose block ids are also one row of a persistent host array (`block_tables`) that a step's model
+  inputs take their tables from, written only when the table changes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from weft.config import CacheConfig
+from weft.engine.block_table import BlockTableArray
 from weft.engine.sequence import Sequence
 
 
@@ -96,6 +99,7 @@ class SeqBlocks:
     blocks: list[Block] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`, kept in step with them
+    row: int = -1  # its row of `KVCacheManager.block_tables`, which holds `block_ids` too
 
 
 class KVCacheManager:
@@ -106,6 +110,7 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks)
         self.tables: dict[int, SeqBlocks] = {}  # seq_id -> its blocks
+        self.block_tables = BlockTableArray()  # every table in `tables`, one row each, for the runner
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, copy-on-write
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
@@ -152,7 +157,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, computed: ComputedBlocks | None = None
-    ) -> list[int] | None:
+    ) -> SeqBlocks | None:
         """Make room for `num_new_tokens` more tokens of `seq` (after any prefix-cache hits in
         `computed`). Returns the sequence's block table, or None (changing nothing) if there are
         not enough free blocks."""
@@ -161,8 +166,8 @@ class KVCacheManager:
             blocks, write_idx = table.blocks, seq.num_computed_tokens // self.block_size
             fits = seq.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
             if fits and write_idx < len(blocks) and blocks[write_idx].ref_cnt == 1:
-                return table.block_ids
-        table = table or SeqBlocks()
+                return table
+        table = table or SeqBlocks(row=-1)
         blocks = table.blocks
         hits = computed.blocks if computed else []
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
@@ -171,7 +176,7 @@ class KVCacheManager:
         write_idx = num_computed // self.block_size
         needs_copy = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
         if num_new_blocks == 0 and not needs_copy and not hits and seq.seq_id in self.tables:
-            return table.block_ids  # the common decode step: the last block has room
+            return table  # the last block has room
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + int(needs_copy) + num_revived > self.pool.num_free:
             return None
@@ -184,8 +189,11 @@ class KVCacheManager:
         table.block_ids = [b.block_id for b in blocks]
         if computed is not None:
             table.hashes = table.hashes + computed.hashes
+        if table.row < 0:
+            table.row = self.block_tables.acquire()
+        self.block_tables.write(table.row, table.block_ids)
         self.tables[seq.seq_id] = table
-        return table.block_ids
+        return table
 
     def _copy_on_write(self, shared: Block) -> Block:
         private = self.pool.allocate()
@@ -215,13 +223,18 @@ class KVCacheManager:
         for block in blocks:
             self.pool.touch(block)
         hashes = parent.hashes[: num_tokens // self.block_size]
-        self.tables[child_id] = SeqBlocks(list(blocks), hashes, [b.block_id for b in blocks])
+        child = SeqBlocks(list(blocks), hashes, [b.block_id for b in blocks], self.block_tables.acquire())
+        self.block_tables.write(child.row, child.block_ids)
+        self.tables[child_id] = child
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, tail first, so that the tail is evicted first."""
         table = self.tables.pop(seq_id, None)
-        for block in reversed(table.blocks if table else []):
+        if table is None:
+            return
+        for block in reversed(table.blocks):
             self.pool.release(block)
+        self.block_tables.release(table.row)
 
     def borrow(self, num_tokens: int) -> list[Block] | None:
         """Private blocks for `num_tokens` tokens computed outside any sequence (a scoring pass);

@@ -107,8 +107,9 @@ class ModelRunner:
             context_lens.append(start + num_new)
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
+        tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
         attn, positions = self.attention.build_metadata(
-            query_lens, context_lens, [s.block_ids for s in sched.scheduled], self.block_size, self.device
+            query_lens, context_lens, tables, self.block_size, self.device
         )
         return ModelInput(
             input_ids=column(input_ids, np.int64, self.device),

@@ -26,7 +26,8 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from weft.config import SchedulerConfig
-from weft.engine.kv_cache import KVCacheManager
+from weft.engine.block_table import BlockTableArray
+from weft.engine.kv_cache import KVCacheManager, SeqBlocks
 from weft.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
@@ -34,7 +35,7 @@ from weft.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLo
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
-    block_ids: list[int]  # the sequence's whole block table after this step's allocation
+    table: SeqBlocks  # the sequence's whole block table after this step's allocation (and its row)
     samples: bool  # True when this step computes the sequence's last known token: it gets logits
 
 
@@ -44,6 +45,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     block_copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward pass
     num_preempted: int
+    block_tables: BlockTableArray  # every table, one row each: `table.row` of each scheduled sequence
 
     @property
     def sampling(self) -> list[Sequence]:
@@ -132,6 +134,7 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             block_copies=self.kv.take_pending_copies(),
             num_preempted=self.num_preemptions - num_preempted_before,
+            block_tables=self.kv.block_tables,
         )
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
@@ -142,17 +145,17 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
-            block_ids = self.kv.allocate_slots(seq, num_new)
-            while block_ids is None:
+            table = self.kv.allocate_slots(seq, num_new)
+            while table is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is seq:
                     break
-                block_ids = self.kv.allocate_slots(seq, num_new)
-            if block_ids is None:
+                table = self.kv.allocate_slots(seq, num_new)
+            if table is None:
                 break
             samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
-            scheduled.append(ScheduledSequence(seq, num_new, block_ids, samples))  # as `_scheduled`
+            scheduled.append(ScheduledSequence(seq, num_new, table, samples))  # as `_scheduled`
             budget -= num_new
             idx += 1
         return budget
@@ -160,38 +163,38 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            block_ids = self._allocate_fresh(seq, budget)
-            if block_ids is None and not self.running and self._preempt_waiting_holder():
+            table = self._allocate_fresh(seq, budget)
+            if table is None and not self.running and self._preempt_waiting_holder():
                 continue
-            if block_ids is None:
+            if table is None:
                 break
             self.waiting.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._scheduled(seq, num_new, block_ids))
+            scheduled.append(self._scheduled(seq, num_new, table))
             budget -= num_new
         return budget
 
-    def _allocate_fresh(self, seq: Sequence, budget: int) -> list[int] | None:
+    def _allocate_fresh(self, seq: Sequence, budget: int) -> SeqBlocks | None:
         # Cached blocks have no logits: a hit stops before the positions whose logprobs are wanted.
         fresh = seq.num_computed_tokens == 0  # not a fork holding its parent's blocks, not parked
         computed = self.kv.get_computed_blocks(seq) if fresh else None
         num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
         num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
-        block_ids = self.kv.allocate_slots(seq, num_new, computed)
-        if block_ids is None:
+        table = self.kv.allocate_slots(seq, num_new, computed)
+        if table is None:
             return None
         if seq.status == SequenceStatus.WAITING and fresh:
             seq.num_cached_prompt_tokens = num_cached
             self.kv.record_prefix_query(seq.num_tokens, num_cached)
         seq.num_computed_tokens += num_cached
-        return block_ids
+        return table
 
-    def _scheduled(self, seq: Sequence, num_new: int, block_ids: list[int]) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, table: SeqBlocks) -> ScheduledSequence:
         # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
         samples = seq.num_computed_tokens + num_new == seq.num_tokens and seq.pending_finish is None
-        return ScheduledSequence(seq, num_new, block_ids, samples)
+        return ScheduledSequence(seq, num_new, table, samples)
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)

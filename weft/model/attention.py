@@ -84,7 +84,7 @@ class _StepShape:
 def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: list[list[int]] | np.ndarray,
     block_size: int,
     device: torch.device,
     max_tokenwise_query_len: int = 1,
@@ -93,15 +93,18 @@ def build_attention_metadata(
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
     `context_lens[i]` counts sequence i's tokens after this step; its new tokens are the last
-    `query_lens[i]` of them. Rows of up to `max_tokenwise_query_len` new tokens attend token by
-    token, as single-query rows (the kernel set's choice). With `ragged`, the step is one
-    `RaggedBatch` instead of groups. Arrays are built on the host with numpy and moved to the device
-    once each; nothing is read back from a device.
+    `query_lens[i]` of them. `block_tables` are lists of block ids, or already an array
+    [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
+    `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
+    set's choice). With `ragged`, the step is one `RaggedBatch` instead of groups. Arrays are built
+    on the host with numpy and moved to the device once each; nothing is read back from a device.
     """
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
     ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
-    table = padded(block_tables, pad=0)  # [B, max_blocks], padded with block 0
+    table = (
+        block_tables if isinstance(block_tables, np.ndarray) else padded(block_tables, pad=0)
+    )  # [B, max_blocks]
     if num_tokens == num_seqs:  # decode only: one token per sequence
         seq_idx, positions = np.arange(num_seqs), ctx_lens - 1  # [T] each
     else:
@@ -314,7 +317,7 @@ class PagedAttention:
         self,
         query_lens: list[int],
         context_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | np.ndarray,
         block_size: int,
         device: torch.device,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
