@@ -177,3 +177,23 @@ def test_fork_of_a_plain_sequence_copies_text_and_logprobs():
     assert len(seq.logprobs or []) == 3 and len(child.logprobs or []) == 4
     assert seq.cumulative_logprob == pytest.approx(-3.0) and child.cumulative_logprob == pytest.approx(-5.0)
     assert child.index == 3 and child.seed == 9 and child.fork_parent is seq
+
+
+def test_a_position_record_puts_the_chosen_token_first_with_its_own_rank():
+    from weft.engine.sequence import _position
+    from weft.outputs import Logprob
+
+    texts = {t: f"<{t}>" for t in range(10)}
+    # The chosen token (3, rank 2) is also the second alternative: it keeps its own record, first.
+    position = _position(TokenLogprobs([3, 5, 3, 7], [-0.9, -0.5, -0.9, -2.0], 2), 3, texts)
+    assert list(position) == [3, 5, 7]
+    assert position[3] == Logprob(-0.9, 2, "<3>")
+    assert position[5] == Logprob(-0.5, 1, "<5>") and position[7] == Logprob(-2.0, 3, "<7>")
+    # Not among them: every alternative after it, ranked 1..n; n caps what is reported.
+    position = _position(TokenLogprobs([8, 5, 3, 7], [-4.0, -0.5, -0.9, -2.0], 9), 2, texts)
+    assert list(position.items()) == [
+        (8, Logprob(-4.0, 9, "<8>")),
+        (5, Logprob(-0.5, 1, "<5>")),
+        (3, Logprob(-0.9, 2, "<3>")),
+    ]
+    assert _position(TokenLogprobs([8, 5], [-4.0, -0.5], 9), 0, texts) == {8: Logprob(-4.0, 9, "<8>")}

@@ -440,8 +440,8 @@ def _to_host(
     logprobs: list[TokenLogprobs | None] = [None] * num_rows
     if top is not None:
         for row, item in zip(top.rows, host_blocks[0], strict=True):
-            logprobs[row] = TokenLogprobs(*item)
-    prompt_items = [TokenLogprobs(*item) for item in host_blocks[-1]] if prompt_block is not None else []
+            logprobs[row] = TokenLogprobs._make(item)
+    prompt_items = list(map(TokenLogprobs._make, host_blocks[-1])) if prompt_block is not None else []
     errors = dict(out.errors)
     if INVALID_TOKEN in token_ids:
         for row, token in enumerate(token_ids):

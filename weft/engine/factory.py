@@ -31,6 +31,7 @@ from weft.config import (
 )
 from weft.engine.engine import LLMEngine
 from weft.engine.graphs import cuda_capture
+from weft.engine.heap import settle_heap
 from weft.engine.runner import ModelRunner
 from weft.kernels import kernels_for
 from weft.model.loader import load_config, load_model
@@ -92,6 +93,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     engine = LLMEngine(config, model, tokenizer)
     if device.type == "cuda" and not args.enforce_eager:
         _capture_graphs(engine, args.show_progress)
+    settle_heap()  # the collector out of the step's way (weft/engine/heap.py)
     return engine
 
 
