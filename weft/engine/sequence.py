@@ -345,18 +345,21 @@ class Sequence:
             self.finish(FinishReason.ERROR, error=matcher.error or "the grammar rejected the sampled token")
             return [], False
         new_tokens = self.token_ids[-1:]
-        if not matcher.is_finished and self.params.fast_forward:
-            forced = matcher.forced_tokens()[: self._room_left()]
-            if forced:
-                self.token_ids.extend(forced)
-                new_tokens += forced
-                if self.logprobs is not None:
-                    self.num_pending_forced = len(forced)
-                if not matcher.consume(forced) or matcher.error is not None:
-                    self.finish(
-                        FinishReason.ERROR, error=matcher.error or "the grammar rejected a forced token"
-                    )
-                    return new_tokens, False
+        finished = matcher.is_finished
+        if finished or not self.params.fast_forward:
+            return new_tokens, finished
+        forced = matcher.forced_tokens()
+        if forced:
+            forced = forced[: self._room_left()]
+        if not forced:  # most steps of most grammars
+            return new_tokens, False
+        self.token_ids.extend(forced)
+        new_tokens += forced
+        if self.logprobs is not None:
+            self.num_pending_forced = len(forced)
+        if not matcher.consume(forced) or matcher.error is not None:
+            self.finish(FinishReason.ERROR, error=matcher.error or "the grammar rejected a forced token")
+            return new_tokens, False
         return new_tokens, matcher.is_finished
 
     def _room_left(self) -> int:
@@ -386,7 +389,11 @@ class Sequence:
             new_text += self.detokenizer.flush()
         if not new_text:
             return
-        self.text += new_text
+        # O(new text): with the attribute dropped first, the local is the string's only reference
+        # and CPython extends it in place (`self.text += new_text` copies all the text so far).
+        text, self.text = self.text, ""
+        text += new_text
+        self.text = text
         if not self.stop_matcher.stops:
             return
         match = self.stop_matcher.check(self.text, len(new_text))

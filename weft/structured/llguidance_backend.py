@@ -57,6 +57,8 @@ class LLGuidanceMatcher:
         return bool(self.matcher.is_stopped())
 
     def consume(self, token_ids: Sequence[int]) -> bool:
+        if len(token_ids) == 1:  # a sampled token: the common case
+            return bool(self.matcher.consume_token(token_ids[0]))
         return bool(self.matcher.consume_tokens(list(token_ids)))
 
     def rollback(self, num_tokens: int) -> None:
