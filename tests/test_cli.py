@@ -121,6 +121,7 @@ def test_bench_overhead_measures_every_phase(tmp_path):
 
     out = tmp_path / "overhead.json"
     args = ["--tokenizer", str(default_model_path()), "--batch-sizes", "1,4", "--steps", "3"]
+    args += ["--repeats", "2"]  # each case twice, the better run kept
     code = main(["bench", "overhead", *args, "--workloads", "greedy,json,top-5,n=4", "--json", str(out)])
     assert code == 0
     import json
