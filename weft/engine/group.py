@@ -159,7 +159,9 @@ class SequenceGroup:
             return None
         first = self.sequences[0] if self.sequences else None
         if len(reported) == 1:  # most requests (a comprehension is a function call on 3.11)
-            outputs = [self._completion(reported[0], kind)]
+            seq = reported[0]
+            tracked_only = seq.logprobs is not None and self.params.logprobs is None
+            outputs = [self._completion(seq, kind) if tracked_only else seq.completion(kind)]
         else:
             outputs = [self._completion(s, kind) for s in reported]
         return RequestOutput(  # positional, as CompletionOutput (once per request per step)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from weft.config import SchedulerConfig
 from weft.engine.block_table import BlockTableArray
 from weft.engine.kv_cache import KVCacheManager, SeqBlocks
-from weft.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from weft.engine.sequence import FIRST_FINISHED, FinishReason, Sequence, SequenceStatus, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -232,7 +232,7 @@ class Scheduler:
         for item in output.scheduled:
             seq = item.seq
             row += item.samples
-            if seq.is_finished:  # finished (aborted) since it was scheduled
+            if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             if seq.num_computed_tokens % block_size < item.num_new_tokens:  # a block filled up
@@ -249,7 +249,7 @@ class Scheduler:
                 num_appended = seq.append(token_ids[row], logprobs[row])
                 if num_appended > 1:
                     num_forced += num_appended - 1
-            if seq.is_finished:
+            if seq.status >= FIRST_FINISHED:  # `is_finished`, without the call (every row, every step)
                 self._release(seq)
         return num_forced
 

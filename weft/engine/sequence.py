@@ -51,7 +51,7 @@ class SequenceStatus(IntEnum):
         return self >= SequenceStatus.FINISHED_STOPPED
 
 
-_FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
+_FIRST_FINISHED = FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED  # status >= it: finished
 _DELTA = OutputKind.DELTA  # hot paths read enum members from module constants (an Enum class
 # attribute costs ~15x a global's on Python 3.11)
 _FINISHED_STATUS = {

@@ -174,25 +174,22 @@ def _penalty_statics(
 class SamplingBatchBuilder:
     """Builds each step's `SamplingBatch`, rebuilding the static columns only when the rows change
     (a sequence joins, leaves or moves): in the steady decoding state only the positions and the
-    per-token parts (penalty counts, min_tokens bans) are new."""
+    per-token parts (penalty counts, min_tokens bans) are new. Rows are compared by identity: a
+    row's params and seed never change (a `Sequence`'s are fixed when it is created)."""
 
     def __init__(self) -> None:
-        self._params: list[SamplingParams] = []
-        self._seeds: list[int] = []
+        self._rows: list[SamplingRow] = []
         self._static: StaticColumns | None = None
 
     def build(self, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
-        params = [r.params for r in requests]
-        seeds = [r.seed for r in requests]
         same = (
             self._static is not None
-            and len(params) == len(self._params)
-            and all(map(operator.is_, params, self._params))
-            and seeds == self._seeds
+            and len(requests) == len(self._rows)
+            and all(map(operator.is_, requests, self._rows))
         )
         if not same:
             self._static = StaticColumns.build(requests, vocab_size, device)
-            self._params, self._seeds = params, seeds
+            self._rows = list(requests)
         return SamplingBatch.build(requests, vocab_size, device, self._static)
 
 
