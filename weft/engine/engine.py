@@ -440,11 +440,16 @@ def _to_host(
     logprobs: list[TokenLogprobs | None] = [None] * num_rows
     if top is not None:
         for row, item in zip(top.rows, host_blocks[0], strict=True):
-            logprobs[row] = TokenLogprobs._make(item)
-    prompt_items = list(map(TokenLogprobs._make, host_blocks[-1])) if prompt_block is not None else []
+            logprobs[row] = _new_tuple(TokenLogprobs, item)  # `unpack` rows have its four fields
+    prompt_items = []
+    if prompt_block is not None:
+        prompt_items = [_new_tuple(TokenLogprobs, item) for item in host_blocks[-1]]
     errors = dict(out.errors)
     if INVALID_TOKEN in token_ids:
         for row, token in enumerate(token_ids):
             if token == INVALID_TOKEN:
                 errors.setdefault(row, NON_FINITE_ERROR)
     return SampledRows(token_ids, logprobs, errors), prompt_items
+
+
+_new_tuple = tuple.__new__  # a named tuple from a tuple, without `_make`'s Python-level check

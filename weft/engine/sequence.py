@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
-from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
@@ -504,22 +503,17 @@ def _position(item: TokenLogprobs, num_top: int, texts: Mapping[int, str]) -> Po
     """One position's logprobs: the actual (or sampled) token first (with its own rank, also when
     it is among the alternatives), then the top `num_top` ranked 1, 2, ... in their order. One of
     these per position per step is most of what top-n logprobs cost on the host: records are made
-    with `tuple.__new__` (half the time of a named tuple's own constructor) over C-level iterators,
-    texts from a dict."""
+    with `tuple.__new__` (half the time of a named tuple's own constructor), texts from a dict, in
+    a plain loop (2.3 us for top-5; map/zip/dict over iterators measured 3.4)."""
     ids, values = item.token_ids, item.logprobs
-    count = min(num_top, len(ids) - 1) + 1
-    ids = ids[:count]
-    ranks = _RANKS[:count] if count <= len(_RANKS) else [0, *range(1, count)]
-    ranks[0] = item.rank
-    named = map(texts.__getitem__, ids)
-    records = map(_new_logprob, repeat(Logprob), zip(values, ranks, named, strict=False))  # values: k+1
-    position: PositionLogprobs = dict(zip(ids, records, strict=True))
     chosen_id = ids[0]
-    if len(position) < count:  # the chosen token is also among the alternatives: its own record
-        position[chosen_id] = _new_logprob(Logprob, (values[0], item.rank, texts[chosen_id]))
+    chosen = _new_logprob(Logprob, (values[0], item.rank, texts[chosen_id]))
+    position: PositionLogprobs = {chosen_id: chosen}
+    for i in range(1, min(num_top, len(ids) - 1) + 1):
+        token = ids[i]
+        position[token] = _new_logprob(Logprob, (values[i], i, texts[token]))
+    position[chosen_id] = chosen  # keeps its place first
     return position
 
-
-_RANKS = list(range(65))  # _RANKS[:k] copied per position: ranks 1..k-1 after the chosen one's
 
 _new_logprob = tuple.__new__
