@@ -4,13 +4,14 @@ and matrix shape, then cached, so that the choice is the machine's and stays the
 
 The crossover depends on the CPU (vector width, AVX512_BF16 or AMX in oneDNN's kernels, cache
 sizes), the thread count and the matrix's input size: on the 2-core AVX-512 machines of
-docs/benchmarks.md MKL wins from about 1,000 rows, and a CPU with AMX would move it far lower.
+docs/benchmarks.md MKL wins from about 1,000 rows, a CPU with AMX would move it far lower, and on
+a 2-core AVX2 EPYC it won from 16 rows.
 
 Steps, run by the loader before it reads the checkpoint (so that the measurement's memory never
 adds to the weights'):
   1. `choose_dense_rows(shapes)`: for each distinct (in, out, dtype) shape of the model's linear
      layers, the lm_head aside (a prefill computes logits for a few rows only; it keeps the
-     default), the cache (`dense-rows.json` in weft's cache directory, keyed by the CPU's model
+     default), the cache (`dense-rows-v2.json` in weft's cache directory, keyed by the CPU's model
      name, the thread count, torch's version and the shape) answers, or a measurement does, in a
      child process (BLAS libraries keep their buffers once used, which would otherwise stay in the
      loading process beside the weights): random
@@ -39,10 +40,13 @@ import torch
 
 from weft.model.layers import DENSE_PANEL_ROWS, Linear, WeightLayout
 
-CANDIDATE_ROWS = (256, 512, 1024, 2048)  # a step holds 2,048 tokens by default
+# A step holds 2,048 tokens by default. The small counts matter on CPUs without AVX-512, where the
+# panel kernel's 16-float vectors split in two and a 2-core AVX2 EPYC multiplied 32 rows at ~6 GFLOP/s
+# (a 128-token prefill of SmolLM2-135M took 7 s), far below the dense GEMM even with its copy.
+CANDIDATE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 MAX_PROBE_COLUMNS = 1024  # a multiple of the panel width (32)
 NEVER = 1 << 62
-CACHE_FILE = "dense-rows.json"
+CACHE_FILE = "dense-rows-v2.json"  # v2: measured from 16 rows (v1 began at 256)
 CHILD = "import sys; from weft.model.prefill_gemm import _main; _main(sys.argv[1])"
 
 Shape = tuple[int, int, torch.dtype]  # in_features, out_features, weight dtype
