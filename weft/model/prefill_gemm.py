@@ -43,10 +43,10 @@ from weft.model.layers import DENSE_PANEL_ROWS, Linear, WeightLayout
 # A step holds 2,048 tokens by default. The small counts matter on CPUs without AVX-512, where the
 # panel kernel's 16-float vectors split in two and a 2-core AVX2 EPYC multiplied 32 rows at ~6 GFLOP/s
 # (a 128-token prefill of SmolLM2-135M took 7 s), far below the dense GEMM even with its copy.
-CANDIDATE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+CANDIDATE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 MAX_PROBE_COLUMNS = 1024  # a multiple of the panel width (32)
 NEVER = 1 << 62
-CACHE_FILE = "dense-rows-v2.json"  # v2: measured from 16 rows (v1 began at 256)
+CACHE_FILE = "dense-rows-v2.json"  # v2: measured from 2 rows (v1 began at 256)
 CHILD = "import sys; from weft.model.prefill_gemm import _main; _main(sys.argv[1])"
 
 Shape = tuple[int, int, torch.dtype]  # in_features, out_features, weight dtype
