@@ -44,15 +44,15 @@ class TokenBytes:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.special_ids = {i for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}
-        self.cache: dict[int, bytes] = {}
+        self._cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
-        data = self.cache.get(token_id)
+        data = self._cache.get(token_id)
         if data is None:
             text = self.tokenizer.id_to_token(token_id) or ""
             table = _byte_of_char()
             data = b"".join(bytes([table[c]]) if c in table else c.encode() for c in text)
-            self.cache[token_id] = data
+            self._cache[token_id] = data
         return data
 
 
@@ -104,9 +104,7 @@ class ByteLevelDetokenizer:
         """The text that one more token completes (the common step: one sampled token)."""
         if token_id in self._skip:
             return ""
-        data = self.token_bytes.cache.get(token_id)
-        if data is None:
-            data = self.token_bytes(token_id)
+        data = self.token_bytes(token_id)
         if self.pending:
             return self._decode(data)
         try:

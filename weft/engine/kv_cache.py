@@ -162,12 +162,12 @@ class KVCacheManager:
         `computed`). Returns the sequence's block table, or None (changing nothing) if there are
         not enough free blocks."""
         table = self.tables.get(seq.seq_id)
-        if table is not None and computed is None:  # a running sequence: most often its blocks have room
+        if table is not None and not (computed and computed.blocks):  # most often: its blocks have room
             blocks, write_idx = table.blocks, seq.num_computed_tokens // self.block_size
             fits = seq.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
-            if fits and write_idx < len(blocks) and blocks[write_idx].ref_cnt == 1:
-                return table
-        table = table or SeqBlocks(row=-1)
+            if fits and (write_idx >= len(blocks) or blocks[write_idx].ref_cnt == 1):
+                return table  # no new block, no copy-on-write
+        table = table or SeqBlocks()
         blocks = table.blocks
         hits = computed.blocks if computed else []
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
@@ -175,8 +175,6 @@ class KVCacheManager:
         num_new_blocks = max(0, num_needed - len(blocks) - len(hits))
         write_idx = num_computed // self.block_size
         needs_copy = write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
-        if num_new_blocks == 0 and not needs_copy and not hits and seq.seq_id in self.tables:
-            return table  # the last block has room
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + int(needs_copy) + num_revived > self.pool.num_free:
             return None

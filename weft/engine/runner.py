@@ -97,7 +97,7 @@ class ModelRunner:
         for item in sched.scheduled:
             seq, num_new = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            if seq.num_pending_forced or (seq.prompt_logprobs is not None and seq.needs_prompt_logprobs):
+            if seq.needs_prompt_logprobs or seq.num_pending_forced:
                 spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
             if num_new == 1:
                 input_ids.append(seq.token_ids[start])

@@ -154,8 +154,7 @@ class Scheduler:
                 table = self.kv.allocate_slots(seq, num_new)
             if table is None:
                 break
-            samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
-            scheduled.append(ScheduledSequence(seq, num_new, table, samples))  # as `_scheduled`
+            scheduled.append(self._scheduled(seq, num_new, table))
             budget -= num_new
             idx += 1
         return budget
@@ -193,7 +192,7 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, table: SeqBlocks) -> ScheduledSequence:
         # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens and seq.pending_finish is None
+        samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
         return ScheduledSequence(seq, num_new, table, samples)
 
     def _preempt(self, seq: Sequence) -> None:

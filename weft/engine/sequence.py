@@ -50,7 +50,7 @@ class SequenceStatus(IntEnum):
         return self >= SequenceStatus.FINISHED_STOPPED
 
 
-_FIRST_FINISHED = FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED  # status >= it: finished
+FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED  # status >= it: finished
 _DELTA = OutputKind.DELTA  # hot paths read enum members from module constants (an Enum class
 # attribute costs ~15x a global's on Python 3.11)
 _FINISHED_STATUS = {
@@ -200,7 +200,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= _FIRST_FINISHED
+        return self.status >= FIRST_FINISHED
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -258,7 +258,7 @@ class Sequence:
     @property
     def is_finishing(self) -> bool:
         """Finished, or finished as soon as its pending forced tokens are computed."""
-        return self.status >= _FIRST_FINISHED or self.pending_finish is not None
+        return self.status >= FIRST_FINISHED or self.pending_finish is not None
 
     def finish_pending(self) -> None:
         """Apply the finish that waited for the forced tokens' logprobs (all computed now)."""
@@ -313,7 +313,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.matcher is None:  # most rows: one new token, no grammar
             could_stop = token_id in self.stop_ids or len(self.token_ids) >= self.max_num_tokens
-            if could_stop and self.status < _FIRST_FINISHED and self.pending_finish is None:
+            if could_stop and not self.is_finishing:
                 self._apply_token_stop_rules(False)
             if logprobs is not None:
                 self._add_logprobs(logprobs)
@@ -384,7 +384,7 @@ class Sequence:
 
     def _append_text(self, new_text: str) -> None:
         """Add the text of the new tokens; flush the detokenizer at a finish; stop strings."""
-        if self.status >= _FIRST_FINISHED or self.pending_finish is not None:
+        if self.is_finishing:
             new_text += self.detokenizer.flush()
         if not new_text:
             return
@@ -471,10 +471,7 @@ class Sequence:
     def _plain_delta(self, sent: OutputCursor) -> CompletionOutput:
         """`completion(DELTA)` of a sequence without logprobs: a server's stream, every step."""
         first = len(self.prompt_token_ids)
-        if self.status >= _FIRST_FINISHED or not (self.stop_matcher.holdback or self.num_pending_forced):
-            ready, visible = len(self.token_ids) - first, len(self.text)
-        else:
-            ready, visible = self._ready()
+        ready, visible = self._ready()
         text = self.text[sent.num_chars : visible]
         token_ids = self.token_ids[first + sent.num_tokens : first + ready]
         sent.num_chars, sent.num_tokens = visible, ready
@@ -488,7 +485,7 @@ class Sequence:
         """How many output tokens and characters can be handed out. While stop strings may still
         match, text that could be the start of one is held back; and so are forced tokens whose
         logprobs the next step computes, with their text."""
-        if self.status >= _FIRST_FINISHED or not (self.stop_matcher.holdback or self.num_pending_forced):
+        if self.status >= FIRST_FINISHED or not (self.stop_matcher.holdback or self.num_pending_forced):
             return len(self.token_ids) - len(self.prompt_token_ids), len(self.text)
         sent = self.sent
         visible = max(sent.num_chars, len(self.text) - self.stop_matcher.holdback)
