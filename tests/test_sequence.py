@@ -7,11 +7,13 @@ import itertools
 import random
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import pytest
 import torch
 
 from weft.engine.factory import default_model_path
-from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, TokenLogprobs
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
+from weft.logprob_records import Logprob, LogprobRef, position_logprobs, row_refs
 from weft.params import OutputKind, SamplingParams
 from weft.structured.bitmask import bitmask_words, unpack_bitmask
 from weft.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
@@ -171,29 +173,51 @@ def test_fork_of_a_plain_sequence_copies_text_and_logprobs():
     params = SamplingParams(max_tokens=20, logprobs=1)
     seq = new_sequence(params, None)
     for token in (40, 41, 42):
-        seq.append(token, TokenLogprobs([token, 7], [-1.0, -0.5], 2))
+        seq.append(token, LogprobRef.of([token, 7], [-1.0, -0.5], 2))
     child = seq.fork(next(_ids), index=3, seed=9)
-    child.append(43, TokenLogprobs([43, 7], [-2.0, -0.1], 3))
+    child.append(43, LogprobRef.of([43, 7], [-2.0, -0.1], 3))
     assert len(seq.logprobs or []) == 3 and len(child.logprobs or []) == 4
     assert seq.cumulative_logprob == pytest.approx(-3.0) and child.cumulative_logprob == pytest.approx(-5.0)
     assert child.index == 3 and child.seed == 9 and child.fork_parent is seq
 
 
 def test_a_position_record_puts_the_chosen_token_first_with_its_own_rank():
-    from weft.engine.sequence import _position
-    from weft.outputs import Logprob
-
     texts = {t: f"<{t}>" for t in range(10)}
     # The chosen token (3, rank 2) is also the second alternative: it keeps its own record, first.
-    position = _position(TokenLogprobs([3, 5, 3, 7], [-0.9, -0.5, -0.9, -2.0], 2), 3, texts)
+    position = position_logprobs([3, 5, 3, 7], [-0.9, -0.5, -0.9, -2.0], 2, 3, texts)
     assert list(position) == [3, 5, 7]
     assert position[3] == Logprob(-0.9, 2, "<3>")
     assert position[5] == Logprob(-0.5, 1, "<5>") and position[7] == Logprob(-2.0, 3, "<7>")
     # Not among them: every alternative after it, ranked 1..n; n caps what is reported.
-    position = _position(TokenLogprobs([8, 5, 3, 7], [-4.0, -0.5, -0.9, -2.0], 9), 2, texts)
+    position = position_logprobs([8, 5, 3, 7], [-4.0, -0.5, -0.9, -2.0], 9, 2, texts)
     assert list(position.items()) == [
         (8, Logprob(-4.0, 9, "<8>")),
         (5, Logprob(-0.5, 1, "<5>")),
         (3, Logprob(-0.9, 2, "<3>")),
     ]
-    assert _position(TokenLogprobs([8, 5], [-4.0, -0.5], 9), 0, texts) == {8: Logprob(-4.0, 9, "<8>")}
+    assert position_logprobs([8, 5], [-4.0, -0.5], 9, 0, texts) == {8: Logprob(-4.0, 9, "<8>")}
+
+
+def test_logprob_records_are_built_from_the_step_block_when_an_output_is_read():
+    """Each position keeps a reference to its row of the step's host block; the dicts are built
+    the first time `CompletionOutput.logprobs` is read, and a DELTA output holds only its span."""
+    params = SamplingParams(max_tokens=20, logprobs=1, output_kind=OutputKind.DELTA)
+    seq = new_sequence(params, None)
+    texts = TOKENIZER.token_texts
+    blocks = []
+    for step, token in enumerate((40, 41, 42)):
+        # two rows of (rank, extra, ids [2], logprobs [2]); this sequence samples row 1
+        block = np.array([[1, 0.0, 5, 6, -0.1, -0.2], [2, -0.5, token, 7, -1.0 - step, -0.5]], np.float64)
+        blocks.append(block)
+        ref = row_refs(block)[1]
+        assert (ref.row, ref.logprob, ref.extra) == (1, -1.0 - step, -0.5)
+        seq.append(token, ref)
+        if step == 0:
+            first = seq.completion(OutputKind.DELTA)
+    rest = seq.completion(OutputKind.DELTA)
+    assert first.logprobs == [{40: Logprob(-1.0, 2, texts[40]), 7: Logprob(-0.5, 1, texts[7])}]
+    assert [list(p) for p in rest.logprobs or []] == [[41, 7], [42, 7]]
+    assert seq.cumulative_logprob == pytest.approx(-6.0)
+    whole = seq.completion(OutputKind.CUMULATIVE)
+    seq.append(43, LogprobRef.of([43, 7], [-2.0, -0.1], 3))
+    assert len(whole.logprobs or []) == 3  # a snapshot: later positions are not in it

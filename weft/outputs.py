@@ -3,49 +3,82 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-
-class Logprob(NamedTuple):
-    """The log-probability of one token, its rank in its distribution (1 = most likely) and its text.
-    A named tuple: one is made per alternative per position, and this is the cheapest immutable
-    record Python has."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
+from weft.logprob_records import LazyPositions
+from weft.logprob_records import Logprob as Logprob  # re-exported: weft.outputs is its public home
+from weft.logprob_records import PositionLogprobs as PositionLogprobs
 
 
-# For one position: token id -> Logprob, the chosen token first, then the top-n alternatives.
-PositionLogprobs = dict[int, Logprob]
-
-
-@dataclass(slots=True)
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    cumulative_logprob: float | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    error: str | None = None
-    # With logprobs: per generated position, the log of the model's probability mass on the tokens
-    # the constraint allowed (0.0 for unconstrained requests).
-    constraint_logmass: list[float] | None = None
-    # With logprobs: where each token's text starts in the completion's full text (as in the
-    # OpenAI API's text_offset; a character split over tokens starts at the token that ends it).
-    text_offsets: list[int] | None = None
-    # With logprobs: per generated position, True where the grammar forced the token (fast-forward)
-    # instead of it being sampled. A forced token's logprobs are the model's own (raw) distribution,
-    # computed in the step after it was appended, like a prompt token's.
-    forced: list[bool] | None = None
+    """One completion of a request. `logprobs` is built the first time it is read (see
+    `weft.logprob_records`); everything else is plain data."""
+
+    _FIELDS = (
+        "index", "text", "token_ids", "finish_reason", "stop_reason", "cumulative_logprob", "logprobs",
+        "error", "constraint_logmass", "text_offsets", "forced",
+    )  # fmt: skip  # in the order of the constructor's arguments
+    __slots__ = tuple(sorted(name if name != "logprobs" else "_logprobs" for name in _FIELDS))
+
+    def __init__(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        cumulative_logprob: float | None = None,
+        logprobs: list[PositionLogprobs] | LazyPositions | None = None,
+        error: str | None = None,
+        constraint_logmass: list[float] | None = None,
+        text_offsets: list[int] | None = None,
+        forced: list[bool] | None = None,
+    ) -> None:
+        self.index, self.text, self.token_ids = index, text, token_ids
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        self.cumulative_logprob = cumulative_logprob
+        self._logprobs = logprobs
+        self.error = error
+        # With logprobs: per generated position, the log of the model's probability mass on the
+        # tokens the constraint allowed (0.0 for unconstrained requests).
+        self.constraint_logmass = constraint_logmass
+        # With logprobs: where each token's text starts in the completion's full text (as in the
+        # OpenAI API's text_offset; a character split over tokens starts at the token that ends it).
+        self.text_offsets = text_offsets
+        # With logprobs: per generated position, True where the grammar forced the token
+        # (fast-forward) instead of it being sampled. A forced token's logprobs are the model's own
+        # (raw) distribution, computed in the step after it was appended, like a prompt token's.
+        self.forced = forced
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        """Per generated position: token id -> Logprob, the chosen token first, then the top-n."""
+        value = self._logprobs
+        if type(value) is LazyPositions:
+            value = self._logprobs = value.build()
+        return value  # type: ignore[return-value]
+
+    @logprobs.setter
+    def logprobs(self, value: list[PositionLogprobs] | None) -> None:
+        self._logprobs = value
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _fields(self) -> tuple[tuple[str, object], ...]:
+        return tuple((name, getattr(self, name)) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        return f"CompletionOutput({', '.join(f'{k}={v!r}' for k, v in self._fields())})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
 
 
 @dataclass(slots=True)

@@ -125,7 +125,8 @@ class BeamSearch:
             found, cumulative = beam.candidates, beam.cumulative_logprob
             assert found is not None and cumulative is not None
             beam.candidates = None
-            pairs = zip(found.token_ids[1:], found.logprobs[1:], strict=True)
+            token_ids, logprobs, _ = found.lists()
+            pairs = zip(token_ids[1:], logprobs[1:], strict=True)
             for rank, (token, logprob) in enumerate(pairs):
                 if logprob > -math.inf:
                     out.append(Candidate(cumulative + logprob, b, rank, token, self._ends(beam, token)))

@@ -34,7 +34,8 @@ from weft.engine.kv_cache import KVCacheManager
 from weft.engine.runner import ModelRunner, StepLogits
 from weft.engine.scheduler import Fanout, SampledRows, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
-from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus, TokenLogprobs
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
+from weft.logprob_records import LogprobRef, row_refs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput, SamplerOutput
 from weft.params import BeamSearchParams, SamplingParams
@@ -423,9 +424,7 @@ def _validate_exact_choice(params: SamplingParams) -> None:
         )
 
 
-def _to_host(
-    out: SamplerOutput, prompt_block: torch.Tensor | None
-) -> tuple[SampledRows, list[TokenLogprobs]]:
+def _to_host(out: SamplerOutput, prompt_block: torch.Tensor | None) -> tuple[SampledRows, list[LogprobRef]]:
     """The sampler's results and the prompt logprobs on the host, in one transfer (`to_host`). A
     row with `INVALID_TOKEN` fails with a message."""
     top = out.top_logprobs
@@ -437,19 +436,14 @@ def _to_host(
     flat = to_host(pack(out.token_ids, blocks))
     num_rows = out.token_ids.shape[0]
     token_ids, host_blocks = unpack(flat, num_rows, [(b.shape[0], b.shape[1]) for b in blocks])
-    logprobs: list[TokenLogprobs | None] = [None] * num_rows
+    logprobs: list[LogprobRef | None] = [None] * num_rows
     if top is not None:
-        for row, item in zip(top.rows, host_blocks[0], strict=True):
-            logprobs[row] = _new_tuple(TokenLogprobs, item)  # `unpack` rows have its four fields
-    prompt_items = []
-    if prompt_block is not None:
-        prompt_items = [_new_tuple(TokenLogprobs, item) for item in host_blocks[-1]]
+        for row, ref in zip(top.rows, row_refs(host_blocks[0]), strict=True):
+            logprobs[row] = ref
+    prompt_items = [] if prompt_block is None else row_refs(host_blocks[-1])
     errors = dict(out.errors)
     if INVALID_TOKEN in token_ids:
         for row, token in enumerate(token_ids):
             if token == INVALID_TOKEN:
                 errors.setdefault(row, NON_FINITE_ERROR)
     return SampledRows(token_ids, logprobs, errors), prompt_items
-
-
-_new_tuple = tuple.__new__  # a named tuple from a tuple, without `_make`'s Python-level check

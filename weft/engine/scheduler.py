@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from weft.config import SchedulerConfig
 from weft.engine.block_table import BlockTableArray
 from weft.engine.kv_cache import KVCacheManager, SeqBlocks
-from weft.engine.sequence import FIRST_FINISHED, FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from weft.engine.sequence import FIRST_FINISHED, FinishReason, Sequence, SequenceStatus
+from weft.logprob_records import LogprobRef
 
 
 @dataclass(slots=True)
@@ -62,7 +63,7 @@ class SampledRows:
     """What the sampler produced, one entry per sampling sequence, in logits-row order."""
 
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[LogprobRef | None]
     errors: dict[int, str]  # row -> why that row failed
 
 

@@ -9,13 +9,13 @@ belong to the KV manager, keyed by `seq_id`; the scheduler releases them when th
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
-from weft.outputs import CompletionOutput, Logprob, PositionLogprobs
+from weft.logprob_records import LazyPositions, LogprobRef
+from weft.outputs import CompletionOutput, PositionLogprobs
 from weft.params import OutputKind, SamplingParams
 from weft.structured.grammar import GrammarMatcher
 from weft.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -62,16 +62,6 @@ _FINISHED_STATUS = {
 }
 
 
-class TokenLogprobs(NamedTuple):
-    """One sampled position: ids [k+1] (sampled first), their logprobs, the sampled token's rank.
-    A named tuple: one is made per row per step, straight from the transfer's rows."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-    constraint_logmass: float = 0.0  # log of the mass the grammar allowed (0.0 unconstrained)
-
-
 @dataclass(frozen=True, slots=True)
 class SequenceLimits:
     """What every sequence of an engine stops at."""
@@ -113,7 +103,7 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     text: str = ""
-    logprobs: list[PositionLogprobs] | None = None
+    logprobs: list[LogprobRef] | None = None  # made PositionLogprobs when an output is read
     constraint_logmass: list[float] | None = None  # per position, with logprobs
     text_offsets: list[int] | None = None  # per output token, with logprobs: where its text starts
     forced: list[bool] | None = None  # per position, with logprobs: appended by fast-forward
@@ -130,7 +120,7 @@ class Sequence:
     # Set by a policy that chooses this sequence's tokens itself (beam search): a step that computes
     # it leaves its top logprobs in `candidates` and parks it instead of appending a sampled token.
     defers_sampling: bool = False
-    candidates: TokenLogprobs | None = None
+    candidates: LogprobRef | None = None
     sent: OutputCursor = field(default_factory=OutputCursor)
     arrival_time: float = field(default_factory=time.monotonic)
     # The token stop rules, resolved once from params and limits (`Sequence.create`): the ids that
@@ -217,7 +207,7 @@ class Sequence:
             position = min(position, len(self.prompt_logprobs) - 1)
         return position
 
-    def add_prompt_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
+    def add_prompt_logprobs(self, first_token: int, items: list[LogprobRef]) -> None:
         """Logprobs of prompt tokens `first_token`, `first_token + 1`, ... (each entry's column 0 is
         the actual token). Tokens already recorded (a recompute after preemption) are skipped."""
         assert self.prompt_logprobs is not None
@@ -226,9 +216,9 @@ class Sequence:
         for offset, item in enumerate(items):
             if first_token + offset != len(self.prompt_logprobs):
                 continue
-            self.prompt_logprobs.append(_position(item, num_top, texts))
+            self.prompt_logprobs.append(item.position(num_top, texts))
 
-    def add_forced_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
+    def add_forced_logprobs(self, first_token: int, items: list[LogprobRef]) -> None:
         """The model's logprobs of forced tokens `first_token`, `first_token + 1`, ... (computed like
         prompt tokens; column 0 is the forced token). Tokens already recorded are skipped."""
         for offset, item in enumerate(items):
@@ -301,7 +291,7 @@ class Sequence:
             sent=replace(self.sent),
         )
 
-    def append(self, token_id: int, logprobs: TokenLogprobs | None = None) -> int:
+    def append(self, token_id: int, logprobs: LogprobRef | None = None) -> int:
         """Accept one sampled token. Steps, in order:
         1. the grammar consumes it (a rejected token fails the sequence and is dropped);
         2. tokens the grammar now forces are appended without sampling (fast-forward);
@@ -317,10 +307,9 @@ class Sequence:
                 self._apply_token_stop_rules(False)
             if logprobs is not None:
                 self._add_logprobs(logprobs)
-            if self.text_offsets is None:
-                self._append_text(self.detokenizer.update_one(token_id))
-            else:
-                self._append_text(self._detokenize_each([token_id], self.text_offsets))
+            if self.text_offsets is not None:
+                self.text_offsets.append(len(self.text))  # where this token's text starts
+            self._append_text(self.detokenizer.update_one(token_id))
             return 1
         new_tokens, grammar_done = self._advance_grammar()
         if not self.is_finishing:
@@ -413,20 +402,21 @@ class Sequence:
             end += len(parts[-1])
         return "".join(parts)
 
-    def _add_logprobs(self, item: TokenLogprobs, forced: bool = False) -> None:
-        """Record one position's logprobs. A forced token was the only one fast-forward allowed, so
-        the mass the constraint allowed there is its own probability."""
+    def _add_logprobs(self, item: LogprobRef, forced: bool = False) -> None:
+        """Record one position's logprobs: a reference to its row, made a `PositionLogprobs` only
+        when an output's logprobs are read (`weft.logprob_records`). A sampled row's extra value is
+        the log of the mass the constraint allowed; a forced token was the only one fast-forward
+        allowed, so that mass is its own probability."""
         if self.logprobs is None or self.cumulative_logprob is None:
             return
-        position = _position(item, self.params.logprobs or 0, self.detokenizer.tokenizer.token_texts)
-        self.logprobs.append(position)
+        self.logprobs.append(item)
         if self.constraint_logmass is not None:
             constrained = self.params.structured is not None
-            logmass = item.logprobs[0] if forced else item.constraint_logmass
+            logmass = item.logprob if forced else item.extra
             self.constraint_logmass.append(logmass if constrained else 0.0)
         if self.forced is not None:
             self.forced.append(forced)
-        self.cumulative_logprob += item.logprobs[0]
+        self.cumulative_logprob += item.logprob
 
     # ---- output -----------------------------------------------------------------------------
 
@@ -437,21 +427,20 @@ class Sequence:
             return self._plain_delta(sent)
         ready, visible = self._ready()
         first = len(self.prompt_token_ids)
-        logprobs, logmass, offsets = self.logprobs, self.constraint_logmass, self.text_offsets
-        forced = self.forced
+        logmass, offsets, forced = self.constraint_logmass, self.text_offsets, self.forced
         if kind is _DELTA:  # O(new tokens), not O(all of them)
             text = self.text[sent.num_chars : visible]
             token_ids = self.token_ids[first + sent.num_tokens : first + ready]
-            logprobs = None if logprobs is None else logprobs[sent.num_logprobs :]
             logmass = None if logmass is None else logmass[sent.num_logprobs :]
             offsets = None if offsets is None else offsets[sent.num_logprobs : ready]
             forced = None if forced is None else forced[sent.num_logprobs :]
-        else:  # copies of the lists that keep growing (logprobs themselves are shared: O(n) per step)
+        else:  # copies of the lists that keep growing (O(n) per step)
             text = self.text[:visible]
             token_ids = self.token_ids[first : first + ready]
             offsets = None if offsets is None else offsets[:ready]
             logmass = None if logmass is None else list(logmass)
             forced = None if forced is None else list(forced)
+        logprobs = self._lazy_logprobs(sent.num_logprobs if kind is _DELTA else 0)
         sent.num_chars, sent.num_tokens = visible, ready
         sent.num_logprobs = len(self.logprobs or [])
         return CompletionOutput(  # positional: a dozen keywords cost 4x as much, once per row per step
@@ -461,12 +450,20 @@ class Sequence:
             self.finish_reason.value if self.finish_reason else None,
             self.stop_reason,
             self.cumulative_logprob,
-            logprobs,
+            logprobs,  # built when read
             self.error,
             logmass,  # fresh slices or copies, from above
             offsets,
             forced,
         )
+
+    def _lazy_logprobs(self, start: int) -> LazyPositions | None:
+        """Positions `start..` of the logprobs so far, for an output that builds them when read."""
+        refs = self.logprobs
+        if refs is None:
+            return None
+        texts = self.detokenizer.tokenizer.token_texts
+        return LazyPositions(refs, start, len(refs), self.params.logprobs or 0, texts)
 
     def _plain_delta(self, sent: OutputCursor) -> CompletionOutput:
         """`completion(DELTA)` of a sequence without logprobs: a server's stream, every step."""
@@ -494,23 +491,3 @@ class Sequence:
             ready -= self.num_pending_forced
             visible = min(visible, max(sent.num_chars, self.text_offsets[ready]))
         return ready, visible
-
-
-def _position(item: TokenLogprobs, num_top: int, texts: Mapping[int, str]) -> PositionLogprobs:
-    """One position's logprobs: the actual (or sampled) token first (with its own rank, also when
-    it is among the alternatives), then the top `num_top` ranked 1, 2, ... in their order. One of
-    these per position per step is most of what top-n logprobs cost on the host: records are made
-    with `tuple.__new__` (half the time of a named tuple's own constructor), texts from a dict, in
-    a plain loop (2.3 us for top-5; map/zip/dict over iterators measured 3.4)."""
-    ids, values = item.token_ids, item.logprobs
-    chosen_id = ids[0]
-    chosen = _new_logprob(Logprob, (values[0], item.rank, texts[chosen_id]))
-    position: PositionLogprobs = {chosen_id: chosen}
-    for i in range(1, min(num_top, len(ids) - 1) + 1):
-        token = ids[i]
-        position[token] = _new_logprob(Logprob, (values[i], i, texts[token]))
-    position[chosen_id] = chosen  # keeps its place first
-    return position
-
-
-_new_logprob = tuple.__new__

@@ -9,8 +9,6 @@ shares the tensor's memory. Nothing else in a step reads a device tensor back.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -49,18 +47,14 @@ def pack(token_ids: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
 
 def unpack(
     flat: np.ndarray, num_ids: int, shapes: list[tuple[int, int]]
-) -> tuple[list[int], list[list[Any]]]:
-    """The host side of `pack`: the ids, and each block as rows of (ids [k+1], logprobs [k+1], rank,
-    extra)."""
+) -> tuple[list[int], list[np.ndarray]]:
+    """The host side of `pack`: the ids, and each block as a [R, 2 + 2 (k+1)] float64 array (a view
+    of `flat`; `weft.logprob_records` reads its rows)."""
     if not shapes:  # the ids alone
         return flat.tolist(), []
     token_ids = flat[:num_ids].astype(np.int64).tolist()
     blocks, offset = [], num_ids
     for num_rows, width in shapes:
-        block = flat[offset : offset + num_rows * width].reshape(num_rows, width)  # [R, 2 + 2 (k+1)]
-        k1 = (width - 2) // 2
-        ids = block[:, 2 : 2 + k1].astype(np.int64).tolist()
-        ranks = block[:, 0].astype(np.int64).tolist()
-        blocks.append(list(zip(ids, block[:, 2 + k1 :].tolist(), ranks, block[:, 1].tolist(), strict=True)))
+        blocks.append(flat[offset : offset + num_rows * width].reshape(num_rows, width))
         offset += num_rows * width
     return token_ids, blocks
