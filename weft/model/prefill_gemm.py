@@ -4,7 +4,8 @@ and matrix shape, then cached, so that the choice is the machine's and stays the
 
 The crossover depends on the CPU (vector width, AVX512_BF16 or AMX in oneDNN's kernels, cache
 sizes), the thread count and the matrix's input size: on the 2-core AVX-512 machines of
-docs/benchmarks.md MKL wins from about 1,000 rows, a CPU with AMX would move it far lower, and on
+a 2-core AVX2 EPYC it wins from 128-256 rows (from 2-4 rows with an earlier AVX2 build of the panel
+kernel that ran at ~5 GFLOP/s).
 a 2-core AVX2 EPYC it won from 2-4 rows.
 
 Steps, run by the loader before it reads the checkpoint (so that the measurement's memory never
@@ -38,11 +39,13 @@ from pathlib import Path
 
 import torch
 
+from weft.config import NativeConfig
 from weft.model.layers import DENSE_PANEL_ROWS, Linear, WeightLayout
+from weft.native import build_dir
 
-# A step holds 2,048 tokens by default. The small counts matter on CPUs without AVX-512, where the
-# panel kernel's 16-float vectors split in two and a 2-core AVX2 EPYC multiplied 32 rows at ~6 GFLOP/s
-# (a 128-token prefill of SmolLM2-135M took 7 s), far below the dense GEMM even with its copy.
+# A step holds 2,048 tokens by default. The small counts are there for kernels slower than the GEMM
+# at few rows (an AVX2 build of the panel kernel once ran at ~5 GFLOP/s: the GEMM won from 2 rows);
+# the cache is keyed by the kernels' build, so a changed kernel is measured again.
 CANDIDATE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 MAX_PROBE_COLUMNS = 1024  # a multiple of the panel width (32)
 NEVER = 1 << 62
@@ -166,8 +169,15 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def _cache_key(shape: Shape) -> str:
     in_features, out_features, dtype = shape
-    where = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    where = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{_kernels_build()}"
     return f"{where}|{in_features}x{out_features}|{dtype}"
+
+
+@functools.cache
+def _kernels_build() -> str:
+    """The native kernels' build (a digest of their sources and flags): thresholds measured with
+    other kernels do not apply."""
+    return build_dir(NativeConfig.from_env()).name
 
 
 @functools.cache

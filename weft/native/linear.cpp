@@ -6,8 +6,9 @@
 //
 // Layout: W [N, K] becomes P = ceil(N / 32) panels of [K, 32] (the last one zero-padded), one
 // contiguous block each: a panel row is 128 bytes in float32, one 64-byte cache line in half
-// precision. A tile of up to 12 rows of x times one panel keeps its 12 x 32 outputs in 24 vector
-// registers while it walks down the panel, one panel row per step of k. Threads take contiguous
+// precision. A tile of up to 12 rows of x (AVX-512; 3 with AVX2's sixteen 8-float registers) times
+// one panel keeps its outputs in vector registers while it walks down the panel, one panel row per
+// step of k. Threads take contiguous
 // runs of panels; inside a thread the panel stays in L2 for the next tile of rows. A software
 // prefetch 2 KB ahead keeps enough of the stream in flight: without it the decode-sized products
 // (2-32 rows) reached only 60-75% of the bandwidth of a single row (see docs/benchmarks.md).
@@ -21,7 +22,7 @@
 // per instruction, with x rounded to bfloat16 once per call (as llama.cpp and oneDNN do): twice
 // the arithmetic rate where a step is compute-bound. float16 rows keep the natural order and widen
 // with vcvtph2ps (F16C), or one value at a time on machines without it. Written with GCC vector
-// extensions, so it compiles to AVX-512, AVX2 or SSE as the machine has.
+// extensions of the machine's own vector width (kLanes), so it compiles to AVX-512 or AVX2.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,22 +44,32 @@
 namespace {
 
 constexpr int64_t kPanel = 32;               // columns per panel
-constexpr int kVecs = kPanel / 16;           // 16-float vectors per panel row
-constexpr int64_t kMaxTileRows = 12;         // rows per tile: 12 x 2 accumulators + 2 panel vectors
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the current panel row to prefetch
 
-typedef float vec16 __attribute__((vector_size(64)));                // aligned: panel rows
-typedef float vec16u __attribute__((vector_size(64), aligned(4)));   // unaligned: output rows, bias
-typedef uint32_t words16 __attribute__((vector_size(64)));           // a half-precision panel row
+// Vectors of the machine's own width: 16 floats with AVX-512, else 8 (AVX2). Wider generic vectors
+// than the registers are not split into register pairs: GCC moves them through the stack, and the
+// AVX2 build of the 16-float kernel ran at ~5 GFLOP/s, 4x slower than torch even at one row.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int64_t kMaxTileRows = 12;         // rows per tile: 12 x 2 accumulators + 2 panel vectors (of 32)
+#else
+constexpr int kLanes = 8;
+constexpr int64_t kMaxTileRows = 3;          // 3 x 4 accumulators + a panel vector + broadcasts (of 16)
+#endif
+constexpr int kVecs = kPanel / kLanes;       // vectors per panel row
 
-// One panel row of each weight type, widened to two vectors of 16 float32 columns (0-15, 16-31).
+typedef float vecf __attribute__((vector_size(4 * kLanes)));                // aligned: panel rows
+typedef float vecfu __attribute__((vector_size(4 * kLanes), aligned(4)));   // unaligned: output rows, bias
+typedef uint32_t wordsv __attribute__((vector_size(4 * kLanes)));           // words of a bfloat16 panel row pair
+
+// One panel row of each weight type, widened to kVecs vectors of kLanes float32 columns.
 // Row k of a panel (its base `panel`), widened to float32 columns 0-15 and 16-31; and a prefetch
 // kPrefetchBytes ahead of it (past the panel's end: the thread's next panel).
 struct Float32Row {
   using Storage = float;
   static constexpr bool kPaired = false;
-  static void load(const float* panel, int64_t k, vec16 w[kVecs]) {
-    for (int j = 0; j < kVecs; ++j) w[j] = *reinterpret_cast<const vec16*>(panel + k * kPanel + 16 * j);
+  static void load(const float* panel, int64_t k, vecf w[kVecs]) {
+    for (int j = 0; j < kVecs; ++j) w[j] = *reinterpret_cast<const vecf*>(panel + k * kPanel + kLanes * j);
   }
   static void prefetch(const float* panel, int64_t k) {
     const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
@@ -79,13 +90,13 @@ constexpr bool kBf16Dot = false;
 // acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps,
 // or (WEFT_EMULATE_BF16_DOT, for testing this path on any machine) the same arithmetic, each step
 // rounded once as the instruction does.
-inline vec16 dot_pairs(vec16 acc, words16 x, words16 w) {
+inline vecf dot_pairs(vecf acc, wordsv x, wordsv w) {
 #if defined(__AVX512BF16__)
-  return reinterpret_cast<vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
+  return reinterpret_cast<vecf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
                                                   reinterpret_cast<__m512bh>(w)));
 #else
-  acc += reinterpret_cast<vec16>(x & 0xffff0000u) * reinterpret_cast<vec16>(w & 0xffff0000u);
-  acc += reinterpret_cast<vec16>(x << 16) * reinterpret_cast<vec16>(w << 16);
+  acc += reinterpret_cast<vecf>(x & 0xffff0000u) * reinterpret_cast<vecf>(w & 0xffff0000u);
+  acc += reinterpret_cast<vecf>(x << 16) * reinterpret_cast<vecf>(w << 16);
   return acc;
 #endif
 }
@@ -94,10 +105,10 @@ struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k
   using Storage = uint16_t;
   static constexpr bool kPaired = true;
   template <int kHalf>  // k % 2, known at compile time: one shift or one mask per vector
-  static void load(const uint16_t* panel, int64_t k, vec16 w[kVecs]) {
-    const words16* pair = reinterpret_cast<const words16*>(panel + (k / 2) * kPairElems);
+  static void load(const uint16_t* panel, int64_t k, vecf w[kVecs]) {
+    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + (k / 2) * kPairElems);
     for (int j = 0; j < kVecs; ++j)
-      w[j] = reinterpret_cast<vec16>(kHalf == 0 ? pair[j] << 16 : pair[j] & 0xffff0000u);
+      w[j] = reinterpret_cast<vecf>(kHalf == 0 ? pair[j] << 16 : pair[j] & 0xffff0000u);
   }
   static void prefetch(const uint16_t* panel, int64_t k) {  // the pair's two lines
     const char* ahead = reinterpret_cast<const char*>(panel + (k / 2) * kPairElems) + kPrefetchBytes;
@@ -112,17 +123,14 @@ struct Float16Row {  // natural column order
   static void prefetch(const uint16_t* panel, int64_t k) {
     __builtin_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
   }
-  static void load(const uint16_t* panel, int64_t k, vec16 w[kVecs]) {
+  static void load(const uint16_t* panel, int64_t k, vecf w[kVecs]) {
     const uint16_t* row = panel + k * kPanel;
 #if defined(__AVX512F__)
     for (int j = 0; j < kVecs; ++j)
-      w[j] = reinterpret_cast<vec16>(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * j))));
+      w[j] = reinterpret_cast<vecf>(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * j))));
 #elif defined(__F16C__)
     for (int j = 0; j < kVecs; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 part = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row + 16 * j + 8 * h)));
-        std::memcpy(reinterpret_cast<float*>(&w[j]) + 8 * h, &part, sizeof(part));
-      }
+      w[j] = reinterpret_cast<vecf>(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row + 8 * j))));
 #else
     for (int c = 0; c < kPanel; ++c) reinterpret_cast<float*>(w)[c] = static_cast<float>(c10::Half(row[c], c10::Half::from_bits()));
 #endif
@@ -144,17 +152,17 @@ struct Tile {
 
 // Adds the bias and stores the tile (shared by the kernels).
 template <int kRows>
-__attribute__((always_inline)) inline void finish_tile(const Tile& t, vec16 (&acc)[kRows][kVecs]) {
+__attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc)[kRows][kVecs]) {
   if (t.bias != nullptr) {
     float bias[kPanel] = {};
     std::memcpy(bias, t.bias, sizeof(float) * t.cols);
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < kVecs; ++j) acc[i][j] += *reinterpret_cast<const vec16u*>(bias + 16 * j);
+      for (int j = 0; j < kVecs; ++j) acc[i][j] += *reinterpret_cast<const vecfu*>(bias + kLanes * j);
   }
   for (int i = 0; i < kRows; ++i) {
     float* dst = t.out + i * t.out_stride;
     if (t.cols == kPanel) {
-      for (int j = 0; j < kVecs; ++j) *reinterpret_cast<vec16u*>(dst + 16 * j) = acc[i][j];
+      for (int j = 0; j < kVecs; ++j) *reinterpret_cast<vecfu*>(dst + kLanes * j) = acc[i][j];
     } else {
       std::memcpy(dst, &acc[i][0], sizeof(float) * t.cols);
     }
@@ -164,8 +172,8 @@ __attribute__((always_inline)) inline void finish_tile(const Tile& t, vec16 (&ac
 // out[i, :cols] = x[i, :] @ panel (+ bias) for the tile's kRows rows.
 // acc[i] += x[i, k] * w for the tile's rows (w: row k of the panel, widened).
 template <int kRows>
-__attribute__((always_inline)) inline void add_row(vec16 (&acc)[kRows][kVecs], const Tile& t, int64_t k,
-                                                   const vec16 (&w)[kVecs]) {
+__attribute__((always_inline)) inline void add_row(vecf (&acc)[kRows][kVecs], const Tile& t, int64_t k,
+                                                   const vecf (&w)[kVecs]) {
   for (int i = 0; i < kRows; ++i) {
     const float xv = t.x[i * t.x_stride + k];
     for (int j = 0; j < kVecs; ++j) acc[i][j] += xv * w[j];
@@ -175,11 +183,11 @@ __attribute__((always_inline)) inline void add_row(vec16 (&acc)[kRows][kVecs], c
 template <int kRows, typename Row>
 void tile_kernel(const Tile& t) {
   using Storage = typename Row::Storage;
-  vec16 acc[kRows][kVecs];
+  vecf acc[kRows][kVecs];
   for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kVecs; ++j) acc[i][j] = vec16{};
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = vecf{};
   const Storage* panel = static_cast<const Storage*>(t.panel);
-  vec16 w[kVecs];
+  vecf w[kVecs];
   if constexpr (Row::kPaired) {  // two rows per step, the sum still over k in order
     int64_t k = 0;
     for (; k + 1 < t.k; k += 2) {
@@ -206,19 +214,17 @@ void tile_kernel(const Tile& t) {
 // bfloat16 panel, dot products of pairs with x rounded to bfloat16 (kBf16Dot builds only).
 template <int kRows>
 void tile_kernel_bf16_dot(const Tile& t) {
-  vec16 acc[kRows][kVecs];
+  vecf acc[kRows][kVecs];
   for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kVecs; ++j) acc[i][j] = vec16{};
+    for (int j = 0; j < kVecs; ++j) acc[i][j] = vecf{};
   const uint16_t* panel = static_cast<const uint16_t*>(t.panel);
   const int64_t pairs = (t.k + 1) / 2;
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    const uint16_t* pair = panel + kk * kPairElems;
-    const words16 w0 = *reinterpret_cast<const words16*>(pair), w1 = *reinterpret_cast<const words16*>(pair + kPanel);
+    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems);  // kVecs vectors of words
     BFloat16Row::prefetch(panel, 2 * kk);
     for (int i = 0; i < kRows; ++i) {
-      const words16 xv = words16{} + t.xq[i * t.xq_stride + kk];  // broadcast
-      acc[i][0] = dot_pairs(acc[i][0], xv, w0);
-      acc[i][1] = dot_pairs(acc[i][1], xv, w1);
+      const wordsv xv = wordsv{} + t.xq[i * t.xq_stride + kk];  // broadcast
+      for (int j = 0; j < kVecs; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, pair[j]);
     }
   }
   finish_tile<kRows>(t, acc);
