@@ -4,9 +4,9 @@ and matrix shape, then cached, so that the choice is the machine's and stays the
 
 The crossover depends on the CPU (vector width, AVX512_BF16 or AMX in oneDNN's kernels, cache
 sizes), the thread count and the matrix's input size: on the 2-core AVX-512 machines of
+docs/benchmarks.md MKL wins from about 1,000 rows, a CPU with AMX would move it far lower, and on
 a 2-core AVX2 EPYC it wins from 128-256 rows (from 2-4 rows with an earlier AVX2 build of the panel
 kernel that ran at ~5 GFLOP/s).
-a 2-core AVX2 EPYC it won from 2-4 rows.
 
 Steps, run by the loader before it reads the checkpoint (so that the measurement's memory never
 adds to the weights'):
