@@ -171,17 +171,19 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(strided, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12, 13, 16, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 8, 12, 13, 16, 40])
+@pytest.mark.parametrize("last", [5, 21])
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_linear_matches_f_linear(rows, bias):
-    """Every tile height (1-12 rows, and tiles of two and four), a last panel of 5 columns."""
+def test_packed_linear_matches_f_linear(rows, last, bias):
+    """Every tile height (1-12 rows with AVX-512, 1-3 whole-panel and 6-12 half-panel rows with
+    AVX2, and uneven splits), a last panel of `last` columns (within its first half, or past it)."""
     gen = torch.Generator().manual_seed(rows)
-    out_features, in_features = 69, 40  # panels of 32, 32 and 5 columns
+    out_features, in_features = 64 + last, 40  # panels of 32, 32 and `last` columns
     weight = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
     panels = torch.ops.weft.pack_linear_weight(weight)
-    assert panels.shape == (3, in_features, 32) and not panels[2, :, 5:].any()
+    assert panels.shape == (3, in_features, 32) and not panels[2, :, last:].any()
     out = torch.ops.weft.packed_linear(x, panels, b, out_features)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
@@ -292,7 +294,7 @@ def test_kernels_at_many_threads():
         test_decode_attention_matches_gather_and_sdpa(torch.float32, (8, 2))
         test_short_multi_token_rows_attend_token_by_token()
         for rows in (1, 13, 40):
-            test_packed_linear_matches_f_linear(rows, True)
+            test_packed_linear_matches_f_linear(rows, 21, True)
         test_bitmask_kernel_matches_torch(True)
     finally:
         torch.set_num_threads(before)

@@ -8,7 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -69,6 +69,37 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The same on 8 lanes (AVX2 machines), step for step.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+inline float reduce_add8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float reduce_max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#define WEFT_AVX2 1
+#endif
+
 template <typename T>
 inline float dot(const T* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -125,6 +156,13 @@ inline __m512 silu16(__m512 x) {
   const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
   return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
+#elif defined(WEFT_AVX2)
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // exp(-|x|)
+  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
 #endif
 
 // out[t] = silu(gate[t]) * up[t], where a row of the fused projection is [gate | up] ([T, 2I]).
@@ -133,6 +171,10 @@ void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
     _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+  }
+#elif defined(WEFT_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
   }
 #endif
   for (; i < n; ++i) dst[i] = silu(gate[i]) * up[i];
@@ -273,7 +315,15 @@ inline float max_of(const float* scores, int64_t n) {
   }
   return _mm512_reduce_max_ps(best);
 #else
-  return *std::max_element(scores, scores + n);
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(WEFT_AVX2)
+  __m256 lanes = _mm256_set1_ps(best);
+  for (; t + 8 <= n; t += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(scores + t));
+  best = reduce_max8(lanes);
+#endif
+  for (; t < n; ++t) best = std::max(best, scores[t]);
+  return best;
 #endif
 }
 
@@ -290,7 +340,17 @@ inline float exp_shifted(float* scores, int64_t n, float max) {
   return _mm512_reduce_add_ps(total);
 #else
   float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t = 0;
+#if defined(WEFT_AVX2)
+  __m256 total = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), _mm256_set1_ps(max)));
+    _mm256_storeu_ps(scores + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  sum = reduce_add8(total);
+#endif
+  for (; t < n; ++t) {
     scores[t] = exp_approx(scores[t] - max);
     sum += scores[t];
   }
@@ -619,6 +679,15 @@ float row_max_or_nan(const float* row, int64_t vocab) {
   }
   max = _mm512_reduce_max_ps(vmax_acc);
   nan = unordered != 0;
+#elif defined(WEFT_AVX2)
+  __m256 vmax_acc = _mm256_set1_ps(max), unordered = _mm256_setzero_ps();
+  for (; j + 8 <= vocab; j += 8) {
+    const __m256 v = _mm256_loadu_ps(row + j);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax_acc = _mm256_max_ps(vmax_acc, v);
+  }
+  max = reduce_max8(vmax_acc);
+  nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; j < vocab; ++j) {
     nan |= std::isnan(row[j]);
@@ -637,6 +706,11 @@ LogNormalizer log_normalizer(const float* row, int64_t vocab) {
   __m512 acc = _mm512_setzero_ps();
   for (; j + 16 <= vocab; j += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmax)));
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(WEFT_AVX2)
+  const __m256 vmax = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= vocab; j += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), vmax)));
+  sum = reduce_add8(acc);
 #endif
   for (; j < vocab; ++j) sum += exp_approx(row[j] - max);
   return {max, std::log(sum)};
@@ -664,6 +738,21 @@ void row_logprobs_one(const float* row, int64_t vocab, int64_t chosen_id, float 
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, lp);
     for (int lane = 0; lane < 16; ++lane) {
+      if (num_top > 0) keep_top(std::isnan(lanes[lane]) ? minus_inf : lanes[lane], j + lane, kept, kept_ids, count, num_top);
+    }
+  }
+#elif defined(WEFT_AVX2)
+  const __m256 vshift = _mm256_set1_ps(shift), vlog_sum = _mm256_set1_ps(log_sum), vchosen = _mm256_set1_ps(chosen);
+  for (; j + 8 <= vocab; j += 8) {
+    const __m256 lp = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), vshift), vlog_sum);
+    above += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(lp, vchosen, _CMP_GT_OQ)));
+    const float bar = count == num_top ? (num_top > 0 ? kept[num_top - 1] : std::numeric_limits<float>::infinity())
+                                       : -std::numeric_limits<float>::infinity();
+    const int enter = count == num_top ? _mm256_movemask_ps(_mm256_cmp_ps(lp, _mm256_set1_ps(bar), _CMP_GT_OQ)) : 0xFF;
+    if (!enter) continue;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, lp);
+    for (int lane = 0; lane < 8; ++lane) {
       if (num_top > 0) keep_top(std::isnan(lanes[lane]) ? minus_inf : lanes[lane], j + lane, kept, kept_ids, count, num_top);
     }
   }
@@ -925,6 +1014,19 @@ double masses(const float* x, int64_t vocab, float max, float* e) {
     acc_hi = _mm512_add_pd(acc_hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1))));
   }
   total = _mm512_reduce_add_pd(_mm512_add_pd(acc_lo, acc_hi));
+#elif defined(WEFT_AVX2)
+  const __m256 vmax = _mm256_set1_ps(max), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();
+  for (; j + 8 <= vocab; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256 m = _mm256_and_ps(_mm256_cmp_ps(v, minus_inf, _CMP_GT_OQ), exp8(_mm256_sub_ps(v, vmax)));
+    _mm256_storeu_ps(e + j, m);
+    acc_lo = _mm256_add_pd(acc_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
+    acc_hi = _mm256_add_pd(acc_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(acc_lo, acc_hi));
+  total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
   for (; j < vocab; ++j) {
     e[j] = x[j] > -std::numeric_limits<float>::infinity() ? exp_approx(x[j] - max) : 0.f;

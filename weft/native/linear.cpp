@@ -68,8 +68,10 @@ typedef uint32_t wordsv __attribute__((vector_size(4 * kLanes)));           // w
 struct Float32Row {
   using Storage = float;
   static constexpr bool kPaired = false;
-  static void load(const float* panel, int64_t k, vecf w[kVecs]) {
-    for (int j = 0; j < kVecs; ++j) w[j] = *reinterpret_cast<const vecf*>(panel + k * kPanel + kLanes * j);
+  template <int kV>  // vectors first_vec .. first_vec + kV - 1 of the row
+  static void load(const float* panel, int64_t k, int first_vec, vecf w[kV]) {
+    const float* row = panel + k * kPanel + kLanes * first_vec;
+    for (int j = 0; j < kV; ++j) w[j] = *reinterpret_cast<const vecf*>(row + kLanes * j);
   }
   static void prefetch(const float* panel, int64_t k) {
     const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
@@ -104,10 +106,10 @@ inline vecf dot_pairs(vecf acc, wordsv x, wordsv w) {
 struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k) half of each word
   using Storage = uint16_t;
   static constexpr bool kPaired = true;
-  template <int kHalf>  // k % 2, known at compile time: one shift or one mask per vector
-  static void load(const uint16_t* panel, int64_t k, vecf w[kVecs]) {
-    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + (k / 2) * kPairElems);
-    for (int j = 0; j < kVecs; ++j)
+  template <int kHalf, int kV>  // k % 2, known at compile time: one shift or one mask per vector
+  static void load(const uint16_t* panel, int64_t k, int first_vec, vecf w[kV]) {
+    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + (k / 2) * kPairElems) + first_vec;
+    for (int j = 0; j < kV; ++j)
       w[j] = reinterpret_cast<vecf>(kHalf == 0 ? pair[j] << 16 : pair[j] & 0xffff0000u);
   }
   static void prefetch(const uint16_t* panel, int64_t k) {  // the pair's two lines
@@ -123,16 +125,17 @@ struct Float16Row {  // natural column order
   static void prefetch(const uint16_t* panel, int64_t k) {
     __builtin_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
   }
-  static void load(const uint16_t* panel, int64_t k, vecf w[kVecs]) {
-    const uint16_t* row = panel + k * kPanel;
+  template <int kV>
+  static void load(const uint16_t* panel, int64_t k, int first_vec, vecf w[kV]) {
+    const uint16_t* row = panel + k * kPanel + kLanes * first_vec;
 #if defined(__AVX512F__)
-    for (int j = 0; j < kVecs; ++j)
+    for (int j = 0; j < kV; ++j)
       w[j] = reinterpret_cast<vecf>(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * j))));
 #elif defined(__F16C__)
-    for (int j = 0; j < kVecs; ++j)
+    for (int j = 0; j < kV; ++j)
       w[j] = reinterpret_cast<vecf>(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row + 8 * j))));
 #else
-    for (int c = 0; c < kPanel; ++c) reinterpret_cast<float*>(w)[c] = static_cast<float>(c10::Half(row[c], c10::Half::from_bits()));
+    for (int c = 0; c < kV * kLanes; ++c) reinterpret_cast<float*>(w)[c] = static_cast<float>(c10::Half(row[c], c10::Half::from_bits()));
 #endif
   }
 };
@@ -146,23 +149,24 @@ struct Tile {
   int64_t k;
   float* out;          // first row, first column of the tile
   int64_t out_stride;
-  int64_t cols;        // valid columns of this panel (32 but in the last panel)
-  const float* bias;   // the panel's bias, or nullptr
+  int64_t cols;        // valid columns of this tile (its width but in the last panel)
+  const float* bias;   // the tile's bias (its first column), or nullptr
+  int first_vec;       // the tile's first column vector in the panel (0, or kVecs / 2 for a right half)
 };
 
 // Adds the bias and stores the tile (shared by the kernels).
-template <int kRows>
-__attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc)[kRows][kVecs]) {
+template <int kRows, int kV>
+__attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc)[kRows][kV]) {
   if (t.bias != nullptr) {
     float bias[kPanel] = {};
     std::memcpy(bias, t.bias, sizeof(float) * t.cols);
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < kVecs; ++j) acc[i][j] += *reinterpret_cast<const vecfu*>(bias + kLanes * j);
+      for (int j = 0; j < kV; ++j) acc[i][j] += *reinterpret_cast<const vecfu*>(bias + kLanes * j);
   }
   for (int i = 0; i < kRows; ++i) {
     float* dst = t.out + i * t.out_stride;
-    if (t.cols == kPanel) {
-      for (int j = 0; j < kVecs; ++j) *reinterpret_cast<vecfu*>(dst + kLanes * j) = acc[i][j];
+    if (t.cols == kV * kLanes) {
+      for (int j = 0; j < kV; ++j) *reinterpret_cast<vecfu*>(dst + kLanes * j) = acc[i][j];
     } else {
       std::memcpy(dst, &acc[i][0], sizeof(float) * t.cols);
     }
@@ -171,88 +175,95 @@ __attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc
 
 // out[i, :cols] = x[i, :] @ panel (+ bias) for the tile's kRows rows.
 // acc[i] += x[i, k] * w for the tile's rows (w: row k of the panel, widened).
-template <int kRows>
-__attribute__((always_inline)) inline void add_row(vecf (&acc)[kRows][kVecs], const Tile& t, int64_t k,
-                                                   const vecf (&w)[kVecs]) {
+template <int kRows, int kV>
+__attribute__((always_inline)) inline void add_row(vecf (&acc)[kRows][kV], const Tile& t, int64_t k,
+                                                   const vecf (&w)[kV]) {
   for (int i = 0; i < kRows; ++i) {
     const float xv = t.x[i * t.x_stride + k];
-    for (int j = 0; j < kVecs; ++j) acc[i][j] += xv * w[j];
+    for (int j = 0; j < kV; ++j) acc[i][j] += xv * w[j];
   }
 }
 
-template <int kRows, typename Row>
+// kRows rows times kV column vectors of the panel (all kVecs, or a half: see run_panels).
+template <int kRows, int kV, typename Row>
 void tile_kernel(const Tile& t) {
   using Storage = typename Row::Storage;
-  vecf acc[kRows][kVecs];
+  vecf acc[kRows][kV];
   for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kVecs; ++j) acc[i][j] = vecf{};
+    for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   const Storage* panel = static_cast<const Storage*>(t.panel);
-  vecf w[kVecs];
+  vecf w[kV];
   if constexpr (Row::kPaired) {  // two rows per step, the sum still over k in order
     int64_t k = 0;
     for (; k + 1 < t.k; k += 2) {
-      Row::template load<0>(panel, k, w);
+      Row::template load<0, kV>(panel, k, t.first_vec, w);
       Row::prefetch(panel, k);
-      add_row<kRows>(acc, t, k, w);
-      Row::template load<1>(panel, k, w);
-      add_row<kRows>(acc, t, k + 1, w);
+      add_row<kRows, kV>(acc, t, k, w);
+      Row::template load<1, kV>(panel, k, t.first_vec, w);
+      add_row<kRows, kV>(acc, t, k + 1, w);
     }
     if (k < t.k) {  // an odd K: the last pair's second row is padding
-      Row::template load<0>(panel, k, w);
-      add_row<kRows>(acc, t, k, w);
+      Row::template load<0, kV>(panel, k, t.first_vec, w);
+      add_row<kRows, kV>(acc, t, k, w);
     }
   } else {
     for (int64_t k = 0; k < t.k; ++k) {
-      Row::load(panel, k, w);
+      Row::template load<kV>(panel, k, t.first_vec, w);
       Row::prefetch(panel, k);
-      add_row<kRows>(acc, t, k, w);
+      add_row<kRows, kV>(acc, t, k, w);
     }
   }
-  finish_tile<kRows>(t, acc);
+  finish_tile<kRows, kV>(t, acc);
 }
 
 // bfloat16 panel, dot products of pairs with x rounded to bfloat16 (kBf16Dot builds only).
-template <int kRows>
+template <int kRows, int kV>
 void tile_kernel_bf16_dot(const Tile& t) {
-  vecf acc[kRows][kVecs];
+  vecf acc[kRows][kV];
   for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kVecs; ++j) acc[i][j] = vecf{};
+    for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   const uint16_t* panel = static_cast<const uint16_t*>(t.panel);
   const int64_t pairs = (t.k + 1) / 2;
   for (int64_t kk = 0; kk < pairs; ++kk) {
-    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems);  // kVecs vectors of words
+    const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems) + t.first_vec;  // of words
     BFloat16Row::prefetch(panel, 2 * kk);
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + t.xq[i * t.xq_stride + kk];  // broadcast
-      for (int j = 0; j < kVecs; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, pair[j]);
+      for (int j = 0; j < kV; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, pair[j]);
     }
   }
-  finish_tile<kRows>(t, acc);
+  finish_tile<kRows, kV>(t, acc);
 }
 
 using TileFn = void (*)(const Tile&);
 
 // The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
-struct Float32Tiles {
-  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, Float32Row>(t); }
+template <typename Row>
+struct RowTiles {
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel<kRows, kV, Row>(t); }
 };
-struct Float16Tiles {
-  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, Float16Row>(t); }
-};
-struct BFloat16Tiles {
-  template <int kRows> static void run(const Tile& t) { tile_kernel<kRows, BFloat16Row>(t); }
-};
+using Float32Tiles = RowTiles<Float32Row>;
+using Float16Tiles = RowTiles<Float16Row>;
+using BFloat16Tiles = RowTiles<BFloat16Row>;
 struct BFloat16DotTiles {
-  template <int kRows> static void run(const Tile& t) { tile_kernel_bf16_dot<kRows>(t); }
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_bf16_dot<kRows, kV>(t); }
 };
 
-template <typename Tiles, int... kRows>
+template <typename Tiles, int kV, int... kRows>
 constexpr std::array<TileFn, sizeof...(kRows) + 1> tile_table(std::integer_sequence<int, kRows...>) {
-  return {nullptr, &Tiles::template run<kRows + 1>...};
+  return {nullptr, &Tiles::template run<kRows + 1, kV>...};
 }
 
+// Whole-panel tiles (1..kMaxTileRows rows), and half-panel tiles of twice the rows where registers
+// are few: AVX2's sixteen hold 3 rows x 32 columns (12 accumulators) or 6 rows x 16 columns, and
+// the second reads half the panel bytes per multiply-add, which is what bounds a long prefill there
+// (a decode step of 1-3 rows streams the weights once either way and keeps whole panels).
 template <typename Tiles>
-constexpr auto kTileKernels = tile_table<Tiles>(std::make_integer_sequence<int, kMaxTileRows>{});
+constexpr auto kTileKernels = tile_table<Tiles, kVecs>(std::make_integer_sequence<int, kMaxTileRows>{});
+constexpr bool kHalfTiles = kLanes == 8;
+constexpr int64_t kMaxHalfTileRows = 2 * kMaxTileRows;
+template <typename Tiles>
+constexpr auto kHalfTileKernels = tile_table<Tiles, kVecs / 2>(std::make_integer_sequence<int, kMaxHalfTileRows>{});
 
 // Rows of a panel: K, or for bfloat16 K rounded up to whole pairs.
 inline int64_t panel_rows(at::ScalarType type, int64_t k) { return type == at::kBFloat16 ? k + k % 2 : k; }
@@ -345,9 +356,9 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   return out;
 }
 
-// Rows per tile: as even as possible, at most kMaxTileRows (16 rows: 8 + 8, not 12 + 4).
-int64_t tile_rows(int64_t rows) {
-  const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+// Rows per tile: as even as possible, at most max_rows (16 rows in tiles of 12: 8 + 8, not 12 + 4).
+int64_t tile_rows(int64_t rows, int64_t max_rows) {
+  const int64_t tiles = (rows + max_rows - 1) / max_rows;
   return (rows + tiles - 1) / tiles;
 }
 
@@ -389,7 +400,12 @@ template <typename Tiles, typename Storage>
 void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out,
                 const at::Tensor& xq) {
   const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = x.size(1);
-  const int64_t panel_elems = panels.size(1) * kPanel, rows = tile_rows(m);
+  const int64_t panel_elems = panels.size(1) * kPanel;
+  // From kMaxHalfTileRows rows (AVX2 only), each panel is walked in two halves of 16 columns.
+  const bool halves = kHalfTiles && m >= kMaxHalfTileRows;
+  const int64_t rows = tile_rows(m, halves ? kMaxHalfTileRows : kMaxTileRows);
+  const int64_t width = halves ? kPanel / 2 : kPanel;
+  const TileFn* kernels = halves ? kHalfTileKernels<Tiles>.data() : kTileKernels<Tiles>.data();
   const float* xp = x.data_ptr<float>();
   const uint32_t* xqp = xq.defined() ? reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) : nullptr;
   const int64_t xq_stride = xq.defined() ? xq.size(1) : 0;
@@ -397,13 +413,15 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias
   float* op = out.data_ptr<float>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t col = p * kPanel;
-      for (int64_t r = 0; r < m; r += rows) {
-        const int64_t count = std::min(rows, m - r);
-        const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + r * xq_stride, xq_stride,
-                        wp + p * panel_elems, k, op + r * n + col, n, std::min(kPanel, n - col),
-                        bias == nullptr ? nullptr : bias + col};
-        kTileKernels<Tiles>[count](tile);
+      for (int64_t col = p * kPanel; col < std::min((p + 1) * kPanel, n); col += width) {
+        const int first_vec = static_cast<int>((col - p * kPanel) / kLanes);
+        for (int64_t r = 0; r < m; r += rows) {
+          const int64_t count = std::min(rows, m - r);
+          const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + r * xq_stride, xq_stride,
+                          wp + p * panel_elems, k, op + r * n + col, n, std::min(width, n - col),
+                          bias == nullptr ? nullptr : bias + col, first_vec};
+          kernels[count](tile);
+        }
       }
     }
   });
