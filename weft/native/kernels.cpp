@@ -896,11 +896,17 @@ inline __m512 gumbel16(uint64_t key, int64_t first) {
 // argmax over the row of logit + Gumbel noise (first index on ties), skipping hopeless tokens.
 int64_t gumbel_argmax_row(const float* row, int64_t vocab, uint64_t key) {
   float max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < vocab; ++j) max = std::max(max, row[j]);  // NaN is skipped
+  int64_t j = 0;
+#if defined(WEFT_AVX2)
+  __m256 lanes = _mm256_set1_ps(max);
+  for (; j + 8 <= vocab; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(row + j), lanes);  // a NaN keeps `lanes`
+  max = reduce_max8(lanes);
+#endif
+  for (; j < vocab; ++j) max = std::max(max, row[j]);  // NaN is skipped
   const float floor = max - kGumbelSpan;
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_id = 0;
-  int64_t j = 0;
+  j = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   const __m512 vfloor = _mm512_set1_ps(floor);
   for (; j + 16 <= vocab; j += 16) {
@@ -912,6 +918,19 @@ int64_t gumbel_argmax_row(const float* row, int64_t vocab, uint64_t key) {
     if (top > best) {
       best = top;
       best_id = j + __builtin_ctz(_mm512_cmp_ps_mask(value, _mm512_set1_ps(top), _CMP_EQ_OQ));
+    }
+  }
+#elif defined(WEFT_AVX2)  // the scan for live tokens on 8 lanes; their noise one at a time, in order
+  const __m256 vfloor = _mm256_set1_ps(floor);
+  for (; j + 8 <= vocab; j += 8) {
+    for (int live = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), vfloor, _CMP_GE_OQ)); live;
+         live &= live - 1) {
+      const int64_t token = j + __builtin_ctz(live);
+      const float value = row[token] + gumbel_one(key, token);
+      if (value > best) {
+        best = value;
+        best_id = token;
+      }
     }
   }
 #endif
