@@ -113,9 +113,12 @@ def test_other_builds_of_the_kernels_pass_the_same_tests(tmp_path, arch, cflags,
     else:
         assert "bf16_dot_emulated" in info.stdout.split(), info.stdout
     selections = [("panel", str(Path(__file__)))]
-    if isa is not None:  # the sampling kernels' scalar paths (their vector paths need AVX-512)
+    if isa is not None:  # the other kernels' AVX2 paths: SiLU, attention, linear, sampling
         selections.append(
-            ("gumbel or row_logprobs or top_p_filter", str(Path(__file__).with_name("test_native.py")))
+            (
+                "gumbel or row_logprobs or top_p_filter or silu or attention or packed_linear",
+                str(Path(__file__).with_name("test_native.py")),
+            )
         )
     for selection, test_file in selections:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection, test_file]
