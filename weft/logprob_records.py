@@ -49,9 +49,11 @@ class LogprobRows:
     def row(self, index: int) -> RowLists:
         """Row `index` as (ids [k+1], logprobs [k+1], rank of column 0's token)."""
         rows = self._rows
-        if rows is None:
-            rows = self._rows = _lists(self._array)
-            self._array = None
+        if rows is None:  # (a server's event loop may read while the engine's thread does)
+            array = self._array
+            rows = self._rows if array is None else _lists(array)  # None: another thread just did
+            self._rows, self._array = rows, None  # in this order: a reader always finds one of them
+        assert rows is not None
         return rows[index]
 
 

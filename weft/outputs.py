@@ -80,6 +80,10 @@ class CompletionOutput:
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
 
+    def __reduce__(self) -> tuple[type[CompletionOutput], tuple[object, ...]]:
+        """Pickled and copied with its logprobs built (a pending span would carry the tokenizer)."""
+        return CompletionOutput, tuple(value for _, value in self._fields())
+
 
 @dataclass(slots=True)
 class RequestOutput:

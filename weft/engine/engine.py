@@ -335,6 +335,8 @@ class LLMEngine:
         the room left under `max_num_seqs`."""
         room = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
         fanouts: list[Fanout] = []
+        if room <= 0:
+            return fanouts
         row, next_row = 0, len(sched.sampling)
         for item in sched.scheduled:
             if not item.samples:
