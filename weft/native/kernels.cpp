@@ -893,6 +893,62 @@ inline __m512 gumbel16(uint64_t key, int64_t first) {
 }
 #endif
 
+#if defined(WEFT_AVX2)
+// 64-bit products of 64-bit lanes, from 32-bit multiplies (AVX2 has no 64-bit one).
+inline __m256i mullo64(__m256i a, __m256i b) {
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
+                                         _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, b), _mm256_slli_epi64(cross, 32));
+}
+
+// keyed_uniform_one's top bits (z >> (64 - kUniformBits)) for tokens first .. first + 3.
+inline __m256i uniform_bits4(uint64_t key, int64_t first) {
+  const __m256i tokens = _mm256_add_epi64(_mm256_set1_epi64x(first + 1), _mm256_set_epi64x(3, 2, 1, 0));
+  __m256i z = _mm256_add_epi64(_mm256_set1_epi64x(static_cast<int64_t>(key)),
+                               mullo64(tokens, _mm256_set1_epi64x(static_cast<int64_t>(kGolden))));
+  z = mullo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), _mm256_set1_epi64x(static_cast<int64_t>(kMix1)));
+  z = mullo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), _mm256_set1_epi64x(static_cast<int64_t>(kMix2)));
+  z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+  return _mm256_srli_epi64(z, 64 - kUniformBits);
+}
+
+// keyed_uniform_one for tokens first .. first + 7 (the bits fit the low 32 of each 64-bit lane).
+inline __m256 keyed_uniform8(uint64_t key, int64_t first) {
+  const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i a = _mm256_permutevar8x32_epi32(uniform_bits4(key, first), low_halves);
+  const __m256i b = _mm256_permutevar8x32_epi32(uniform_bits4(key, first + 4), low_halves);
+  const __m256 bits = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
+  return _mm256_mul_ps(_mm256_add_ps(bits, _mm256_set1_ps(0.5f)), _mm256_set1_ps(1.0f / (1 << kUniformBits)));
+}
+
+// log_approx on 8 lanes, step for step (frexp from the float's bits: positive normal inputs only).
+inline __m256 log8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256 one = _mm256_set1_ps(1.f);
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));  // [0.5, 1)
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+  const __m256 small = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  e = _mm256_sub_ps(e, _mm256_and_ps(small, one));
+  m = _mm256_blendv_ps(_mm256_sub_ps(m, one), _mm256_sub_ps(_mm256_add_ps(m, m), one), small);
+  const __m256 z = _mm256_mul_ps(m, m);
+  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
+                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+    y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(c));
+  }
+  y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fmadd_ps(z, _mm256_set1_ps(-0.5f), y);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, y));
+}
+
+inline __m256 gumbel8(uint64_t key, int64_t first) {
+  const __m256 minus = _mm256_set1_ps(-0.f);
+  return _mm256_xor_ps(log8(_mm256_xor_ps(log8(keyed_uniform8(key, first)), minus)), minus);
+}
+#endif
+
 // argmax over the row of logit + Gumbel noise (first index on ties), skipping hopeless tokens.
 int64_t gumbel_argmax_row(const float* row, int64_t vocab, uint64_t key) {
   float max = -std::numeric_limits<float>::infinity();
@@ -920,17 +976,17 @@ int64_t gumbel_argmax_row(const float* row, int64_t vocab, uint64_t key) {
       best_id = j + __builtin_ctz(_mm512_cmp_ps_mask(value, _mm512_set1_ps(top), _CMP_EQ_OQ));
     }
   }
-#elif defined(WEFT_AVX2)  // the scan for live tokens on 8 lanes; their noise one at a time, in order
-  const __m256 vfloor = _mm256_set1_ps(floor);
+#elif defined(WEFT_AVX2)
+  const __m256 vfloor = _mm256_set1_ps(floor), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (; j + 8 <= vocab; j += 8) {
-    for (int live = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), vfloor, _CMP_GE_OQ)); live;
-         live &= live - 1) {
-      const int64_t token = j + __builtin_ctz(live);
-      const float value = row[token] + gumbel_one(key, token);
-      if (value > best) {
-        best = value;
-        best_id = token;
-      }
+    const __m256 x = _mm256_loadu_ps(row + j);
+    const __m256 live = _mm256_cmp_ps(x, vfloor, _CMP_GE_OQ);
+    if (!_mm256_movemask_ps(live)) continue;
+    const __m256 value = _mm256_blendv_ps(minus_inf, _mm256_add_ps(x, gumbel8(key, j)), live);
+    const float top = reduce_max8(value);
+    if (top > best) {
+      best = top;
+      best_id = j + __builtin_ctz(_mm256_movemask_ps(_mm256_cmp_ps(value, _mm256_set1_ps(top), _CMP_EQ_OQ)));
     }
   }
 #endif
