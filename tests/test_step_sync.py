@@ -16,9 +16,11 @@ from weft import LLM, SamplingParams
 CONVERSIONS = ("tolist", "item", "__bool__", "__int__", "__float__", "numpy", "__array__", "cpu")
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama) -> LLM:
-    return LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32")
+@pytest.fixture(scope="module", params=[False, True], ids=["in-turn", "lookahead"])
+def llm(tiny_llama, request) -> LLM:
+    return LLM(
+        str(tiny_llama), show_progress=False, device="cpu", dtype="float32", async_scheduling=request.param
+    )
 
 
 def counting(monkeypatch, counts: Counter) -> None:

@@ -188,6 +188,9 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20  # the most top-n logprobs a request may ask for
     weight_dtype: torch.dtype | None = None  # None: the same as dtype
+    # Schedule the next step before this one's tokens are read back where rows allow it
+    # (weft/engine/lookahead.py): the default on CUDA, where the host's work then overlaps the device's.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(

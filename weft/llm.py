@@ -77,6 +77,7 @@ class LLM:
         seed: int = 0,
         show_progress: bool = True,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.engine = build_engine(
             EngineArgs(
@@ -94,6 +95,7 @@ class LLM:
                 seed=seed,
                 show_progress=show_progress,
                 enforce_eager=enforce_eager,
+                async_scheduling=async_scheduling,
             )
         )
         self.tokenizer = self.engine.tokenizer

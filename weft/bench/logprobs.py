@@ -69,14 +69,14 @@ class WorkClock:
         from weft.engine.sequence import Sequence
 
         engine = llm.engine
-        saved = (engine.sampler, engine_module._to_host, Sequence._add_logprobs)
+        saved = (engine.sampler, engine_module._host_results, Sequence._add_logprobs)
         engine.sampler = self.wrap(engine.sampler)
-        engine_module._to_host = self.wrap(engine_module._to_host)
+        engine_module._host_results = self.wrap(engine_module._host_results)
         Sequence._add_logprobs = self.wrap(Sequence._add_logprobs)  # type: ignore[method-assign]
         try:
             yield
         finally:
-            engine.sampler, engine_module._to_host, Sequence._add_logprobs = saved  # type: ignore[method-assign]
+            engine.sampler, engine_module._host_results, Sequence._add_logprobs = saved  # type: ignore[method-assign]
 
 
 def decode_seconds(llm: Any, prompts: list[list[int]], output_len: int, logprobs: int | None) -> float:

@@ -146,9 +146,9 @@ class StandInRunner:
         self.logits = logits.to(runner.device)  # [max_rows, V] float32
         self.out = torch.empty_like(self.logits)  # reused, as a device allocator would (no frees)
 
-    def execute(self, sched: Any) -> StepLogits:
+    def execute(self, sched: Any, in_flight: Any = None) -> StepLogits:
         with self.clock.phase("prepare"):
-            self.runner.prepare(sched)
+            self.runner.prepare(sched, in_flight)
         with self.clock.phase("forward*"):
             rows = len(sched.sampling)
             return StepLogits(self.out[:rows].copy_(self.logits[:rows]), None, None, [])
@@ -174,7 +174,7 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
         (Sequence, "_append_text", "text+stop"),
         (Sequence, "_add_logprobs", "logprobs"),
         (PendingFill, "apply", "mask apply"),
-        (engine_module, "_to_host", "transfer"),
+        (engine_module, "_host_results", "transfer"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in class_patches]
     grammars = engine.grammars

@@ -31,13 +31,14 @@ from weft.config import EngineConfig
 from weft.engine.beam import BeamSearch
 from weft.engine.group import NO_UPDATE, GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.runner import ModelRunner, StepLogits
+from weft.engine.lookahead import Launched, can_stay_in_flight, commit
+from weft.engine.runner import InFlightTokens, ModelRunner, StepLogits
 from weft.engine.scheduler import Fanout, SampledRows, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
 from weft.logprob_records import LogprobRef, row_refs
 from weft.model.llama import LlamaForCausalLM
-from weft.outputs import ChoiceScore, EngineStats, RequestOutput, SamplerOutput
+from weft.outputs import ChoiceScore, EngineStats, RequestOutput
 from weft.params import BeamSearchParams, SamplingParams
 from weft.sample.prompt_logprobs import prompt_logprobs
 from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
@@ -82,6 +83,7 @@ class LLMEngine:
         self._grammars: GrammarManager | None = None
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
+        self.in_flight: Launched | None = None  # a step left running by lookahead (`step`)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -246,21 +248,38 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, launch, then read back and apply what came back. With lookahead
+        (`weft/engine/lookahead.py`) the step launched here may stay in flight until the next call,
+        which then reads it back after launching its own."""
         touched = self._admit_compiled_grammars()
         if self.choosing:
             touched += self._choose_exactly()
+        previous, self.in_flight = self.in_flight, None
         sched = self.scheduler.schedule()
+        launched = None
         if not sched.is_empty:
-            self._run(sched)
-            touched += [item.seq.group for item in sched.scheduled if item.seq.group is not None]
-        elif self.scheduler.waiting and not self.scheduler.running:
+            launched = self._launch(sched, None if previous is None else previous.in_flight)
+        elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             touched += self._fail_unschedulable()
+        if previous is not None:  # its tokens were counted as computed when it was left in flight
+            touched += self._resolve(previous)
+        if launched is not None and not (self.config.async_scheduling and can_stay_in_flight(launched)):
+            self.scheduler.advance(launched.sched)
+            touched += self._resolve(launched)
+            launched = None
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)
             if update is not NO_UPDATE:
                 self._apply(update)
-        return self._emit(groups)
+        outputs = self._emit(groups)
+        if launched is not None:  # after the outputs, which so never show a pending token
+            self.scheduler.advance(launched.sched)
+            if commit(launched).rows:
+                self.in_flight = launched
+            else:  # every row finished meanwhile: nothing to wait for
+                self._resolve(launched)
+        return outputs
 
     def _fail_unschedulable(self) -> list[SequenceGroup]:
         """Nothing runs and the next waiting sequence still gets no blocks: the rest of the cache
@@ -302,14 +321,14 @@ class LLMEngine:
             self._start(item.group, first)
         return [item.group for item in done]
 
-    def _run(self, sched: SchedulerOutput) -> None:
-        """Forward, sample, read back once, update, for one scheduled step."""
+    def _launch(self, sched: SchedulerOutput, in_flight: InFlightTokens | None) -> Launched:
+        """Forward and sample one scheduled step, and start reading its results back."""
         fanouts = self._fanouts(sched)
         seqs = sched.sampling + [child for f in fanouts for child in f.children]
         fill = None
         if self._grammars is not None:
             fill = self._grammars.start_fill([seq.matcher for seq in seqs])
-        step = self.runner.execute(sched)
+        step = self.runner.execute(sched, in_flight)
         logits = step.logits  # [S, V]
         if fanouts:  # [S + F, V]: each fanout child samples from its parent's row
             parent_rows = [f.parent_row for f in fanouts for _ in f.children]
@@ -317,18 +336,37 @@ class LLMEngine:
                 0, column([*range(logits.shape[0]), *parent_rows], np.int64, logits.device)
             )
         batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
+        out = self.sampler(logits, batch, fill)
+        top = out.top_logprobs
+        blocks = (
+            []
+            if top is None
+            else [logprob_block(top.token_ids, top.logprobs, top.ranks, top.constraint_logmass)]
+        )
         prompt = self._prompt_logprobs(step)
-        rows, prompt_items = _to_host(self.sampler(logits, batch, fill), prompt)
+        if prompt is not None:
+            blocks.append(prompt)
+        transfer = to_host(pack(out.token_ids, blocks))
+        return Launched(
+            sched, fanouts, seqs, out.token_ids, transfer, [(b.shape[0], b.shape[1]) for b in blocks],
+            () if top is None else top.rows, prompt is not None, out.errors, step.prompt_spans,
+        )  # fmt: skip
+
+    def _resolve(self, launched: Launched) -> list[SequenceGroup]:
+        """Read a launched step back (its tokens already counted as computed: `Scheduler.advance`)
+        and hand each sequence its token and logprobs. Returns the groups it touched."""
+        rows, prompt_items = _host_results(launched)
         offset = 0
-        for span in step.prompt_spans:
+        for span in launched.spans:
             items = prompt_items[offset : offset + span.count]
             if span.forced:
                 span.seq.add_forced_logprobs(span.first_token, items)
             else:
                 span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
-        self.num_sampled_tokens += len(seqs) - len(rows.errors)
-        self.num_forced_tokens += self.scheduler.update(sched, rows, fanouts)
+        self.num_sampled_tokens += len(launched.seqs) - len(rows.errors)
+        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
+        return [item.seq.group for item in launched.sched.scheduled if item.seq.group is not None]
 
     def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:
         """Sequences that draw their first token from a row of this step (see `Fanout`), within
@@ -426,24 +464,17 @@ def _validate_exact_choice(params: SamplingParams) -> None:
         )
 
 
-def _to_host(out: SamplerOutput, prompt_block: torch.Tensor | None) -> tuple[SampledRows, list[LogprobRef]]:
-    """The sampler's results and the prompt logprobs on the host, in one transfer (`to_host`). A
-    row with `INVALID_TOKEN` fails with a message."""
-    top = out.top_logprobs
-    blocks = (
-        [] if top is None else [logprob_block(top.token_ids, top.logprobs, top.ranks, top.constraint_logmass)]
-    )
-    if prompt_block is not None:
-        blocks.append(prompt_block)
-    flat = to_host(pack(out.token_ids, blocks))
-    num_rows = out.token_ids.shape[0]
-    token_ids, host_blocks = unpack(flat, num_rows, [(b.shape[0], b.shape[1]) for b in blocks])
+def _host_results(launched: Launched) -> tuple[SampledRows, list[LogprobRef]]:
+    """A launched step's results on the host, from its one transfer: the sampled tokens, their
+    logprobs and the prompt logprobs. A row with `INVALID_TOKEN` fails with a message."""
+    num_rows = len(launched.seqs)
+    token_ids, host_blocks = unpack(launched.transfer.wait(), num_rows, launched.shapes)
     logprobs: list[LogprobRef | None] = [None] * num_rows
-    if top is not None:
-        for row, ref in zip(top.rows, row_refs(host_blocks[0]), strict=True):
+    if launched.logprob_rows:
+        for row, ref in zip(launched.logprob_rows, row_refs(host_blocks[0]), strict=True):
             logprobs[row] = ref
-    prompt_items = [] if prompt_block is None else row_refs(host_blocks[-1])
-    errors = dict(out.errors)
+    prompt_items = row_refs(host_blocks[-1]) if launched.has_prompt_block else []
+    errors = dict(launched.errors)
     if INVALID_TOKEN in token_ids:
         for row, token in enumerate(token_ids):
             if token == INVALID_TOKEN:

@@ -59,6 +59,7 @@ class EngineArgs:
     seed: int = 0
     show_progress: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs, every step eager
+    async_scheduling: bool | None = None  # None: on CUDA only (weft/engine/lookahead.py)
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -87,9 +88,11 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     scheduler = SchedulerConfig(
         args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), max_len
     )
+    async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
-        model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, weight_dtype=dtype
-    )
+        model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, dtype,
+        async_scheduling,
+    )  # fmt: skip
     engine = LLMEngine(config, model, tokenizer)
     if device.type == "cuda" and not args.enforce_eager:
         _capture_graphs(engine, args.show_progress)

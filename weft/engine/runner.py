@@ -37,6 +37,17 @@ class PromptSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlightTokens:
+    """The sampled tokens of a step still in flight (the engine's lookahead): `tokens` [B] int64 on
+    the device, and the row of each sequence that samples one there (by seq_id). A sequence whose
+    next input is such a token holds `PENDING_TOKEN` in its place; the input takes the value on the
+    device, without reading it back."""
+
+    tokens: torch.Tensor  # [B] int64
+    rows: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -86,8 +97,9 @@ class ModelRunner:
         shape = PagedAttention.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim)
         return math.prod(shape) * model_config.num_layers * torch.tensor([], dtype=dtype).element_size()
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+    def prepare(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> ModelInput:
         input_ids: list[int] = []
+        pending: list[int] = []  # (input row, its row in `in_flight`) of the inputs it samples
         query_lens: list[int] = []
         context_lens: list[int] = []
         logits_indices: list[int] = []
@@ -103,6 +115,9 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[start])
             else:
                 input_ids.extend(seq.token_ids[start : start + num_new])
+            if seq.num_pending and start + num_new == len(seq.token_ids):
+                assert in_flight is not None, "a pending token without the step that samples it"
+                pending += (len(input_ids) - 1, in_flight.rows[seq.seq_id])
             query_lens.append(num_new)
             context_lens.append(start + num_new)
             if item.samples:
@@ -111,8 +126,13 @@ class ModelRunner:
         attn, positions = self.attention.build_metadata(
             query_lens, context_lens, tables, self.block_size, self.device
         )
+        ids = column(input_ids, np.int64, self.device)
+        if pending:  # the tokens the step in flight samples, taken on the device
+            assert in_flight is not None
+            where = column(pending, np.int64, self.device).view(-1, 2)  # [P, 2]
+            ids[where[:, 0]] = in_flight.tokens[where[:, 1]]
         return ModelInput(
-            input_ids=column(input_ids, np.int64, self.device),
+            input_ids=ids,
             positions=positions,
             attn=attn,
             logits_indices=column(logits_indices, np.int64, self.device),
@@ -122,11 +142,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepLogits:
+    def execute(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> StepLogits:
         """Run one step: logits [S, V] float32 for the sampling sequences, in order, and the hidden
-        states of the rows whose prompt logprobs are wanted (their logits are computed in chunks)."""
+        states of the rows whose prompt logprobs are wanted (their logits are computed in chunks).
+        `in_flight`: the step still running whose sampled tokens some inputs are."""
         self.copy_blocks(sched.block_copies)
-        inputs = self.prepare(sched)
+        inputs = self.prepare(sched, in_flight)
         hidden = self._forward(inputs)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
@@ -160,8 +181,8 @@ class ModelRunner:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its private copy."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = column([s for s, _ in copies], np.int64, self.device)  # (pinned, non-blocking on CUDA)
+        dst = column([d for _, d in copies], np.int64, self.device)
         for kv_cache in self.kv_caches:
             kv_cache[dst] = kv_cache[src]
 

@@ -147,7 +147,7 @@ class Scheduler:
                 idx += 1
                 continue
             table = self.kv.allocate_slots(seq, num_new)
-            while table is None:
+            while table is None and not self.running[-1].num_pending:  # (see Sequence.add_pending)
                 victim = self.running.pop()
                 self._preempt(victim)
                 if victim is seq:
@@ -221,11 +221,27 @@ class Scheduler:
         return False
 
     def update(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
-        """Advance every scheduled sequence and hand each sampled token to its sequence (rows in
-        `output.sampling` order, then the fanout rows). Sequences that finish release their
-        blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
-        by_parent = {f.parent.seq_id: f for f in fanouts}
+        """`advance`, then `accept`: one step, computed and sampled."""
+        self.advance(output)
+        return self.accept(output, sampled, fanouts)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step's tokens are computed (their KV entries written, or being written by a step in
+        flight): count them, and cache the blocks they filled."""
         block_size = self.kv.block_size
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens % block_size < item.num_new_tokens:  # a block filled up
+                self.kv.cache_full_blocks(seq)
+
+    def accept(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
+        """Hand each sampled token to its sequence (rows in `output.sampling` order, then the fanout
+        rows). Sequences that finish release their blocks. Returns the number of tokens appended
+        without sampling (forced by a grammar)."""
+        by_parent = {f.parent.seq_id: f for f in fanouts}
         token_ids, logprobs, errors = sampled.token_ids, sampled.logprobs, sampled.errors
         num_forced = 0
         row = -1
@@ -234,9 +250,6 @@ class Scheduler:
             row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens % block_size < item.num_new_tokens:  # a block filled up
-                self.kv.cache_full_blocks(seq)
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)

@@ -51,6 +51,7 @@ class SequenceStatus(IntEnum):
 
 
 FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED  # status >= it: finished
+PENDING_TOKEN = -1  # a token a step in flight is sampling (`Sequence.add_pending`); never an input
 _DELTA = OutputKind.DELTA  # hot paths read enum members from module constants (an Enum class
 # attribute costs ~15x a global's on Python 3.11)
 _FINISHED_STATUS = {
@@ -128,6 +129,9 @@ class Sequence:
     # token count at which it stops for length (max_tokens after the prompt, or max_model_len).
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
+    # 1 while the last entry of `token_ids` is `PENDING_TOKEN`: the token a step still in flight is
+    # sampling, which the next step already computes (the engine's lookahead, `Engine._commit`).
+    num_pending: int = 0
 
     @classmethod
     def create(
@@ -240,6 +244,9 @@ class Sequence:
                 self.pending_finish = (reason, stop_reason)
             return
         self.num_pending_forced, self.pending_finish = 0, None
+        if self.num_pending:  # finished (aborted) while a step in flight samples its next token
+            self.token_ids.pop()
+            self.num_pending = 0
         self.status = _FINISHED_STATUS[reason]
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
         self.matcher = None
@@ -291,6 +298,12 @@ class Sequence:
             sent=replace(self.sent),
         )
 
+    def add_pending(self) -> None:
+        """Stand in for the token a step in flight samples, so that the next step can be scheduled
+        (and compute it, its value taken on the device) before it is known."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending = 1
+
     def append(self, token_id: int, logprobs: LogprobRef | None = None) -> int:
         """Accept one sampled token. Steps, in order:
         1. the grammar consumes it (a rejected token fails the sequence and is dropped);
@@ -299,7 +312,11 @@ class Sequence:
         4. record the sampled token's logprobs (forced tokens get theirs when they are computed,
            in the next step) and detokenize the new tokens;
         5. stop strings, matched across token boundaries.
-        Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones)."""
+        Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones).
+        A pending token (`add_pending`) is replaced."""
+        if self.num_pending:
+            self.token_ids.pop()
+            self.num_pending = 0
         self.token_ids.append(token_id)
         if self.matcher is None:  # most rows: one new token, no grammar
             could_stop = token_id in self.stop_ids or len(self.token_ids) >= self.max_num_tokens

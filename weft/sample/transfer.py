@@ -3,25 +3,46 @@
 Everything the host needs from a step travels in one tensor, through one call of `to_host`: the
 sampled token ids and, when some row asked for them, blocks of logprobs (the sampled tokens' and
 the prompt tokens'), each row of a block being (rank, extra, k+1 ids, k+1 logprobs). On CUDA it
-goes through pinned memory with a non-blocking copy and one wait on the stream; on CPU the array
-shares the tensor's memory. Nothing else in a step reads a device tensor back.
+goes through pinned memory with a non-blocking copy and one wait for that copy (`HostTransfer`);
+on CPU the array shares the tensor's memory. Nothing else in a step reads a device tensor back.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
 
-def to_host(tensor: torch.Tensor) -> np.ndarray:
-    """`tensor` as a host array: the step's single device-to-host transfer (on CPU it shares the
-    tensor's memory). Rows are split on the host with numpy, not element by element in Python."""
+class HostTransfer:
+    """A device-to-host copy on its way: `wait()` gives the host array. On CUDA the copy goes into
+    pinned memory without blocking, and only `wait()` waits (for this copy's event, not for work
+    queued after it: a step launched meanwhile keeps running); on CPU the array is there at once."""
+
+    __slots__ = ("_array", "_event")
+
+    def __init__(self, array: np.ndarray, event: Any = None) -> None:
+        self._array, self._event = array, event
+
+    def wait(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._array
+
+
+def to_host(tensor: torch.Tensor) -> HostTransfer:
+    """Start copying `tensor` to the host: the step's single device-to-host transfer (on CPU the
+    array shares the tensor's memory). Rows are split on the host with numpy, not element by element
+    in Python."""
     if tensor.device.type == "cpu":
-        return tensor.numpy()
+        return HostTransfer(tensor.numpy())
     pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     pinned.copy_(tensor, non_blocking=True)
-    torch.cuda.current_stream(tensor.device).synchronize()
-    return pinned.numpy()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return HostTransfer(pinned.numpy(), event)
 
 
 def logprob_block(

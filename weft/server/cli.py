@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly (CUDA only)"
     )
+    engine.add_argument(
+        "--async-scheduling",
+        choices=["on", "off"],
+        default=None,
+        help="schedule the next step before this one's tokens are read back (default: on for CUDA)",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
 
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             seed=args.seed,
             enforce_eager=args.enforce_eager,
+            async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
         )
     )
     name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")

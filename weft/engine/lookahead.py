@@ -1,0 +1,81 @@
+"""Lookahead (async scheduling): schedule and launch step N+1 before step N's tokens are read back.
+
+On a GPU a decode step's forward takes 1-4 ms and the host's work around it (scheduling, inputs,
+reading the tokens back, appending them, detokenizing, outputs) about as long; done in turn, the
+device waits for the host and the host for the device. With lookahead, a step whose rows need
+nothing from their sampled tokens but the tokens themselves stays in flight: each sampling
+sequence gets `PENDING_TOKEN` in place of its token (`Sequence.add_pending`), the next step is
+scheduled and launched with those inputs taken from the device (`InFlightTokens`), and only then
+is the step in flight read back and its tokens appended, while the device computes the next one
+(the idea of vLLM v1's async scheduling and SGLang's overlap scheduler).
+
+What it costs: a sequence that finishes (EOS, a stop string, a length) is computed one step too
+many, and that row's token is dropped. What it keeps: every output is the same, token for token,
+as with the step done in turn (a row's tokens do not depend on the rest of its batch), and each
+step still reads the device back once. Steps that need their tokens on the host before the next
+is scheduled are done in turn: grammar rows (the mask of the next step), penalties and logits
+processors (the token history), beams and fanouts (their group's policy decides), and rows whose
+known tokens' logprobs ride on the step (prompt logprobs, forced tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from weft.engine.group import ParallelSampling
+from weft.engine.runner import InFlightTokens, PromptSpan
+from weft.engine.scheduler import Fanout, SchedulerOutput
+from weft.engine.sequence import Sequence
+from weft.sample.transfer import HostTransfer
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step on the device: what was scheduled, and its results on their way to the host."""
+
+    sched: SchedulerOutput
+    fanouts: list[Fanout]
+    seqs: list[Sequence]  # the sampling rows in order, fanout children last
+    tokens: torch.Tensor  # [S + F] int64, sampled, on the device
+    transfer: HostTransfer
+    shapes: list[tuple[int, int]]  # of the logprob blocks in the transfer (`unpack`)
+    logprob_rows: tuple[int, ...]  # the rows with a sampled-logprob block row, in its order
+    has_prompt_block: bool
+    errors: dict[int, str]
+    spans: list[PromptSpan]
+    in_flight: InFlightTokens | None = field(default=None)  # set when it stays in flight (`commit`)
+
+
+def can_stay_in_flight(launched: Launched) -> bool:
+    """Whether the next step can be scheduled before this one's tokens are on the host."""
+    if launched.fanouts or launched.spans:
+        return False
+    for seq in launched.seqs:
+        params = seq.params
+        if (
+            seq.matcher is not None
+            or seq.defers_sampling
+            or seq.num_pending_forced
+            or seq.pending_finish is not None
+            or params.needs_penalties
+            or params.logits_processors
+        ):
+            return False
+        policy = None if seq.group is None else seq.group.policy
+        if not isinstance(policy, ParallelSampling) or policy.pending:
+            return False
+    return True
+
+
+def commit(launched: Launched) -> InFlightTokens:
+    """Leave `launched` in flight (its tokens computed, see `Scheduler.advance`): every sampling
+    sequence still running holds a pending token, taken from `launched.tokens` by the next step."""
+    rows = {}
+    for row, seq in enumerate(launched.seqs):
+        if not seq.is_finished:
+            seq.add_pending()
+            rows[seq.seq_id] = row
+    launched.in_flight = InFlightTokens(launched.tokens, rows)
+    return launched.in_flight
