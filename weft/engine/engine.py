@@ -264,8 +264,7 @@ class LLMEngine:
         if previous is not None:  # its tokens were counted as computed when it was left in flight
             touched += self._resolve(previous)
         if launched is not None and not (self.config.async_scheduling and can_stay_in_flight(launched)):
-            self.scheduler.advance(launched.sched)
-            touched += self._resolve(launched)
+            touched += self._resolve(launched, advance=True)
             launched = None
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
@@ -352,9 +351,10 @@ class LLMEngine:
             () if top is None else top.rows, prompt is not None, out.errors, step.prompt_spans,
         )  # fmt: skip
 
-    def _resolve(self, launched: Launched) -> list[SequenceGroup]:
-        """Read a launched step back (its tokens already counted as computed: `Scheduler.advance`)
-        and hand each sequence its token and logprobs. Returns the groups it touched."""
+    def _resolve(self, launched: Launched, advance: bool = False) -> list[SequenceGroup]:
+        """Read a launched step back and hand each sequence its token and logprobs, its tokens
+        counted as computed first (`advance`) unless they were when it was left in flight. Returns
+        the groups it touched."""
         rows, prompt_items = _host_results(launched)
         offset = 0
         for span in launched.spans:
@@ -365,7 +365,7 @@ class LLMEngine:
                 span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
         self.num_sampled_tokens += len(launched.seqs) - len(rows.errors)
-        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
+        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts, advance)
         return [item.seq.group for item in launched.sched.scheduled if item.seq.group is not None]
 
     def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:

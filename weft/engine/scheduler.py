@@ -221,26 +221,33 @@ class Scheduler:
         return False
 
     def update(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
-        """`advance`, then `accept`: one step, computed and sampled."""
-        self.advance(output)
-        return self.accept(output, sampled, fanouts)
+        """One step, computed and sampled: `advance` and `accept` in one pass over its rows."""
+        return self.accept(output, sampled, fanouts, advance=True)
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step's tokens are computed (their KV entries written, or being written by a step in
         flight): count them, and cache the blocks they filled."""
-        block_size = self.kv.block_size
         for item in output.scheduled:
-            seq = item.seq
-            if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens % block_size < item.num_new_tokens:  # a block filled up
-                self.kv.cache_full_blocks(seq)
+            if item.seq.status < FIRST_FINISHED:  # not finished (aborted) since it was scheduled
+                self._computed(item)
 
-    def accept(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
+    def _computed(self, item: ScheduledSequence) -> None:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        if seq.num_computed_tokens % self.kv.block_size < item.num_new_tokens:  # a block filled up
+            self.kv.cache_full_blocks(seq)
+
+    def accept(
+        self,
+        output: SchedulerOutput,
+        sampled: SampledRows,
+        fanouts: Sequence_[Fanout] = (),
+        advance: bool = False,
+    ) -> int:
         """Hand each sampled token to its sequence (rows in `output.sampling` order, then the fanout
-        rows). Sequences that finish release their blocks. Returns the number of tokens appended
-        without sampling (forced by a grammar)."""
+        rows), first counting the step's tokens as computed when `advance` (see `advance`).
+        Sequences that finish release their blocks. Returns the number of tokens appended without
+        sampling (forced by a grammar)."""
         by_parent = {f.parent.seq_id: f for f in fanouts}
         token_ids, logprobs, errors = sampled.token_ids, sampled.logprobs, sampled.errors
         num_forced = 0
@@ -250,6 +257,8 @@ class Scheduler:
             row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
                 continue
+            if advance:
+                self._computed(item)
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
