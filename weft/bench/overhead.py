@@ -175,6 +175,7 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
         (Sequence, "_add_logprobs", "logprobs"),
         (PendingFill, "apply", "mask apply"),
         (engine_module, "_host_results", "transfer"),
+        (engine_module, "to_host", "transfer"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in class_patches]
     grammars = engine.grammars
@@ -183,7 +184,7 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
             setattr(owner, name, clock.wrap(getattr(owner, name), phase))
         engine.sampling_batches.build = clock.wrap(engine.sampling_batches.build, "batch")
         engine.scheduler.schedule = clock.wrap(engine.scheduler.schedule, "schedule")
-        engine.scheduler.update = clock.wrap(engine.scheduler.update, "update")
+        engine.scheduler.accept = clock.wrap(engine.scheduler.accept, "update")
         grammars.start_fill = clock.wrap(grammars.start_fill, "mask start")
         engine._emit = clock.wrap(engine._emit, "outputs")
         yield
@@ -192,7 +193,7 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
             setattr(owner, name, original)
         for obj, name in (
             (engine.scheduler, "schedule"),
-            (engine.scheduler, "update"),
+            (engine.scheduler, "accept"),
             (grammars, "start_fill"),
             (engine.sampling_batches, "build"),
         ):
