@@ -827,6 +827,11 @@ inline float keyed_uniform_one(uint64_t key, int64_t token) {
   return (static_cast<float>(z >> (64 - kUniformBits)) + 0.5f) * (1.0f / (1 << kUniformBits));
 }
 
+// The polynomial of Cephes' logf after its first coefficient (7.0376836292e-2), shared by the
+// scalar log and its 16- and 8-lane forms, which must agree bit for bit (seeded sampling).
+constexpr float kLogPoly[] = {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f,
+                              -1.6668057665e-1f, 2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f};
+
 // log(x) for positive normal x: Cephes' logf, step for step as log16 below (explicit fma).
 inline float log_approx(float x) {
   int e;
@@ -839,8 +844,7 @@ inline float log_approx(float x) {
   }
   const float z = m * m;
   float y = 7.0376836292e-2f;
-  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
-                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+  for (const float c : kLogPoly) {
     y = std::fma(y, m, c);
   }
   y = y * m * z;
@@ -864,8 +868,7 @@ inline __m512 log16(__m512 x) {
                          _mm512_setzero_ps());
   const __m512 z = _mm512_mul_ps(m, m);
   __m512 y = _mm512_set1_ps(7.0376836292e-2f);
-  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
-                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+  for (const float c : kLogPoly) {
     y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(c));
   }
   y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
@@ -933,8 +936,7 @@ inline __m256 log8(__m256 x) {
   m = _mm256_blendv_ps(_mm256_sub_ps(m, one), _mm256_sub_ps(_mm256_add_ps(m, m), one), small);
   const __m256 z = _mm256_mul_ps(m, m);
   __m256 y = _mm256_set1_ps(7.0376836292e-2f);
-  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
-                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f}) {
+  for (const float c : kLogPoly) {
     y = _mm256_fmadd_ps(y, m, _mm256_set1_ps(c));
   }
   y = _mm256_mul_ps(_mm256_mul_ps(y, m), z);
