@@ -99,3 +99,18 @@ def test_a_stream_never_shows_a_pending_token(pair):
     assert pieces and all(token >= 0 for piece in pieces for token in piece)
     whole = ahead.generate(["ROMEO:"], params.replace(output_kind=OutputKind.FINAL_ONLY), use_tqdm=False)
     assert [t for piece in pieces for t in piece] == whole[0].outputs[0].token_ids
+
+
+def test_beams_and_scores_are_the_same_beside_it(pair):
+    """Beam search and scoring run in turn (their policies decide each step); with lookahead on
+    they give what they give without it."""
+    from weft import BeamSearchParams
+
+    in_turn, ahead = pair
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    expected = in_turn.beam_search(["ROMEO:", "All:"], params)
+    got = ahead.beam_search(["ROMEO:", "All:"], params)
+    assert [[b.token_ids for b in o.sequences] for o in got] == [
+        [b.token_ids for b in o.sequences] for o in expected
+    ]
+    assert ahead.score("ROMEO:", [" yes", " no"]) == in_turn.score("ROMEO:", [" yes", " no"])

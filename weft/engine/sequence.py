@@ -275,6 +275,7 @@ class Sequence:
         """A child that continues exactly as this sequence would from here: copied tokens, text,
         logprobs and stop state, the matcher forked from its current state. It has computed
         nothing yet; the scheduler shares this sequence's KV blocks with it when it admits it."""
+        assert not self.num_pending, "forked by its group's policy, so never with a token in flight"
         return replace(
             self,
             seq_id=seq_id,
