@@ -57,13 +57,17 @@ class LogprobRows:
         return rows[index]
 
 
-def _lists(array: np.ndarray | None) -> list[RowLists]:
-    assert array is not None
-    k1 = (array.shape[1] - 2) // 2
-    ids = array[:, 2 : 2 + k1].astype(np.int64).tolist()
-    values = array[:, 2 + k1 :].tolist()
+def _lists(array: np.ndarray) -> list[RowLists]:
+    first = _first_logprob(array)
+    ids = array[:, 2:first].astype(np.int64).tolist()
+    values = array[:, first:].tolist()
     ranks = array[:, 0].astype(np.int64).tolist()
     return list(zip(ids, values, ranks, strict=True))
+
+
+def _first_logprob(block: np.ndarray) -> int:
+    """The column of column 0's logprob in rows of (rank, extra, k+1 ids, k+1 logprobs)."""
+    return 2 + (block.shape[1] - 2) // 2
 
 
 class LogprobRef(NamedTuple):
@@ -94,8 +98,7 @@ def row_refs(block: np.ndarray) -> list[LogprobRef]:
     """A reference to each row of a host block [R, 2 + 2 (k+1)], with the chosen token's logprob
     and the extra value read for all rows at once (two column `tolist`s: ~0.1 us a row)."""
     rows = LogprobRows(block)
-    k1 = (block.shape[1] - 2) // 2
-    chosen, extra = block[:, 2 + k1].tolist(), block[:, 1].tolist()
+    chosen, extra = block[:, _first_logprob(block)].tolist(), block[:, 1].tolist()
     items = zip(range(len(chosen)), chosen, extra, strict=True)
     return [_new_ref(LogprobRef, (rows, i, value, more)) for i, value, more in items]
 

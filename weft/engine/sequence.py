@@ -130,7 +130,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
     # 1 while the last entry of `token_ids` is `PENDING_TOKEN`: the token a step still in flight is
-    # sampling, which the next step already computes (the engine's lookahead, `Engine._commit`).
+    # sampling, which the next step already computes (the engine's lookahead, `lookahead.commit`).
     num_pending: int = 0
 
     @classmethod
@@ -245,8 +245,7 @@ class Sequence:
             return
         self.num_pending_forced, self.pending_finish = 0, None
         if self.num_pending:  # finished (aborted) while a step in flight samples its next token
-            self.token_ids.pop()
-            self.num_pending = 0
+            self._drop_pending()
         self.status = _FINISHED_STATUS[reason]
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
         self.matcher = None
@@ -305,6 +304,10 @@ class Sequence:
         self.token_ids.append(PENDING_TOKEN)
         self.num_pending = 1
 
+    def _drop_pending(self) -> None:
+        self.token_ids.pop()
+        self.num_pending = 0
+
     def append(self, token_id: int, logprobs: LogprobRef | None = None) -> int:
         """Accept one sampled token. Steps, in order:
         1. the grammar consumes it (a rejected token fails the sequence and is dropped);
@@ -316,8 +319,7 @@ class Sequence:
         Returns the number of tokens appended (0 after a rejected token, 1 + the forced ones).
         A pending token (`add_pending`) is replaced."""
         if self.num_pending:
-            self.token_ids.pop()
-            self.num_pending = 0
+            self._drop_pending()
         self.token_ids.append(token_id)
         if self.matcher is None:  # most rows: one new token, no grammar
             could_stop = token_id in self.stop_ids or len(self.token_ids) >= self.max_num_tokens

@@ -726,41 +726,37 @@ void row_logprobs_one(const float* row, int64_t vocab, int64_t chosen_id, float 
   float* kept = values + 1;
   int64_t* kept_ids = ids + 1;
   int64_t count = 0, above = 0, j = 0;
+  // Offer token `token`'s logprob to the top list (a NaN ranked as -inf).
+  const auto keep = [&](float lp, int64_t token) {
+    if (num_top > 0) keep_top(std::isnan(lp) ? minus_inf : lp, token, kept, kept_ids, count, num_top);
+  };
+  // Once the list is full, what a logprob must beat to enter it (nothing enters an empty top-0 list).
+  const auto bar = [&]() { return num_top > 0 ? kept[num_top - 1] : std::numeric_limits<float>::infinity(); };
 #if defined(__AVX512F__)
   const __m512 vshift = _mm512_set1_ps(shift), vlog_sum = _mm512_set1_ps(log_sum), vchosen = _mm512_set1_ps(chosen);
   for (; j + 16 <= vocab; j += 16) {
     const __m512 lp = _mm512_sub_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), vshift), vlog_sum);
     above += __builtin_popcount(_mm512_cmp_ps_mask(lp, vchosen, _CMP_GT_OQ));
-    const float bar = count == num_top ? (num_top > 0 ? kept[num_top - 1] : std::numeric_limits<float>::infinity())
-                                       : -std::numeric_limits<float>::infinity();
-    __mmask16 enter = count == num_top ? _mm512_cmp_ps_mask(lp, _mm512_set1_ps(bar), _CMP_GT_OQ) : 0xFFFF;
-    if (!enter) continue;
+    if (count == num_top && !_mm512_cmp_ps_mask(lp, _mm512_set1_ps(bar()), _CMP_GT_OQ)) continue;
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, lp);
-    for (int lane = 0; lane < 16; ++lane) {
-      if (num_top > 0) keep_top(std::isnan(lanes[lane]) ? minus_inf : lanes[lane], j + lane, kept, kept_ids, count, num_top);
-    }
+    for (int lane = 0; lane < 16; ++lane) keep(lanes[lane], j + lane);
   }
 #elif defined(WEFT_AVX2)
   const __m256 vshift = _mm256_set1_ps(shift), vlog_sum = _mm256_set1_ps(log_sum), vchosen = _mm256_set1_ps(chosen);
   for (; j + 8 <= vocab; j += 8) {
     const __m256 lp = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(row + j), vshift), vlog_sum);
     above += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(lp, vchosen, _CMP_GT_OQ)));
-    const float bar = count == num_top ? (num_top > 0 ? kept[num_top - 1] : std::numeric_limits<float>::infinity())
-                                       : -std::numeric_limits<float>::infinity();
-    const int enter = count == num_top ? _mm256_movemask_ps(_mm256_cmp_ps(lp, _mm256_set1_ps(bar), _CMP_GT_OQ)) : 0xFF;
-    if (!enter) continue;
+    if (count == num_top && !_mm256_movemask_ps(_mm256_cmp_ps(lp, _mm256_set1_ps(bar()), _CMP_GT_OQ))) continue;
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, lp);
-    for (int lane = 0; lane < 8; ++lane) {
-      if (num_top > 0) keep_top(std::isnan(lanes[lane]) ? minus_inf : lanes[lane], j + lane, kept, kept_ids, count, num_top);
-    }
+    for (int lane = 0; lane < 8; ++lane) keep(lanes[lane], j + lane);
   }
 #endif
   for (; j < vocab; ++j) {
     const float lp = lp_of(row[j]);
     above += lp > chosen;
-    if (num_top > 0) keep_top(std::isnan(lp) ? minus_inf : lp, j, kept, kept_ids, count, num_top);
+    keep(lp, j);
   }
   for (int64_t i = 0; i < count; ++i) kept[i] = lp_of(row[kept_ids[i]]);  // a NaN ranked as -inf stays NaN
   values[0] = chosen;
