@@ -497,3 +497,26 @@ def test_top_p_filter_keeps_the_exact_nucleus(vocab):
     finite = ~logits.isnan().any(-1)
     expected = _top_p_reference(logits, top_p)[finite]
     torch.testing.assert_close(ops.apply_top_p(logits, top_p)[finite], expected)  # the same rule
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_long_prefill_runs_its_mlp_in_chunks_with_the_same_result(checkpoint_factory, monkeypatch, dtype):
+    """A step with more rows than `mlp_chunk_rows` runs the MLP a chunk of rows at a time (its
+    [T, 2I] intermediate stays small): every row computes exactly what it computes unchunked,
+    since the panel kernel computes each row on its own (bfloat16 products too)."""
+    from weft import LLM, SamplingParams
+    from weft.model.llama import MLP
+
+    path = str(checkpoint_factory("llama", dtype=dtype))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    prompts = [list(range(5, 45)), list(range(50, 63))]
+    whole = LLM(path, show_progress=False, dtype=dtype).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(type(NATIVE_CPU_KERNELS), "mlp_chunk_rows", 7)
+    chunks: list[int] = []
+    forward = MLP._forward
+    monkeypatch.setattr(MLP, "_forward", lambda self, x: chunks.append(x.shape[0]) or forward(self, x))
+    chunked = LLM(path, show_progress=False, dtype=dtype).generate(prompts, params, use_tqdm=False)
+    assert max(chunks) == 7 and 53 % 7 in chunks  # the 53-row prefill step, in chunks
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs == b.prompt_logprobs and a.outputs[0].logprobs == b.outputs[0].logprobs

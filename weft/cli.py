@@ -167,7 +167,14 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
         "--no-fast-forward", action="store_true", help="sample every token, even those the grammar forces"
     )
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    _add_matmul_precision(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def _add_matmul_precision(p: argparse.ArgumentParser) -> None:
+    from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
+
+    p.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP)
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -185,13 +192,14 @@ def _add_score(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", required=True, help="an option to score (repeatable)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    _add_matmul_precision(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def run_score(args: argparse.Namespace) -> int:
     from weft import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
     scores = llm.score(args.prompt, args.option)
     print("| option | logprob | probability | tokens |")
     print("|---|---:|---:|---:|")
@@ -222,7 +230,7 @@ def run_beam_search(args: argparse.Namespace) -> int:
         stop=args.stop,
         **_constraint_options(args),
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
     (result,) = llm.beam_search(args.prompt, params)
     if result.error is not None:
         print(f"weft: error: {result.error}", file=sys.stderr)
@@ -256,7 +264,7 @@ def run_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
     if args.stream and args.n == 1:
         sys.stdout.write(args.prompt)
         for output in llm.stream(args.prompt, params):

@@ -188,6 +188,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20  # the most top-n logprobs a request may ask for
     weight_dtype: torch.dtype | None = None  # None: the same as dtype
+    matmul_dtype: torch.dtype | None = None  # the linear layers' products' inputs; None: the same as dtype
     # Schedule the next step before this one's tokens are read back where rows allow it
     # (weft/engine/lookahead.py): the default on CUDA, where the host's work then overlaps the device's.
     async_scheduling: bool = False
@@ -240,6 +241,24 @@ def resolve_dtype(
     return DTYPES[dtype]
 
 
+MATMUL_PRECISIONS = ("auto", "float32", "bfloat16")
+MATMUL_PRECISION_HELP = (
+    "CPU, bfloat16 weights: what the matrix products multiply in: float32 (exact, the weights widened) or "
+    "bfloat16 (x rounded to bfloat16, float32 accumulation, twice the arithmetic rate); default auto: "
+    "bfloat16 where the CPU has AVX512_BF16"
+)
+
+
+def check_matmul_precision(value: str | None) -> str:
+    """`matmul_precision` as given (`LLM`, `--matmul-precision`): "auto" (None), "float32" or "bfloat16"."""
+    if value is None:
+        return "auto"
+    if value not in MATMUL_PRECISIONS:
+        choices = list(MATMUL_PRECISIONS)
+        raise ConfigError(f"matmul_precision {value!r} is not supported; use one of {choices}")
+    return value
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -288,9 +307,8 @@ class NativeConfig:
     `$XDG_CACHE_HOME/weft` or `~/.cache/weft`; `WEFT_NATIVE_SANITIZE=1` builds them with
     AddressSanitizer and UndefinedBehaviorSanitizer, for tests run with libasan preloaded;
     `WEFT_NATIVE_ARCH` is the compiler's `-march`, by default `native`: `x86-64-v3` builds the
-    AVX2 path that machines without AVX-512 take; `WEFT_NATIVE_CFLAGS` adds compiler flags, such as
-    `-DWEFT_EMULATE_BF16_DOT`, which builds the AVX512_BF16 path with its arithmetic emulated, to
-    test it on machines without the instruction; `WEFT_DENSE_ROWS=N` fixes the row count from which a
+    AVX2 path that machines without AVX-512 take, `x86-64` the scalar one; `WEFT_NATIVE_CFLAGS`
+    adds compiler flags; `WEFT_DENSE_ROWS=N` fixes the row count from which a
     long prefill takes torch's GEMM instead of measuring it, see weft/model/prefill_gemm.py)."""
 
     enabled: bool

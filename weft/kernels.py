@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.config import ConfigError, KernelChoice
+from weft.config import ConfigError, KernelChoice, check_matmul_precision
 from weft.native import use_kernels
 
 
@@ -56,6 +56,7 @@ class StackShape:
     sizes: tuple[int, int, int, int, int]  # heads, kv_heads, head_dim, hidden, intermediate
     eps: float  # RMSNorm epsilon
     scale: float  # attention scale
+    bf16_dot: bool = False  # bfloat16 products in every matrix (`Linear.bf16_dot`)
 
 
 class TorchKernels:
@@ -65,6 +66,8 @@ class TorchKernels:
     # Rows of up to this many new tokens attend through `paged_decode_attention`, token by token;
     # longer ones (and all rows when it is unavailable) through SDPA over gathered blocks.
     max_tokenwise_query_len = 1
+    # The MLP of a step with more rows runs this many at a time (None: all at once).
+    mlp_chunk_rows: int | None = None
 
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether linear weights are packed into column panels for `packed_linear`."""
@@ -74,12 +77,31 @@ class TorchKernels:
         """The dtype of activations and of the KV cache for a model whose weights are `weight_dtype`."""
         return weight_dtype
 
-    def describe(self, device: torch.device, weight_dtype: torch.dtype) -> dict[str, str]:
-        """What runs a model on `device` in `weight_dtype`, for `LLM.stats()` and the load log line."""
+    def matmul_dtype(
+        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None
+    ) -> torch.dtype:
+        """The dtype the linear layers' products multiply in (`matmul_precision`: "auto", "float32" or
+        "bfloat16"). Plain torch multiplies in the weights' dtype, whatever is asked."""
+        precision = check_matmul_precision(requested)
+        if precision not in ("auto", _dtype_name(weight_dtype)):
+            raise ConfigError(
+                f"matmul_precision={precision!r}: with the {self.name} kernels on {device.type} the matrix "
+                f"products run in the weights' dtype ({_dtype_name(weight_dtype)}); leave it 'auto' or "
+                f"load the weights in {precision}"
+            )
+        return weight_dtype
+
+    def describe(
+        self, device: torch.device, weight_dtype: torch.dtype, matmul: torch.dtype | None = None
+    ) -> dict[str, str]:
+        """What runs a model on `device` in `weight_dtype` whose products multiply in `matmul` (None:
+        the activations' dtype), for `LLM.kernels` and the load log line."""
+        activations = self.activation_dtype(device, weight_dtype)
         return {
             "kernels": self.name,
             "weights": _dtype_name(weight_dtype),
-            "activations": _dtype_name(self.activation_dtype(device, weight_dtype)),
+            "activations": _dtype_name(activations),
+            "matmul": _dtype_name(matmul or activations),
             "linear": "torch F.linear"
             if device.type != "cpu" or weight_dtype != torch.float32
             else "torch x @ W",
@@ -234,6 +256,10 @@ class NativeCpuKernels(TorchKernels):
 
     name = "native-cpu"
     max_tokenwise_query_len = 8  # fast-forwarded grammar tokens and short chunks: token by token
+    # A long prefill's MLP in chunks: its [T, 2I] float32 intermediate stays in the last-level cache
+    # and under glibc's 32 MiB limit for reusing freed memory (a larger one is mapped afresh at every
+    # call: 13 ms of page faults per 50 MB on the Zen 4 machine, 4,096 rows of SmolLM2-135M).
+    mlp_chunk_rows = 1024
 
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -246,14 +272,41 @@ class NativeCpuKernels(TorchKernels):
             return torch.float32
         return weight_dtype
 
-    def describe(self, device: torch.device, weight_dtype: torch.dtype) -> dict[str, str]:
-        info = super().describe(device, weight_dtype)
-        isa = torch.ops.weft.build_info()  # the instruction sets of this build
+    def matmul_dtype(
+        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None
+    ) -> torch.dtype:
+        """float32 (x kept float32, half-precision weights widened exactly in registers) or, for
+        bfloat16 weights, bfloat16 (x rounded to bfloat16 at each product, float32 accumulation:
+        vdpbf16ps, at twice the arithmetic rate). "auto" takes bfloat16 products where the CPU has
+        AVX512_BF16 (docs/architecture.md, "Half precision on CPU"); elsewhere they are emulated
+        (slower than float32) and only taken when asked for."""
+        if not self.packs_linear_weights(device, weight_dtype):
+            return super().matmul_dtype(device, weight_dtype, requested)
+        precision = check_matmul_precision(requested)
+        if precision == "bfloat16" and weight_dtype != torch.bfloat16:
+            raise ConfigError(
+                f"matmul_precision='bfloat16' needs bfloat16 weights, and this model loads "
+                f"{_dtype_name(weight_dtype)} weights; pass dtype='bfloat16' or leave matmul_precision 'auto'"
+            )
+        if precision == "auto":
+            fast = weight_dtype == torch.bfloat16 and cpu_isa_path() == "avx512_bf16"
+            return torch.bfloat16 if fast else torch.float32
+        return torch.bfloat16 if precision == "bfloat16" else torch.float32
+
+    def describe(
+        self, device: torch.device, weight_dtype: torch.dtype, matmul: torch.dtype | None = None
+    ) -> dict[str, str]:
+        info = super().describe(device, weight_dtype, matmul)
+        isa = cpu_isa_path()
         if self.packs_linear_weights(device, weight_dtype):
-            bf16 = ", vdpbf16ps dot products" if "bf16" in isa else ", widened by shift"
-            widen = {torch.bfloat16: bf16, torch.float16: ", widened by vcvtph2ps"}
-            info["linear"] = f"weft panels ({_dtype_name(weight_dtype)}{widen.get(weight_dtype, '')})"
-        info["cpu"] = isa
+            info["linear"] = f"weft panels ({_dtype_name(weight_dtype)})"
+            if matmul == torch.bfloat16:
+                how = "vdpbf16ps" if isa == "avx512_bf16" else "emulated: this CPU has no AVX512_BF16"
+                info["matmul"] = f"bfloat16 products, float32 accumulation ({how})"
+            elif weight_dtype != torch.float32:
+                info["matmul"] = f"float32 ({_dtype_name(weight_dtype)} weights widened exactly)"
+        info["isa"] = isa
+        info["cpu"] = torch.ops.weft.build_info()  # the instruction sets of this build
         return info
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -313,6 +366,7 @@ class NativeCpuKernels(TorchKernels):
             list(shape.sizes),
             shape.eps,
             shape.scale,
+            shape.bf16_dot,
         )
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,6 +440,15 @@ def kernels_for(device: torch.device) -> TorchKernels:
 
         return TRITON_KERNELS
     return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+def cpu_isa_path() -> str:
+    """The vector path weft's CPU kernels take on this machine (their build is for the machine's
+    own -march): "avx512_bf16" (AVX-512 with vdpbf16ps), "avx512", "avx2" or "scalar"."""
+    isa = torch.ops.weft.build_info().split()
+    if "avx512_bf16" in isa:
+        return "avx512_bf16"
+    return "avx512" if "avx512f" in isa else "avx2" if "avx2" in isa else "scalar"
 
 
 def triton_available() -> bool:

@@ -78,6 +78,7 @@ class LLM:
         show_progress: bool = True,
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
+        matmul_precision: str | None = None,
     ) -> None:
         self.engine = build_engine(
             EngineArgs(
@@ -96,6 +97,7 @@ class LLM:
                 show_progress=show_progress,
                 enforce_eager=enforce_eager,
                 async_scheduling=async_scheduling,
+                matmul_precision=matmul_precision,
             )
         )
         self.tokenizer = self.engine.tokenizer
@@ -106,10 +108,11 @@ class LLM:
     @property
     def kernels(self) -> dict[str, str]:
         """What runs the model, chosen once at load: the kernel set, the weights' and the
-        activations' dtypes, the linear-layer kernel and (on CPU) the instruction sets it uses."""
+        activations' dtypes, what the matrix products multiply in, the linear-layer kernel and (on
+        CPU) the ISA path and the instruction sets of the kernels' build."""
         config = self.engine.config
         weights = config.weight_dtype or config.dtype
-        info = self.engine.model.kernels.describe(config.device, weights)
+        info = self.engine.model.kernels.describe(config.device, weights, config.matmul_dtype)
         thresholds = sorted(set(self.engine.model.dense_rows.values()))
         if thresholds:
             rows = [str(t) if t < NEVER else "never" for t in thresholds]

@@ -268,7 +268,13 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
     weight_bytes = decode_weight_bytes(llm.engine.model)
     bandwidth = read_bandwidth_gbs(device)
     _print_table(results, args, weight_bytes, bandwidth)
-    return {"results": results, "read_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes}
+    print(f"[{name}] what ran: {describe_kernels(llm.kernels)}")  # the ISA path and each precision
+    return {
+        "results": results,
+        "read_bandwidth_gbs": bandwidth,
+        "weight_bytes": weight_bytes,
+        "kernels": llm.kernels,
+    }
 
 
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:

@@ -60,6 +60,9 @@ class EngineArgs:
     show_progress: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs, every step eager
     async_scheduling: bool | None = None  # None: on CUDA only (weft/engine/lookahead.py)
+    # "auto", "float32" or "bfloat16": what the linear layers' products multiply in on CPU
+    # (`TorchKernels.matmul_dtype`; "auto": bfloat16 for bfloat16 weights where the CPU has AVX512_BF16)
+    matmul_precision: str | None = None
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -73,11 +76,13 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         model_config.checkpoint_dtype,
         kernels.packs_linear_weights(device, torch.bfloat16),
     )
+    matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision)
     tokenizer = Tokenizer.from_dir(path)
     max_len = _max_model_len(args.max_model_len, model_config)
-    model = load_model(path, model_config, dtype, device, max_len, args.show_progress)
+    model = load_model(path, model_config, dtype, device, max_len, args.show_progress, matmul)
     if args.show_progress:  # what runs the model, chosen once here
-        print(f"weft: {describe_kernels(kernels.describe(device, dtype))}", file=sys.stderr, flush=True)
+        info = kernels.describe(device, dtype, matmul)
+        print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
     activations = kernels.activation_dtype(device, dtype)
     cache = CacheConfig(
         block_size=args.block_size,
@@ -91,7 +96,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
         model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, dtype,
-        async_scheduling,
+        matmul, async_scheduling,
     )  # fmt: skip
     engine = LLMEngine(config, model, tokenizer)
     if device.type == "cuda" and not args.enforce_eager:
@@ -120,11 +125,13 @@ def _capture_graphs(engine: LLMEngine, progress: bool) -> None:
 
 
 def describe_kernels(info: dict[str, str]) -> str:
-    """One line: 'bfloat16 weights, float32 activations; linear: ...; kernels: native-cpu (avx512f ...)'."""
+    """One line: 'bfloat16 weights, float32 activations, matmul: bfloat16 products ...; linear: ...;
+    kernels: native-cpu, ISA path avx512_bf16 (avx512f ...)'."""
+    isa = f", ISA path {info['isa']}" if "isa" in info else ""
     cpu = f" ({info['cpu']})" if "cpu" in info else ""
     return (
-        f"{info['weights']} weights, {info['activations']} activations; linear: {info['linear']}; "
-        f"kernels: {info['kernels']}{cpu}"
+        f"{info['weights']} weights, {info['activations']} activations, matmul: {info['matmul']}; "
+        f"linear: {info['linear']}; kernels: {info['kernels']}{isa}{cpu}"
     )
 
 

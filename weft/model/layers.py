@@ -40,6 +40,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features  # the panel layout pads it to a multiple of 32
         self.dense_rows = DENSE_PANEL_ROWS  # PANELS: from this many rows, the BLAS GEMM (prefill_gemm.py)
+        self.bf16_dot = False  # bfloat16 PANELS: x rounded to bfloat16, bfloat16 products (linear.cpp)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
@@ -64,7 +65,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.layout is WeightLayout.PANELS:
-            if x.shape[0] >= self.dense_rows:  # a long prefill: the BLAS GEMM on a dense copy
+            if x.shape[0] >= self.dense_rows and not self.bf16_dot:  # a long prefill: the BLAS GEMM
                 return self.dense_forward(x)
             return self.panel_forward(x)
         if self.layout is WeightLayout.IN_OUT:
@@ -75,7 +76,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
-        return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features)
+        return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
         dense = self._dense_from_panels(x.shape[1])  # [in, out] float32

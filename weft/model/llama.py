@@ -79,6 +79,15 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        rows = self.kernels.mlp_chunk_rows
+        if rows is None or x.shape[0] <= rows:
+            return self._forward(x)
+        out = x.new_empty(x.shape[0], self.down.out_features)  # [T, hidden]
+        for start in range(0, x.shape[0], rows):  # a long prefill: [rows, 2I] at a time
+            out[start : start + rows] = self._forward(x[start : start + rows])
+        return out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up(x)  # [T, 2I]: gate | up
         return self.down(self.kernels.silu_mul(gate_up))  # [T, I] -> [T, hidden]
 
@@ -116,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
         # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
         self.dense_rows: dict[Shape, int] = {}
+        self.bf16_dot = False  # bfloat16 products in every packed matrix (set at load)
         self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -170,7 +180,14 @@ class LlamaForCausalLM(nn.Module):
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
-        self._shape = StackShape(sizes, c.rms_norm_eps, layers[0].attn.scale)
+        self._shape = StackShape(sizes, c.rms_norm_eps, layers[0].attn.scale, self.bf16_dot)
+
+    def set_bf16_dot(self, bf16_dot: bool) -> None:
+        """Every packed matrix multiplies with bfloat16 products (bfloat16 panels), or none does."""
+        self.bf16_dot = bf16_dot
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.bf16_dot = bf16_dot
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return self.lm_head(hidden).float()

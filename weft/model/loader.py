@@ -10,7 +10,8 @@ Steps:
   7. on CPU, store the matrices in the layout that streams fastest there: column panels for weft's
      GEMM kernel (float32, bfloat16 or float16 weights), or [in, out] without the kernels
      (`weight_layout`, see `Linear`); with half-precision panels the activations, the norms' weights
-     and the biases are float32 (`TorchKernels.activation_dtype`).
+     and the biases are float32 (`TorchKernels.activation_dtype`), and bfloat16 panels multiply with
+     bfloat16 products where `matmul_dtype` says so (`Linear.bf16_dot`).
 
 Every error names the file and the problem.
 """
@@ -122,18 +123,22 @@ def load_model(
     device: torch.device,
     max_positions: int,
     show_progress: bool = True,
+    matmul_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """Steps: choose the device's kernel set (on CPU this builds weft's kernels, so the first step
     does not), read the tensors, build the model on the meta device, load the converted weights,
     move to the device and dtype, tie the embeddings, and put linear weights in the layout the
-    kernel set streams fastest."""
+    kernel set streams fastest. `matmul_dtype` bfloat16 with bfloat16 panels: bfloat16 products
+    (which never take the dense GEMM: it would multiply in float32, at half their rate)."""
     kernels = kernels_for(device)
     arch = resolve_architecture(config)
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
+    bf16_dot = layout is WeightLayout.PANELS and dtype == matmul_dtype == torch.bfloat16
     with torch.device("meta"):
         model = arch.model_class(config, arch.spec, max_positions, kernels)
-    dense_rows = _dense_rows(model, dtype, show_progress) if layout is WeightLayout.PANELS else {}
+    measured = layout is WeightLayout.PANELS and not bf16_dot
+    dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
@@ -157,6 +162,7 @@ def load_model(
     if layout is WeightLayout.PANELS:
         apply_dense_rows(_body_linears(model), dense_rows)
         model.dense_rows = dense_rows
+    model.set_bf16_dot(bf16_dot)
     model.fuse_stack()
     return model
 

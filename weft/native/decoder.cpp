@@ -22,6 +22,7 @@ enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown,
 
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
+  bool bf16_dot;  // bfloat16 products (packed_linear's bf16_dot) in every matrix
 };
 
 std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
@@ -48,27 +49,29 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
                    const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
   const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
-  at::Tensor qkv = weft::packed_linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d)
+  at::Tensor qkv = weft::packed_linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d, s.bf16_dot)
                        .view({tokens, heads + 2 * kv_heads, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots);
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
-  x.add_(weft::packed_linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden));
+  x.add_(weft::packed_linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s.bf16_dot));
   h = weft::rms_norm(x, w[kPostNorm], eps);
-  at::Tensor act = weft::silu_mul(weft::packed_linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate));
-  x.add_(weft::packed_linear(act, w[kDown], std::nullopt, s.hidden));
+  at::Tensor act = weft::silu_mul(weft::packed_linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s.bf16_dot));
+  x.add_(weft::packed_linear(act, w[kDown], std::nullopt, s.hidden, s.bf16_dot));
 }
 
 // x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
 // (an empty tensor for a missing bias); kv_caches: one per layer; slots [T], block_table [T, max_blocks],
 // context_lens [T] and positions [T] int64: row t is one query whose context (itself included) is
-// context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
+// context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate. bf16_dot:
+// bfloat16 products in every matrix (bfloat16 weights; see linear.cpp).
 void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
                     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
-                    const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale) {
+                    const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale,
+                    bool bf16_dot) {
   TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
-  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4]};
+  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], bf16_dot};
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
@@ -89,7 +92,8 @@ void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
-      "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale) -> ()");
+      "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale, "
+      "bool bf16_dot=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("decoder_stack_", &decoder_stack_); }

@@ -18,11 +18,16 @@
 // load gives 16 columns of row 2i as `word << 16` and of row 2i + 1 as `word & 0xffff0000`: two
 // integer operations per 32 weights, shared by every row of the tile, and the sum still runs over
 // k in order (a bfloat16 load computes exactly what a float32 load of the same weights does).
-// Where the CPU has AVX512_BF16, the same layout feeds vdpbf16ps directly, two products per lane
-// per instruction, with x rounded to bfloat16 once per call (as llama.cpp and oneDNN do): twice
-// the arithmetic rate where a step is compute-bound. float16 rows keep the natural order and widen
-// with vcvtph2ps (F16C), or one value at a time on machines without it. Written with GCC vector
-// extensions of the machine's own vector width (kLanes), so it compiles to AVX-512 or AVX2.
+// float16 rows keep the natural order and widen with vcvtph2ps (F16C), or one value at a time on
+// machines without it. Written with GCC vector extensions of the machine's own vector width
+// (kLanes), so it compiles to AVX-512 or AVX2.
+//
+// bfloat16 products (`bf16_dot`, the caller's choice per call): the same pair layout feeds
+// vdpbf16ps directly, two products per lane per instruction, with x rounded to bfloat16 once per
+// call (as llama.cpp, oneDNN and every GPU do): twice the arithmetic rate where a step is
+// compute-bound (prefill, large batches). Builds for CPUs without AVX512_BF16 compute the same
+// arithmetic with two multiply-adds per pair (slower than widening: for tests, and for a user who
+// asks for it), so every build takes both paths.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,6 +50,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;               // columns per panel
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the current panel row to prefetch
+constexpr int64_t kBlockBytes = 256 << 10;   // the rows of x a thread keeps in L2 while the panels pass
 
 // Vectors of the machine's own width: 16 floats with AVX-512, else 8 (AVX2). Wider generic vectors
 // than the registers are not split into register pairs: GCC moves them through the stack, and the
@@ -83,17 +89,11 @@ struct Float32Row {
 // bfloat16 panels: rows in pairs (see the top); one pair of rows of 32 columns is 128 bytes.
 constexpr int64_t kPairElems = 2 * kPanel;
 
-#if defined(__AVX512BF16__) || defined(WEFT_EMULATE_BF16_DOT)
-constexpr bool kBf16Dot = true;
-#else
-constexpr bool kBf16Dot = false;
-#endif
-
-// acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps,
-// or (WEFT_EMULATE_BF16_DOT, for testing this path on any machine) the same arithmetic, each step
-// rounded once as the instruction does.
+// acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps
+// where the build has AVX512_BF16, else the same arithmetic (each product exact in float32, each sum
+// rounded once, as the instruction does).
 inline vecf dot_pairs(vecf acc, wordsv x, wordsv w) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
   return reinterpret_cast<vecf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
                                                   reinterpret_cast<__m512bh>(w)));
 #else
@@ -143,8 +143,8 @@ struct Float16Row {  // natural column order
 struct Tile {
   const float* x;      // first row of the tile
   int64_t x_stride;
-  const uint32_t* xq;  // bfloat16 dot path: the tile's rows of x as bfloat16 pairs [rows, K / 2]
-  int64_t xq_stride;
+  const uint32_t* xq;  // bfloat16 dot path: the tile's x as bfloat16 pairs, interleaved [K / 2, xq_stride]
+  int64_t xq_stride;   // the tile height: pair kk of the tile's row i is xq[kk * xq_stride + i]
   const void* panel;   // [K, 32] of the weight type
   int64_t k;
   float* out;          // first row, first column of the tile
@@ -216,7 +216,7 @@ void tile_kernel(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
-// bfloat16 panel, dot products of pairs with x rounded to bfloat16 (kBf16Dot builds only).
+// bfloat16 panel, dot products of pairs with x rounded to bfloat16 (`bf16_dot`).
 template <int kRows, int kV>
 void tile_kernel_bf16_dot(const Tile& t) {
   vecf acc[kRows][kV];
@@ -224,11 +224,13 @@ void tile_kernel_bf16_dot(const Tile& t) {
     for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   const uint16_t* panel = static_cast<const uint16_t*>(t.panel);
   const int64_t pairs = (t.k + 1) / 2;
-  for (int64_t kk = 0; kk < pairs; ++kk) {
+  const uint32_t* xq = t.xq;  // the tile's rows side by side: one pointer, immediate offsets (and with
+                              // AVX-512 each broadcast folds into its vdpbf16ps as a {1to16} operand)
+  for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems) + t.first_vec;  // of words
     BFloat16Row::prefetch(panel, 2 * kk);
     for (int i = 0; i < kRows; ++i) {
-      const wordsv xv = wordsv{} + t.xq[i * t.xq_stride + kk];  // broadcast
+      const wordsv xv = wordsv{} + xq[i];  // broadcast
       for (int j = 0; j < kV; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, pair[j]);
     }
   }
@@ -382,18 +384,28 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
-// x rounded to bfloat16, as pairs of features in 32-bit words (feature 2i in the low half): [M, K / 2].
-at::Tensor bfloat16_pairs(const at::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
-  auto out = at::empty({m, pairs}, x.options().dtype(at::kInt));
-  const float* xp = x.data_ptr<float>();
-  auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < pairs; ++i) {
-      const float lo = xp[r * x.stride(0) + 2 * i], hi = 2 * i + 1 < k ? xp[r * x.stride(0) + 2 * i + 1] : 0.f;
-      op[r * pairs + i] = c10::BFloat16(lo).x | (static_cast<uint32_t>(c10::BFloat16(hi).x) << 16);
-    }
-  return out;
+// How run_panels cuts M rows into tiles: whole-panel tiles of up to kMaxTileRows rows, or (AVX2, from
+// kMaxHalfTileRows rows) half-panel tiles of up to kMaxHalfTileRows; as even as possible.
+struct Tiling {
+  bool halves;
+  int64_t rows;  // rows per tile (the last tile may have fewer)
+};
+
+Tiling tiling(int64_t m) {
+  const bool halves = kHalfTiles && m >= kMaxHalfTileRows;
+  return {halves, tile_rows(m, halves ? kMaxHalfTileRows : kMaxTileRows)};
+}
+
+// x rounded to bfloat16 (to nearest even, torch's vectorized conversion) as pairs of features in
+// 32-bit words, feature 2i in the low half, laid out tile by tile: [tiles, K / 2, rows], pair kk of
+// the tile's row i at [kk, i] (the last tile zero-padded to `rows`).
+at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2, tiles = (m + rows - 1) / rows;
+  auto rounded = at::empty({tiles * rows, 2 * pairs}, x.options().dtype(at::kBFloat16));
+  rounded.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  if (k % 2 != 0) rounded.narrow(0, 0, m).narrow(1, k, 1).zero_();
+  if (tiles * rows > m) rounded.narrow(0, m, tiles * rows - m).zero_();
+  return rounded.view(at::kInt).view({tiles, rows, pairs}).transpose(1, 2).contiguous();
 }
 
 template <typename Tiles, typename Storage>
@@ -402,43 +414,52 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias
   const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = x.size(1);
   const int64_t panel_elems = panels.size(1) * kPanel;
   // From kMaxHalfTileRows rows (AVX2 only), each panel is walked in two halves of 16 columns.
-  const bool halves = kHalfTiles && m >= kMaxHalfTileRows;
-  const int64_t rows = tile_rows(m, halves ? kMaxHalfTileRows : kMaxTileRows);
+  const auto [halves, rows] = tiling(m);
   const int64_t width = halves ? kPanel / 2 : kPanel;
   const TileFn* kernels = halves ? kHalfTileKernels<Tiles>.data() : kTileKernels<Tiles>.data();
   const float* xp = x.data_ptr<float>();
   const uint32_t* xqp = xq.defined() ? reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) : nullptr;
-  const int64_t xq_stride = xq.defined() ? xq.size(1) : 0;
+  const int64_t xq_tile = xq.defined() ? xq.size(1) * rows : 0;  // words per tile of x (bfloat16 pairs)
   const Storage* wp = static_cast<const Storage*>(panels.data_ptr());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t col = p * kPanel; col < std::min((p + 1) * kPanel, n); col += width) {
-        const int first_vec = static_cast<int>((col - p * kPanel) / kLanes);
-        for (int64_t r = 0; r < m; r += rows) {
-          const int64_t count = std::min(rows, m - r);
-          const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + r * xq_stride, xq_stride,
-                          wp + p * panel_elems, k, op + r * n + col, n, std::min(width, n - col),
-                          bias == nullptr ? nullptr : bias + col, first_vec};
-          kernels[count](tile);
+  // Long products go in blocks of rows whose x fits in L2 beside a panel: every panel streams past
+  // each block once, instead of all of x (megabytes in a long prefill) streaming past every panel.
+  const int64_t row_bytes = xq.defined() ? 4 * xq.size(1) : 4 * k;
+  const int64_t block = rows * std::max<int64_t>(1, kBlockBytes / (row_bytes * rows));
+  for (int64_t first = 0; first < m; first += block) {
+    const int64_t last = std::min(m, first + block);
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t col = p * kPanel; col < std::min((p + 1) * kPanel, n); col += width) {
+          const int first_vec = static_cast<int>((col - p * kPanel) / kLanes);
+          for (int64_t r = first; r < last; r += rows) {
+            const int64_t count = std::min(rows, m - r);
+            const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + (r / rows) * xq_tile,
+                            rows, wp + p * panel_elems, k, op + r * n + col, n, std::min(width, n - col),
+                            bias == nullptr ? nullptr : bias + col, first_vec};
+            kernels[count](tile);
+          }
         }
       }
-    }
-  });
+    });
+  }
 }
 
 // y = x @ W.T + b: x [M, K] float32, panels from pack_linear_weight, bias [N] float32 or none.
+// bf16_dot (bfloat16 panels only): x rounded to bfloat16, bfloat16 products accumulated in float32.
 at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
+                         int64_t out_features, bool bf16_dot) {
   check_linear_inputs(x_in, panels, bias, out_features);
+  TORCH_CHECK(!bf16_dot || panels.scalar_type() == at::kBFloat16,
+              "packed_linear: bf16_dot needs bfloat16 panels (the products of other weights are float32)");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   auto out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   switch (panels.scalar_type()) {
     case at::kBFloat16:
-      if constexpr (kBf16Dot) {
-        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x));
+      if (bf16_dot) {
+        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x, tiling(x.size(0)).rows));
       } else {
         run_panels<BFloat16Tiles, uint16_t>(x, panels, bp, out, at::Tensor());
       }
@@ -457,10 +478,8 @@ std::string build_info() {
 #elif defined(__AVX2__)
   isa += "avx2 ";
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
   isa += "avx512_bf16 ";
-#elif defined(WEFT_EMULATE_BF16_DOT)
-  isa += "bf16_dot_emulated ";
 #endif
 #if defined(__F16C__)
   isa += "f16c ";
@@ -476,8 +495,8 @@ std::string build_info() {
 namespace weft {  // for decoder.cpp (ops.h)
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  return ::packed_linear(x, panels, bias, out_features);
+                         int64_t out_features, bool bf16_dot) {
+  return ::packed_linear(x, panels, bias, out_features, bf16_dot);
 }
 
 }  // namespace weft
@@ -486,7 +505,7 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("build_info() -> str", &build_info);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows, int num_features) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, bool bf16_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {

@@ -16,6 +16,6 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t out_features);
+                         int64_t out_features, bool bf16_dot);
 
 }  // namespace weft

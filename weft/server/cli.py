@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
 from weft.server.engine_loop import EngineLoop
 
 
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     engine = p.add_argument_group("engine options (as in LLM)")
     engine.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    engine.add_argument(
+        "--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP
+    )
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             enforce_eager=args.enforce_eager,
             async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
+            matmul_precision=args.matmul_precision,
         )
     )
     name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")
