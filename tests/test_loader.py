@@ -102,7 +102,7 @@ def test_model_id_offline_fails_clearly(monkeypatch):
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+    with pytest.raises(ConfigError, match="neither a checkpoint directory nor a GGUF file"):
         LLM(str(tmp_path / "nope"), show_progress=False)
 
 

@@ -64,6 +64,7 @@ class LLM:
         self,
         model: str | Path | None = None,
         *,
+        tokenizer: str | Path | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         max_model_len: int | None = None,
@@ -83,6 +84,7 @@ class LLM:
         self.engine = build_engine(
             EngineArgs(
                 model=model,
+                tokenizer=tokenizer,
                 dtype=dtype,
                 device=device,
                 max_model_len=max_model_len,

@@ -77,6 +77,14 @@ class Tokenizer:
             raise ConfigError(f"{path}: cannot be read as a tokenizer ({exc})") from None
         return cls(tokenizer, read_optional_json(model_dir / "tokenizer_config.json"))
 
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], source: str) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's metadata (`weft/gguf_tokenizer.py`)."""
+        from weft.gguf_tokenizer import tokenizer_from_gguf
+
+        tokenizer, config = tokenizer_from_gguf(metadata, source)
+        return cls(tokenizer, config)
+
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))

@@ -34,7 +34,8 @@ from weft.engine.graphs import cuda_capture
 from weft.engine.heap import settle_heap
 from weft.engine.runner import ModelRunner
 from weft.kernels import kernels_for
-from weft.model.loader import load_config, load_model
+from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
+from weft.model.loader import load_config, load_model, open_source
 from weft.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -45,7 +46,8 @@ CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 class EngineArgs:
     """The user-facing options of an engine (the keyword arguments of `LLM`)."""
 
-    model: str | Path | None = None  # None: the bundled model
+    model: str | Path | None = None  # None: the bundled model; a directory, a .gguf file or a model id
+    tokenizer: str | Path | None = None  # a tokenizer directory; None: the model's own
     dtype: str | torch.dtype | None = None  # "auto": the checkpoint's, where the device runs it fast
     device: str | torch.device | None = None
     max_model_len: int | None = None  # the model's maximum, capped at DEFAULT_MAX_MODEL_LEN
@@ -68,7 +70,10 @@ class EngineArgs:
 def build_engine(args: EngineArgs) -> LLMEngine:
     path = resolve_model_path(args.model)
     device = resolve_device(args.device)
-    model_config = _with_generation_eos(load_config(path), path)
+    source = open_source(path)  # the directory, or the GGUF file opened once
+    model_config = load_config(source)
+    if not isinstance(source, GgufCheckpoint):
+        model_config = _with_generation_eos(model_config, path)
     kernels = kernels_for(device)
     dtype = resolve_dtype(
         args.dtype,
@@ -77,9 +82,9 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         kernels.packs_linear_weights(device, torch.bfloat16),
     )
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision)
-    tokenizer = Tokenizer.from_dir(path)
+    tokenizer = _load_tokenizer(source, args.tokenizer)
     max_len = _max_model_len(args.max_model_len, model_config)
-    model = load_model(path, model_config, dtype, device, max_len, args.show_progress, matmul)
+    model = load_model(source, model_config, dtype, device, max_len, args.show_progress, matmul)
     if args.show_progress:  # what runs the model, chosen once here
         info = kernels.describe(device, dtype, matmul)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
@@ -146,10 +151,10 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists() or str(model).startswith((".", "/", "~")):
-        raise ConfigError(f"{path}: not a checkpoint directory")
+        raise ConfigError(f"{path}: neither a checkpoint directory nor a GGUF file")
     return _download(str(model))
 
 
@@ -169,6 +174,15 @@ def _download(model_id: str) -> Path:
             f"({type(exc).__name__}); "
             "pass the path of a downloaded checkpoint directory instead"
         ) from None
+
+
+def _load_tokenizer(source: Path | GgufCheckpoint, tokenizer: str | Path | None) -> Tokenizer:
+    """The tokenizer of `tokenizer` (a directory) if given, else the checkpoint's own."""
+    if tokenizer is not None:
+        return Tokenizer.from_dir(Path(tokenizer).expanduser())
+    if isinstance(source, GgufCheckpoint):
+        return Tokenizer.from_gguf(source.metadata, str(source.path))
+    return Tokenizer.from_dir(source)
 
 
 def _with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:

@@ -1,9 +1,12 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors) into a weft model.
+"""Load a Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file, into a weft
+model.
 
 Steps:
-  1. read config.json and resolve the architecture;
+  1. read config.json (or the GGUF file's metadata, `weft/model/gguf_checkpoint.py`) and resolve
+     the architecture;
   2. list the safetensors files (one file, or many named by model.safetensors.index.json);
-  3. read every tensor, with a progress bar, checking names and shapes against the config;
+  3. read every tensor, with a progress bar, checking names and shapes against the config (a GGUF
+     file's tensors under their Hugging Face names, dequantized to float32);
   4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
   5. move to the target device and dtype (no copy when the checkpoint is stored in that dtype);
   6. on CPU, make sure weft's native kernels are built and loaded (`weft/native`);
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm
 from weft.config import ConfigError, ModelConfig, NativeConfig
 from weft.kernels import kernels_for
 from weft.model import safetensors_io
+from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
@@ -60,6 +64,29 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
     return files
+
+
+Source = Path | GgufCheckpoint  # a checkpoint directory, or an opened GGUF file
+
+
+def open_source(path: Path) -> Source:
+    """`path` as a checkpoint source: a GGUF file is opened (once: its header takes a while to read)."""
+    return GgufCheckpoint(path) if is_gguf(path) else path
+
+
+def checkpoint_tensors(
+    source: Source, show_progress: bool = True
+) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """(Hugging Face name, file, tensor) for every tensor of a checkpoint directory or GGUF file."""
+    if not isinstance(source, GgufCheckpoint):
+        yield from read_tensors(safetensors_files(source), show_progress)
+        return
+    count = len(source.reader.tensors)
+    bar = tqdm(total=count, desc="Loading GGUF", unit="tensor", disable=not show_progress, leave=False)
+    with bar:
+        for name, tensor in source.read_tensors():
+            bar.update(1)
+            yield name, source.path, tensor
 
 
 def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tuple[str, Path, torch.Tensor]]:
@@ -117,7 +144,7 @@ class _Weights:
 
 
 def load_model(
-    model_dir: Path,
+    model_dir: Source,
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
@@ -181,12 +208,12 @@ def _body_linears(model: LlamaForCausalLM) -> list[Linear]:
 
 
 def _read_weights(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, packs_table: bool, show_progress: bool
+    model_dir: Source, config: ModelConfig, dtype: torch.dtype, packs_table: bool, show_progress: bool
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
     panels as soon as it is read, so that it never sits in memory twice beside the other weights."""
     weights = _Weights()
-    for name, path, tensor in read_tensors(safetensors_files(model_dir), show_progress):
+    for name, path, tensor in checkpoint_tensors(model_dir, show_progress):
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
             weights.pack(name, (config.vocab_size, config.hidden_size), dtype)
@@ -258,7 +285,12 @@ def _check_leftovers(weights: _Weights) -> None:
         )
 
 
-def load_config(model_dir: Path) -> ModelConfig:
+def load_config(model_dir: Source) -> ModelConfig:
+    """config.json of a checkpoint directory, or the configuration in a GGUF file's metadata."""
+    if isinstance(model_dir, GgufCheckpoint):
+        return model_dir.model_config()
+    if is_gguf(model_dir):
+        return GgufCheckpoint(model_dir).model_config()
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: file not found; a checkpoint directory needs config.json")

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine = p.add_argument_group("engine options (as in LLM)")
     engine.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     engine.add_argument(
+        "--tokenizer", default=None, help="a Hugging Face tokenizer directory (default: the model's own)"
+    )
+    engine.add_argument(
         "--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP
     )
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(
         EngineArgs(
             model=args.model,
+            tokenizer=args.tokenizer,
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,

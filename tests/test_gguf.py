@@ -1,0 +1,178 @@
+"""GGUF files (weft/model/gguf_checkpoint.py, weft/gguf_tokenizer.py): the files llama.cpp's own
+converter and quantizer made (../shared/data/gguf), against llama.cpp's recorded outputs on them, the
+gguf package's reference dequantization (through transformers' GGUF loader) and the Hugging Face
+tokenizer of the same family; and every bad file a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from weft import LLM, SamplingParams
+from weft.config import ConfigError
+from weft.model.gguf_checkpoint import GgufCheckpoint, GgufError, hf_name, unpermute_rotary_rows
+from weft.tokenizer import Tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+GGUF_DIR = SHARED / "gguf"
+FILES = {"q8_0": "tiny-q8_0.gguf", "q4_k_m": "tiny-q4_k_m.gguf", "q4_0": "tiny-q4_0.gguf"}
+# How close transformers' exact float32 dequantization gets to llama.cpp on these files (the
+# README there): mean |dlogp| teacher-forced along llama.cpp's tokens, and argmax agreement of 128.
+LLAMA_CPP_GAP = {"q8_0": (0.059, 121), "q4_k_m": (0.109, 118), "q4_0": (0.080, 119)}
+
+pytestmark = pytest.mark.skipif(
+    not (GGUF_DIR / "llama_cpp_reference.json").is_file(),
+    reason="../shared/data/gguf is not here (a user's clone)",
+)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads((GGUF_DIR / "llama_cpp_reference.json").read_text())
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def gguf_llm(request) -> tuple[str, LLM]:
+    return request.param, LLM(str(GGUF_DIR / FILES[request.param]), show_progress=False, max_logprobs=5)
+
+
+def test_a_gguf_file_is_a_whole_model(gguf_llm):
+    """Configuration, tokenizer and chat template from the one file: the SmolLM2 family's tokenizer
+    (compared with its Hugging Face tokenizer.json) and its chat template, tied embeddings."""
+    _, llm = gguf_llm
+    config = llm.engine.config.model
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (256, 2, 4, 2)
+    assert (config.intermediate_size, config.vocab_size, config.head_dim) == (768, 49152, 64)
+    assert config.tie_word_embeddings and config.rope.theta == 100000.0
+    assert llm.kernels["weights"] == "float32"
+    family = SHARED / "tokenizers" / "smollm2"
+    hf = Tokenizer.from_dir(family)
+    texts = [
+        "Hello world", " Hello, world!", "w048 7tuijk dsdfhu", "нещо на Български", " this is 🦙.cpp",
+        "3333333 33 3", "<|im_start|>user\nHi<|im_end|>", "\n\n\t  x  ", "",
+    ]  # fmt: skip
+    corpus = sorted((SHARED / "corpora").rglob("*.txt"))
+    if corpus:
+        texts += corpus[0].read_text(encoding="utf-8", errors="replace")[:20000].splitlines()[:200]
+    for text in texts:
+        assert llm.tokenizer.encode(text) == hf.encode(text), text
+    ids = hf.encode("Hello, world! 🦙 нещо")
+    assert llm.tokenizer.decode(ids) == hf.decode(ids)
+    assert llm.tokenizer.chat_template == hf.chat_template
+    assert llm.tokenizer.eos_token == "<|im_end|>" and llm.tokenizer.bos_token == "<|im_start|>"
+    messages = [{"role": "user", "content": "Speak!"}]
+    assert llm.tokenizer.apply_chat_template(messages) == hf.apply_chat_template(messages)
+
+
+def test_gguf_logprobs_are_as_close_to_llama_cpp_as_an_exact_dequantization(gguf_llm, reference):
+    """Teacher-forced along llama.cpp's greedy tokens: weft's logprob of each token and its argmax,
+    against llama.cpp's own, at least as close as transformers' exact float32 dequantization gets
+    (the differences are llama.cpp's: it rounds the activations to 8 bits in its products)."""
+    name, llm = gguf_llm
+    gaps, agree = [], 0
+    for prompt, run in zip(reference["prompts"], reference["files"][name], strict=True):
+        ids = list(prompt) + list(run["tokens"])
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        positions = out.prompt_logprobs[len(prompt) :]
+        for token, entry, expected, argmax in zip(
+            run["tokens"], positions, run["tf_logprobs"], run["tf_argmax"], strict=True
+        ):
+            gaps.append(abs(entry[token].logprob - expected))
+            agree += max(entry, key=lambda t: entry[t].logprob) == argmax
+    bound, min_agree = LLAMA_CPP_GAP[name]
+    assert len(gaps) == 128
+    print(f"{name}: mean |dlogp| {np.mean(gaps):.4f} (exact float32: {bound}), argmax {agree}/128")
+    assert float(np.mean(gaps)) <= bound * 1.05 and agree >= min_agree, (np.mean(gaps), agree)
+
+
+def test_gguf_greedy_tokens_follow_llama_cpp_where_it_is_sure(gguf_llm, reference):
+    """Greedy generation from each prompt: the same first token as llama.cpp's every time."""
+    name, llm = gguf_llm
+    prompts = [list(p) for p in reference["prompts"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    firsts = [o.outputs[0].token_ids[0] for o in outs]
+    assert firsts == [run["tokens"][0] for run in reference["files"][name]]
+
+
+def test_gguf_model_computes_the_reference_dequantized_product(tmp_path):
+    """The logits of a GGUF load equal transformers' load of the same file (which dequantizes with
+    the gguf package to float32) within 1e-4: weft computes the exactly dequantized model."""
+    transformers = pytest.importorskip("transformers")
+    path = GGUF_DIR / FILES["q4_k_m"]
+    llm = LLM(str(path), show_progress=False, max_logprobs=20)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = [17, 4000, 123, 9000, 48000, 77, 2024, 31337, 5, 6]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)  # [T, V]
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        for token, logprob in entry.items():
+            assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
+
+
+def test_the_converters_rotary_order_is_undone():
+    """llama.cpp's converter stores q/k rows of each head as (half, pair) interleaved; the reader
+    puts them back."""
+    heads, head_dim, features = 3, 8, 5
+    weight = torch.randn(heads * head_dim, features)
+    converted = weight.reshape(heads, 2, head_dim // 2, features).swapaxes(1, 2).reshape(weight.shape)
+    assert torch.equal(unpermute_rotary_rows(converted, heads), weight)
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight" and hf_name("blk.0.odd.weight") is None
+
+
+def _write_gguf(path: Path, arch: str = "llama", tensor_type: str = "F32") -> Path:
+    """A small GGUF file written with the gguf package: one tensor of `tensor_type`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    if tensor_type != "F32":
+        qtype = getattr(gguf.GGMLQuantizationType, tensor_type)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((4, 256 // block * size), dtype=np.uint8)
+        writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_gguf_files_are_clear_errors(tmp_path):
+    with pytest.raises(GgufError, match="architecture 'gemma' is not supported; weft runs GGUF files of"):
+        GgufCheckpoint(_write_gguf(tmp_path / "gemma.gguf", arch="gemma"))
+    with pytest.raises(GgufError, match="stored as Q2_K, which weft does not run; weft runs F32"):
+        GgufCheckpoint(_write_gguf(tmp_path / "q2k.gguf", tensor_type="Q2_K"))
+    truncated = tmp_path / "truncated.gguf"
+    source = (GGUF_DIR / FILES["q8_0"]).read_bytes()
+    truncated.write_bytes(source[: len(source) // 2])
+    with pytest.raises(GgufError, match=r"truncated\.gguf: not a readable GGUF file"):
+        GgufCheckpoint(truncated)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\x01")
+    with pytest.raises(GgufError, match=r"header\.gguf: not a readable GGUF file"):
+        LLM(str(header_only), show_progress=False)
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf file")
+    with pytest.raises(ConfigError, match="neither a checkpoint directory nor a GGUF file"):
+        LLM(str(not_gguf), show_progress=False)
+
+
+def test_a_tokenizer_directory_overrides_the_files_own(tmp_path):
+    family = SHARED / "tokenizers" / "smollm2"
+    copy = tmp_path / "tok"
+    shutil.copytree(family, copy)
+    llm = LLM(str(GGUF_DIR / FILES["q8_0"]), tokenizer=str(copy), show_progress=False)
+    assert llm.tokenizer.encode("Hello world") == Tokenizer.from_dir(family).encode("Hello world")

@@ -1,0 +1,176 @@
+"""GGUF checkpoints (llama.cpp's one-file format): the configuration, the weights, the tokenizer and
+the chat template of a model, read from one `.gguf` file with the `gguf` package.
+
+Steps of `GgufCheckpoint(path)`:
+  1. read the header (metadata and the tensor index; the tensor data stays memory-mapped) and
+     check the architecture (`general.architecture`: llama, qwen2 or qwen3);
+  2. `model_config()`: the `{arch}.*` keys as a Hugging Face config (sizes, heads, rope base and
+     linear scaling, norm epsilon, context length, tied embeddings when there is no `output`
+     tensor, the tokenizer's BOS/EOS ids);
+  3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
+     reads (`SUPPORTED_TYPES`), dequantized exactly to float32 (`gguf.quants.dequantize`), with
+     the rows of `attn_q` / `attn_k` of llama-architecture files put back in the Hugging Face
+     order (llama.cpp's converter interleaves each head's two rotary halves);
+  4. `metadata`: the `tokenizer.*` keys, for `weft.gguf_tokenizer`.
+
+Every error names the file and the problem, and says what weft reads instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from weft.config import ConfigError, ModelConfig
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GgufError(ConfigError):
+    """A GGUF file weft cannot run; the message names the file and the problem."""
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one weft does not know."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[out, ...] rows of q or k back in the Hugging Face order: llama.cpp's converter stores each
+    head's rows as (half, pair) interleaved, `reshape(H, 2, D/2).swapaxes(1, 2)`; this undoes it."""
+    shape = weight.shape
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+class GgufCheckpoint:
+    """One GGUF file, opened for reading (see the module's steps)."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as exc:  # the gguf package raises ValueError, struct errors, IndexError ...
+            raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        self.metadata: dict[str, Any] = {key: field.contents() for key, field in self.reader.fields.items()}
+        arch = self.metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            supported = ", ".join(sorted(ARCHITECTURES))
+            raise GgufError(
+                f"{path}: architecture {arch!r} is not supported; weft runs GGUF files of {supported}"
+            )
+        self.arch: str = arch
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        for tensor in self.reader.tensors:
+            kind = tensor.tensor_type.name
+            if kind not in SUPPORTED_TYPES:
+                raise GgufError(
+                    f"{self.path}: tensor {tensor.name!r} is stored as {kind}, which weft does not run; "
+                    f"weft runs {', '.join(SUPPORTED_TYPES)} (the types of Q8_0, Q4_K_M and Q4_0 files)"
+                )
+            if tensor.name == "rope_freqs.weight":
+                raise GgufError(
+                    f"{self.path}: per-frequency rope factors (rope_freqs, Llama 3.1 rope scaling) are not "
+                    "supported yet; run the Hugging Face checkpoint of this model instead"
+                )
+
+    def _key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{name}", default)
+
+    def config_dict(self) -> dict[str, Any]:
+        """The model's configuration in config.json's terms."""
+        heads = self._key("attention.head_count")
+        hidden = self._key("embedding_length")
+        names = {tensor.name for tensor in self.reader.tensors}
+        raw: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "vocab_size": self._key("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens", [])),
+            "hidden_size": hidden,
+            "intermediate_size": self._key("feed_forward_length"),
+            "num_hidden_layers": self._key("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._key("attention.head_count_kv", heads),
+            "head_dim": self._key("attention.key_length") or (hidden // heads if hidden and heads else None),
+            "rms_norm_eps": self._key("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._key("rope.freq_base", 10000.0),
+            "max_position_embeddings": self._key("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": self.arch == "llama" and "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        if self._key("rope.scaling.type") == "linear":
+            raw["rope_scaling"] = {"rope_type": "linear", "factor": self._key("rope.scaling.factor", 1.0)}
+        return raw
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config_dict(), source=str(self.path))
+
+    def read_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor [out, in] or [n]) for every tensor, one at a time."""
+        from gguf.quants import dequantize
+
+        heads = self._key("attention.head_count")
+        kv_heads = self._key("attention.head_count_kv", heads)
+        for tensor in self.reader.tensors:
+            name = hf_name(tensor.name)
+            if name is None:
+                raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
+            try:
+                values = dequantize(tensor.data, tensor.tensor_type)
+            except (ValueError, TypeError, IndexError) as exc:  # a truncated file, mostly
+                raise GgufError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc})") from None
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            weight = torch.from_numpy(values if values.flags.writeable else values.copy())
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                weight = unpermute_rotary_rows(weight, heads)
+            elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                weight = unpermute_rotary_rows(weight, kv_heads)
+            yield name, weight
+
+
+__all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]
