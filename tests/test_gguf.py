@@ -45,12 +45,15 @@ def gguf_llm(request) -> tuple[str, LLM]:
 def test_a_gguf_file_is_a_whole_model(gguf_llm):
     """Configuration, tokenizer and chat template from the one file: the SmolLM2 family's tokenizer
     (compared with its Hugging Face tokenizer.json) and its chat template, tied embeddings."""
-    _, llm = gguf_llm
+    name, llm = gguf_llm
     config = llm.engine.config.model
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (256, 2, 4, 2)
     assert (config.intermediate_size, config.vocab_size, config.head_dim) == (768, 49152, 64)
     assert config.tie_word_embeddings and config.rope.theta == 100000.0
     assert llm.kernels["weights"] == "float32"
+    if name == "q8_0":  # every matrix, the tied table included, runs from its Q8_0 blocks
+        assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (quantized panels)"), llm.kernels
+        assert llm.engine.model.embed.weight.dtype == torch.uint8
     family = SHARED / "tokenizers" / "smollm2"
     hf = Tokenizer.from_dir(family)
     texts = [
@@ -100,11 +103,13 @@ def test_gguf_greedy_tokens_follow_llama_cpp_where_it_is_sure(gguf_llm, referenc
     assert firsts == [run["tokens"][0] for run in reference["files"][name]]
 
 
-def test_gguf_model_computes_the_reference_dequantized_product(tmp_path):
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m"])
+def test_gguf_model_computes_the_reference_dequantized_product(name):
     """The logits of a GGUF load equal transformers' load of the same file (which dequantizes with
-    the gguf package to float32) within 1e-4: weft computes the exactly dequantized model."""
+    the gguf package to float32) within 1e-4: weft computes the exactly dequantized model (Q8_0
+    from its blocks, in quantized panels)."""
     transformers = pytest.importorskip("transformers")
-    path = GGUF_DIR / FILES["q4_k_m"]
+    path = GGUF_DIR / FILES[name]
     llm = LLM(str(path), show_progress=False, max_logprobs=20)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32

@@ -115,11 +115,13 @@ BUILDS = {
     "avx512_bf16": ("cooperlake", "", "avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
 }
 # What a child runs against another build: every test of the panels, the bfloat16 products and the
-# model-level parity here, the prefill GEMM's two paths, and the other kernels' vector paths.
+# model-level parity here, the prefill GEMM's two paths, the other kernels' vector paths and the
+# quantized panels.
 CHILD_TESTS = [
     ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
     ("both_paths", "test_prefill_gemm.py"),
     ("gumbel or row_logprobs or top_p_filter or silu or attention or packed_linear", "test_native.py"),
+    ("q8_0", "test_quant.py"),
 ]
 
 

@@ -115,6 +115,10 @@ class LLM:
         config = self.engine.config
         weights = config.weight_dtype or config.dtype
         info = self.engine.model.kernels.describe(config.device, weights, config.matmul_dtype)
+        quantized = self.engine.model.quantized_matrices()
+        if quantized:
+            kinds = ", ".join(f"{kind.upper()} for {count} matrices" for kind, count in quantized.items())
+            info["linear"] += f"; {kinds} (quantized panels)"
         thresholds = sorted(set(self.engine.model.dense_rows.values()))
         if thresholds:
             rows = [str(t) if t < NEVER else "never" for t in thresholds]

@@ -150,27 +150,36 @@ class GgufCheckpoint:
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.config_dict(), source=str(self.path))
 
-    def read_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor [out, in] or [n]) for every tensor, one at a time."""
-        from gguf.quants import dequantize
-
+    def read_tensors(self, keep_q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor) for every tensor, one at a time: float32 [out, in] or [n],
+        or with `keep_q8_0` a Q8_0 matrix as its rows of blocks, uint8 [out, in / 32 * 34]
+        (`weft/model/quantized.py`)."""
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
-            try:
-                values = dequantize(tensor.data, tensor.tensor_type)
-            except (ValueError, TypeError, IndexError) as exc:  # a truncated file, mostly
-                raise GgufError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc})") from None
-            values = np.ascontiguousarray(values, dtype=np.float32)
-            weight = torch.from_numpy(values if values.flags.writeable else values.copy())
+            raw = keep_q8_0 and tensor.tensor_type.name == "Q8_0" and len(tensor.shape) == 2
+            weight = self._raw(tensor) if raw else self._dequantized(tensor)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, heads)
             elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = unpermute_rotary_rows(weight, kv_heads)
             yield name, weight
+
+    def _dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization
+        from gguf.quants import dequantize
+
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except (ValueError, TypeError, IndexError) as exc:  # a truncated file, mostly
+            raise GgufError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc})") from None
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+    def _raw(self, tensor: Any) -> torch.Tensor:  # uint8 [rows, bytes per row], copied off the mapping
+        return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]

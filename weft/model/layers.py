@@ -41,6 +41,7 @@ class Linear(nn.Module):
         self.out_features = out_features  # the panel layout pads it to a multiple of 32
         self.dense_rows = DENSE_PANEL_ROWS  # PANELS: from this many rows, the BLAS GEMM (prefill_gemm.py)
         self.bf16_dot = False  # bfloat16 PANELS: x rounded to bfloat16, bfloat16 products (linear.cpp)
+        self.quantized: str | None = None  # "q8_0": PANELS of GGUF Q8_0 blocks (weft/model/quantized.py)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
@@ -57,15 +58,16 @@ class Linear(nn.Module):
                 self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
         self.layout = layout
 
-    def expect_panels(self, shape: torch.Size) -> None:
+    def expect_panels(self, shape: torch.Size, quantized: str | None = None) -> None:
         """Built on the meta device, to be assigned a weight that is already packed (a tied table
-        packed as it is read): take the panels' `shape` without packing anything."""
+        packed as it is read, a quantized matrix): take the panels' `shape` without packing anything."""
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         self.layout = WeightLayout.PANELS
+        self.quantized = quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.layout is WeightLayout.PANELS:
-            if x.shape[0] >= self.dense_rows and not self.bf16_dot:  # a long prefill: the BLAS GEMM
+            if x.shape[0] >= self.dense_rows and not (self.bf16_dot or self.quantized):  # long: BLAS GEMM
                 return self.dense_forward(x)
             return self.panel_forward(x)
         if self.layout is WeightLayout.IN_OUT:

@@ -183,11 +183,17 @@ class LlamaForCausalLM(nn.Module):
         self._shape = StackShape(sizes, c.rms_norm_eps, layers[0].attn.scale, self.bf16_dot)
 
     def set_bf16_dot(self, bf16_dot: bool) -> None:
-        """Every packed matrix multiplies with bfloat16 products (bfloat16 panels), or none does."""
+        """Every matrix in bfloat16 panels multiplies with bfloat16 products, or none does (others,
+        such as Q8_0 panels, keep theirs)."""
         self.bf16_dot = bf16_dot
         for module in self.modules():
             if isinstance(module, Linear):
-                module.bf16_dot = bf16_dot
+                module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16
+
+    def quantized_matrices(self) -> dict[str, int]:
+        """How many matrices run from each quantized panel type ("q8_0": n)."""
+        kinds = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized]
+        return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return self.lm_head(hidden).float()

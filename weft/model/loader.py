@@ -37,6 +37,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
+from weft.model.quantized import cat_rows, dequantized, is_q8_0_rows, logical_shape, pack_q8_0
 from weft.model.registry import resolve_architecture
 
 EMBED = "model.embed_tokens.weight"
@@ -75,16 +76,17 @@ def open_source(path: Path) -> Source:
 
 
 def checkpoint_tensors(
-    source: Source, show_progress: bool = True
+    source: Source, show_progress: bool = True, keep_q8_0: bool = False
 ) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """(Hugging Face name, file, tensor) for every tensor of a checkpoint directory or GGUF file."""
+    """(Hugging Face name, file, tensor) for every tensor of a checkpoint directory or GGUF file
+    (with `keep_q8_0`, Q8_0 matrices as their rows of blocks: `weft/model/quantized.py`)."""
     if not isinstance(source, GgufCheckpoint):
         yield from read_tensors(safetensors_files(source), show_progress)
         return
     count = len(source.reader.tensors)
     bar = tqdm(total=count, desc="Loading GGUF", unit="tensor", disable=not show_progress, leave=False)
     with bar:
-        for name, tensor in source.read_tensors():
+        for name, tensor in source.read_tensors(keep_q8_0):
             bar.update(1)
             yield name, source.path, tensor
 
@@ -124,9 +126,13 @@ class _Weights:
         self.files[name] = path
 
     def pack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype`."""
+        """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or in
+        Q8_0, if it came in Q8_0 blocks)."""
         matrix = self.take(name, shape)
-        self.add(name, self.files[name], torch.ops.weft.pack_linear_weight(matrix.to(dtype)))
+        panels = (
+            pack_q8_0(matrix) if is_q8_0_rows(matrix) else torch.ops.weft.pack_linear_weight(matrix.to(dtype))
+        )
+        self.add(name, self.files[name], panels)
         self.packed.add(name)
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -135,9 +141,9 @@ class _Weights:
         tensor = self.tensors.pop(name)
         if name in self.packed:  # checked when packed
             return tensor
-        if tuple(tensor.shape) != shape:
+        if logical_shape(tensor) != shape:
             raise CheckpointError(
-                f"{self.files[name]}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"{self.files[name]}: tensor {name!r} has shape {logical_shape(tensor)}, "
                 f"but config.json implies {shape}"
             )
         return tensor
@@ -166,13 +172,16 @@ def load_model(
         model = arch.model_class(config, arch.spec, max_positions, kernels)
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
-    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress)
+    panels = layout is WeightLayout.PANELS
+    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, keeps_q8_0=panels)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-            model.lm_head.expect_panels(weights.tensors[EMBED].shape)
+            table = weights.tensors[EMBED]
+            model.lm_head.expect_panels(table.shape, quantized="q8_0" if table.dtype == torch.uint8 else None)
             model.embed.read_from_panels(model.lm_head)
     state = _convert(weights, arch.spec, config)
+    _expect_quantized(model, state)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
@@ -194,6 +203,20 @@ def load_model(
     return model
 
 
+def _expect_quantized(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    """Pack every matrix that came in Q8_0 blocks into Q8_0 panels, its Linear (still on the meta
+    device) taking their shape; an embedding table in Q8_0 (untied) is dequantized."""
+    for name, tensor in state.items():
+        if not is_q8_0_rows(tensor):
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Linear):
+            state[name] = pack_q8_0(tensor)
+            module.expect_panels(state[name].shape, quantized="q8_0")
+        else:
+            state[name] = dequantized(tensor)
+
+
 def _dense_rows(model: LlamaForCausalLM, dtype: torch.dtype, show_progress: bool) -> dict[Shape, int]:
     """The prefill-GEMM threshold of each linear shape of `model` (still on the meta device:
     measured before any weight is read; weft/model/prefill_gemm.py)."""
@@ -208,12 +231,18 @@ def _body_linears(model: LlamaForCausalLM) -> list[Linear]:
 
 
 def _read_weights(
-    model_dir: Source, config: ModelConfig, dtype: torch.dtype, packs_table: bool, show_progress: bool
+    model_dir: Source,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    packs_table: bool,
+    show_progress: bool,
+    keeps_q8_0: bool = False,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
-    panels as soon as it is read, so that it never sits in memory twice beside the other weights."""
+    panels as soon as it is read, so that it never sits in memory twice beside the other weights;
+    with `keeps_q8_0`, GGUF Q8_0 matrices stay in their blocks (packed later, `_expect_quantized`)."""
     weights = _Weights()
-    for name, path, tensor in checkpoint_tensors(model_dir, show_progress):
+    for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_q8_0):
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
             weights.pack(name, (config.vocab_size, config.hidden_size), dtype)
@@ -241,7 +270,7 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
             for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
         ]
-        state[dst + "attn.qkv.weight"] = torch.cat(qkv)
+        state[dst + "attn.qkv.weight"] = cat_rows(qkv)
         if spec.qkv_bias:
             biases = [
                 weights.take(src + f"self_attn.{p}_proj.bias", (n,))
@@ -256,7 +285,7 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (d,))
         gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
         up = weights.take(src + "mlp.up_proj.weight", (inter, h))
-        state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up])
+        state[dst + "mlp.gate_up.weight"] = cat_rows([gate, up])
         state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter))
         state[dst + "input_norm.weight"] = weights.take(src + "input_layernorm.weight", (h,))
         state[dst + "post_attn_norm.weight"] = weights.take(src + "post_attention_layernorm.weight", (h,))

@@ -27,8 +27,10 @@ import torch
 
 from weft.config import NativeConfig
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp", "decoder.cpp")]
-HEADERS = [Path(__file__).with_name("ops.h")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp")
+]
+HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h")]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):

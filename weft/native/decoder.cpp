@@ -25,6 +25,12 @@ struct StackShape {
   bool bf16_dot;  // bfloat16 products (packed_linear's bf16_dot) in every matrix
 };
 
+// packed_linear with bfloat16 products where the stack asks for them and the matrix is bfloat16.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+                  const StackShape& s) {
+  return weft::packed_linear(x, w, bias, n, s.bf16_dot && w.scalar_type() == at::kBFloat16);
+}
+
 std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
   return bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias);
 }
@@ -49,16 +55,16 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
                    const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
   const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
-  at::Tensor qkv = weft::packed_linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d, s.bf16_dot)
+  at::Tensor qkv = linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d, s)
                        .view({tokens, heads + 2 * kv_heads, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots);
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
-  x.add_(weft::packed_linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s.bf16_dot));
+  x.add_(linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s));
   h = weft::rms_norm(x, w[kPostNorm], eps);
-  at::Tensor act = weft::silu_mul(weft::packed_linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s.bf16_dot));
-  x.add_(weft::packed_linear(act, w[kDown], std::nullopt, s.hidden, s.bf16_dot));
+  at::Tensor act = weft::silu_mul(linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s));
+  x.add_(linear(act, w[kDown], std::nullopt, s.hidden, s));
 }
 
 // x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer

@@ -28,6 +28,14 @@
 // compute-bound (prefill, large batches). Builds for CPUs without AVX512_BF16 compute the same
 // arithmetic with two multiply-adds per pair (slower than widening: for tests, and for a user who
 // asks for it), so every build takes both paths.
+//
+// Q8_0 (GGUF's 8-bit type): blocks of 32 input features, each a float16 scale d and 32 int8 quants q,
+// the weight being d * q (exact in float32). A Q8_0 panel holds, per block, the scales of its 32
+// columns (64 bytes) and then the quants [32 features][32 columns] (1,024 bytes): 8.5 bits per
+// weight, as in the file. The tile kernel widens a row of quants to float32 (vpmovsxbd, vcvtdq2ps)
+// and multiplies it by the block's scales, which gives the dequantized weights exactly, and then
+// accumulates as the float panels do: the float32 product of the dequantized matrix, in the same
+// order as a float32 panel of it computes, at 8.5 bits read per weight.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,9 +54,13 @@
 #include <immintrin.h>
 #endif
 
+#include "panels.h"
+
 namespace {
 
-constexpr int64_t kPanel = 32;               // columns per panel
+using weft::kPanel;                          // columns per panel
+using weft::kQ8Block;
+using weft::kQ8BlockBytes;
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the current panel row to prefetch
 constexpr int64_t kBlockBytes = 256 << 10;   // the rows of x a thread keeps in L2 while the panels pass
 
@@ -237,6 +249,33 @@ void tile_kernel_bf16_dot(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
+// Q8_0 panels (panels.h): per block of 32 input features, 32 float16 scales, then [32, 32] int8.
+typedef int8_t quantsv __attribute__((vector_size(kLanes), aligned(1)));
+
+template <int kRows, int kV>
+void tile_kernel_q8_0(const Tile& t) {
+  vecf acc[kRows][kV];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
+  const uint8_t* panel = static_cast<const uint8_t*>(t.panel);
+  for (int64_t b = 0; b < t.k / kQ8Block; ++b) {
+    const uint8_t* block = panel + b * kQ8BlockBytes;
+    vecf scale[kV];
+    Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block), 0, t.first_vec, scale);
+    const int8_t* quants = reinterpret_cast<const int8_t*>(block + 2 * kPanel) + kLanes * t.first_vec;
+    for (int kk = 0; kk < kQ8Block; ++kk) {
+      if (kk < kQ8BlockBytes / 64) __builtin_prefetch(block + kPrefetchBytes + 64 * kk);
+      vecf w[kV];
+      for (int j = 0; j < kV; ++j) {
+        const quantsv q = *reinterpret_cast<const quantsv*>(quants + kk * kPanel + kLanes * j);
+        w[j] = scale[j] * __builtin_convertvector(q, vecf);  // the dequantized weights, exactly
+      }
+      add_row<kRows, kV>(acc, t, b * kQ8Block + kk, w);
+    }
+  }
+  finish_tile<kRows, kV>(t, acc);
+}
+
 using TileFn = void (*)(const Tile&);
 
 // The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
@@ -249,6 +288,9 @@ using Float16Tiles = RowTiles<Float16Row>;
 using BFloat16Tiles = RowTiles<BFloat16Row>;
 struct BFloat16DotTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_bf16_dot<kRows, kV>(t); }
+};
+struct Q8Tiles {
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q8_0<kRows, kV>(t); }
 };
 
 template <typename Tiles, int kV, int... kRows>
@@ -331,6 +373,23 @@ void gather_columns(const Storage* panels, int64_t rows, int64_t k, at::ScalarTy
   }
 }
 
+bool is_q8_0(const at::Tensor& panels, int64_t k) {
+  return panels.scalar_type() == at::kByte && panels.dim() == 3 && panels.size(2) == kQ8BlockBytes &&
+         panels.is_contiguous() && k % kQ8Block == 0 && panels.size(1) == k / kQ8Block;
+}
+
+at::Tensor embedding_from_q8_0(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
+  TORCH_CHECK(is_q8_0(panels, k) && num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
+              "embedding_from_panels: Q8_0 panels must come from pack_q8_0 of a [num_rows, K] matrix");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
+  }
+  auto out = at::empty({ids.size(0), k}, panels.options().dtype(at::kFloat));
+  weft::gather_q8_0_rows(panels.data_ptr<uint8_t>(), k, ip, ids.size(0), out.data_ptr<float>());
+  return out;
+}
+
 // Rows `ids` of W from its panels, as float32 [T, K]: the token embeddings of a model whose
 // embedding table is tied to its packed lm_head, so the table is not kept a second time.
 at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows,
@@ -338,6 +397,7 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   const auto type = panels.scalar_type();
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "embedding_from_panels: ids must be a contiguous [T] int64 CPU tensor");
+  if (type == at::kByte) return embedding_from_q8_0(ids, panels, num_rows, num_features);
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
                   num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
@@ -370,11 +430,16 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: x, the weight and the bias must be CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be a float32 [M, K] matrix");
   const auto type = panels.scalar_type();
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
-              "packed_linear: weight must come from pack_linear_weight");
-  TORCH_CHECK(panels.size(1) == panel_rows(type, x.size(1)),
-              "packed_linear: x and the packed weight differ in input features");
+  if (type == at::kByte) {
+    TORCH_CHECK(is_q8_0(panels, x.size(1)),
+                "packed_linear: uint8 weights must be Q8_0 panels from pack_q8_0 of as many input features as x has");
+  } else {
+    TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                    (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+                "packed_linear: weight must come from pack_linear_weight or pack_q8_0");
+    TORCH_CHECK(panels.size(1) == panel_rows(type, x.size(1)),
+                "packed_linear: x and the packed weight differ in input features");
+  }
   TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0,
               "packed_linear: the packed weight must be 64-byte aligned (a whole tensor, not a view)");
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
@@ -412,7 +477,7 @@ template <typename Tiles, typename Storage>
 void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out,
                 const at::Tensor& xq) {
   const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = x.size(1);
-  const int64_t panel_elems = panels.size(1) * kPanel;
+  const int64_t panel_elems = panels.stride(0);  // of Storage
   // From kMaxHalfTileRows rows (AVX2 only), each panel is walked in two halves of 16 columns.
   const auto [halves, rows] = tiling(m);
   const int64_t width = halves ? kPanel / 2 : kPanel;
@@ -465,6 +530,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
       }
       break;
     case at::kHalf: run_panels<Float16Tiles, uint16_t>(x, panels, bp, out, at::Tensor()); break;
+    case at::kByte: run_panels<Q8Tiles, uint8_t>(x, panels, bp, out, at::Tensor()); break;
     default: run_panels<Float32Tiles, float>(x, panels, bp, out, at::Tensor()); break;
   }
   return out;
