@@ -50,7 +50,7 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -250,7 +250,18 @@ void tile_kernel_bf16_dot(const Tile& t) {
 }
 
 // Q8_0 panels (panels.h): per block of 32 input features, 32 float16 scales, then [32, 32] int8.
-typedef int8_t quantsv __attribute__((vector_size(kLanes), aligned(1)));
+// kLanes int8 quants as float32 (vpmovsxbd, vcvtdq2ps; one at a time on machines without AVX2).
+inline vecf widen_quants(const int8_t* q) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vecf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vecf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+#else
+  vecf w;
+  for (int c = 0; c < kLanes; ++c) w[c] = static_cast<float>(q[c]);
+  return w;
+#endif
+}
 
 template <int kRows, int kV>
 void tile_kernel_q8_0(const Tile& t) {
@@ -266,10 +277,7 @@ void tile_kernel_q8_0(const Tile& t) {
     for (int kk = 0; kk < kQ8Block; ++kk) {
       if (kk < kQ8BlockBytes / 64) __builtin_prefetch(block + kPrefetchBytes + 64 * kk);
       vecf w[kV];
-      for (int j = 0; j < kV; ++j) {
-        const quantsv q = *reinterpret_cast<const quantsv*>(quants + kk * kPanel + kLanes * j);
-        w[j] = scale[j] * __builtin_convertvector(q, vecf);  // the dequantized weights, exactly
-      }
+      for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_quants(quants + kk * kPanel + kLanes * j);
       add_row<kRows, kV>(acc, t, b * kQ8Block + kk, w);
     }
   }
