@@ -1,6 +1,6 @@
-"""Quantized panels (weft/native/quant.cpp, linear.cpp; weft/model/quantized.py): GGUF Q8_0 blocks
-packed into panels and multiplied in their quantized form, against the product of the matrix that
-`gguf.quants.dequantize` makes of the same blocks, on every tile height and odd size."""
+"""Quantized panels (weft/native/quant.cpp, linear.cpp; weft/model/quantized.py): GGUF Q8_0 and
+Q4_K blocks packed into panels and multiplied in their quantized form, against the product of the
+matrix that `gguf.quants.dequantize` makes of the same blocks, on every tile height and odd size."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import weft.native as native
-from weft.model.quantized import cat_rows, dequantize_q8_0, logical_shape
+from weft.model.quantized import QuantizedRows, cat_rows, logical_shape
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,11 +36,44 @@ def random_q8_0(rows: int, in_features: int, seed: int, extreme: bool = False) -
     return torch.from_numpy(raw.reshape(rows, blocks * 34).copy())
 
 
-def reference_dequantize(raw: torch.Tensor) -> torch.Tensor:
+def random_q4_k(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """Random Q4_K rows of super-blocks, uint8 [rows, in / 256 * 144]: float16 d and dmin (with
+    `extreme` over the float16 range), random 6-bit scales and mins, random 4-bit quants."""
+    gen = np.random.default_rng(seed)
+    blocks = in_features // 256
+    scale = 60000.0 if extreme else 0.01
+    d = np.clip(gen.standard_normal((rows, blocks, 2)) * scale, -6e4, 6e4).astype(np.float16)
+    rest = gen.integers(0, 256, (rows, blocks, 140), dtype=np.uint8)  # scales, mins, quants
+    raw = np.concatenate([d.view(np.uint8), rest], axis=2)
+    return torch.from_numpy(raw.reshape(rows, blocks * 144).copy())
+
+
+def reference_dequantize(raw: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType.Q8_0).astype(np.float32))
+    return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[kind]).astype(np.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 25])
+@pytest.mark.parametrize("in_features", [256, 512])
+def test_q4_k_panels_compute_the_dequantized_product(rows, in_features):
+    """Q4_K: each weight d * sc * q - dmin * m as the dequantization rounds it, accumulated as a
+    float32 panel of the dequantized matrix: equal, bit for bit (70 columns: a last panel of 6)."""
+    raw = random_q4_k(70, in_features, seed=rows)
+    weight = reference_dequantize(raw, "Q4_K")
+    assert torch.equal(QuantizedRows("q4_k", raw).dequantize(), weight)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    panels = torch.ops.weft.pack_q4_k(raw)
+    assert panels.shape == (3, in_features // 256, 4736)
+    out = torch.ops.weft.packed_linear(x, panels, None, 70)
+    assert torch.equal(
+        out, torch.ops.weft.packed_linear(x, torch.ops.weft.pack_linear_weight(weight), None, 70)
+    )
+    big = random_q4_k(40, 256, seed=rows, extreme=True)
+    expected = torch.nn.functional.linear(x[:, :256].double(), reference_dequantize(big, "Q4_K").double())
+    out = torch.ops.weft.packed_linear(x[:, :256].contiguous(), torch.ops.weft.pack_q4_k(big), None, 40)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [*range(1, 14), 16, 25, 40])
@@ -52,7 +85,8 @@ def test_q8_0_panels_compute_the_dequantized_product(rows, in_features, bias):
     of 13)."""
     raw = random_q8_0(77, in_features, seed=rows)
     weight = reference_dequantize(raw)  # [77, K]
-    assert torch.equal(dequantize_q8_0(raw), weight) and logical_shape(raw) == (77, in_features)
+    quantized = QuantizedRows("q8_0", raw)
+    assert torch.equal(quantized.dequantize(), weight) and logical_shape(quantized) == (77, in_features)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen)
     b = torch.randn(77, generator=gen) if bias else None
@@ -77,14 +111,21 @@ def test_q8_0_extreme_scales_and_embedding_rows():
 
 
 def test_q8_0_rows_fuse_and_bad_inputs_are_errors():
-    q, k = random_q8_0(64, 64, seed=1), random_q8_0(32, 64, seed=2)
-    assert torch.equal(cat_rows([q, k]), torch.cat([q, k]))  # fused in their blocks
-    mixed = cat_rows([q, reference_dequantize(k)])  # a float part: all dequantized
-    assert mixed.dtype == torch.float32 and torch.equal(mixed[:64], reference_dequantize(q))
+    q, k = (
+        QuantizedRows("q8_0", random_q8_0(64, 256, seed=1)),
+        QuantizedRows("q8_0", random_q8_0(32, 256, seed=2)),
+    )
+    fused = cat_rows([q, k])  # in their blocks
+    assert isinstance(fused, QuantizedRows) and torch.equal(fused.rows, torch.cat([q.rows, k.rows]))
+    v = QuantizedRows("q4_k", random_q4_k(32, 256, seed=3))
+    mixed = cat_rows([q, k, v])  # another kind: all dequantized
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed[96:], v.dequantize())
     with pytest.raises(RuntimeError, match="Q8_0 tensor's rows"):
         torch.ops.weft.pack_q8_0(torch.zeros(4, 33, dtype=torch.uint8))
-    panels = torch.ops.weft.pack_q8_0(q)
-    with pytest.raises(RuntimeError, match="uint8 weights must be Q8_0 panels"):
+    with pytest.raises(RuntimeError, match="Q4_K tensor's rows"):
+        torch.ops.weft.pack_q4_k(torch.zeros(4, 145, dtype=torch.uint8))
+    panels = torch.ops.weft.pack_q8_0(q.rows)
+    with pytest.raises(RuntimeError, match="uint8 weights must be Q8_0 or Q4_K panels"):
         torch.ops.weft.packed_linear(torch.randn(2, 32), panels, None, 64)
     with pytest.raises(RuntimeError, match="bf16_dot needs bfloat16 panels"):
-        torch.ops.weft.packed_linear(torch.randn(2, 64), panels, None, 64, True)
+        torch.ops.weft.packed_linear(torch.randn(2, 256), panels, None, 64, True)

@@ -27,11 +27,13 @@ import numpy as np
 import torch
 
 from weft.config import ConfigError, ModelConfig
+from weft.model.quantized import QuantizedRows, Weight
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k"}  # types whose matrices run from their blocks on CPU
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,6 +83,13 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     head's rows as (half, pair) interleaved, `reshape(H, 2, D/2).swapaxes(1, 2)`; this undoes it."""
     shape = weight.shape
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _unpermuted(weight: Weight, num_heads: int) -> Weight:
+    """`unpermute_rotary_rows` of a float matrix or of the rows of a quantized one (rows are whole)."""
+    if isinstance(weight, QuantizedRows):
+        return QuantizedRows(weight.kind, unpermute_rotary_rows(weight.rows, num_heads))
+    return unpermute_rotary_rows(weight, num_heads)
 
 
 class GgufCheckpoint:
@@ -150,22 +159,28 @@ class GgufCheckpoint:
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.config_dict(), source=str(self.path))
 
-    def read_tensors(self, keep_q8_0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) for every tensor, one at a time: float32 [out, in] or [n],
-        or with `keep_q8_0` a Q8_0 matrix as its rows of blocks, uint8 [out, in / 32 * 34]
-        (`weft/model/quantized.py`)."""
+    def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
+        """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
+        with `keep_blocks` a Q8_0 or Q4_K matrix as its rows of blocks (`QuantizedRows`; a Q4_K
+        embedding table is dequantized: embeddings are looked up from Q8_0 panels only)."""
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
-            raw = keep_q8_0 and tensor.tensor_type.name == "Q8_0" and len(tensor.shape) == 2
-            weight = self._raw(tensor) if raw else self._dequantized(tensor)
+            kind = (
+                KEPT_IN_BLOCKS.get(tensor.tensor_type.name)
+                if keep_blocks and len(tensor.shape) == 2
+                else None
+            )
+            if kind == "q4_k" and tensor.name == "token_embd.weight":
+                kind = None
+            weight: Weight = QuantizedRows(kind, self._raw(tensor)) if kind else self._dequantized(tensor)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weight = unpermute_rotary_rows(weight, heads)
+                weight = _unpermuted(weight, heads)
             elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weight = unpermute_rotary_rows(weight, kv_heads)
+                weight = _unpermuted(weight, kv_heads)
             yield name, weight
 
     def _dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization

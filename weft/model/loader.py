@@ -37,7 +37,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
-from weft.model.quantized import cat_rows, dequantized, is_q8_0_rows, logical_shape, pack_q8_0
+from weft.model.quantized import QuantizedRows, Weight, cat_rows, dequantized, logical_shape
 from weft.model.registry import resolve_architecture
 
 EMBED = "model.embed_tokens.weight"
@@ -76,17 +76,17 @@ def open_source(path: Path) -> Source:
 
 
 def checkpoint_tensors(
-    source: Source, show_progress: bool = True, keep_q8_0: bool = False
-) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """(Hugging Face name, file, tensor) for every tensor of a checkpoint directory or GGUF file
-    (with `keep_q8_0`, Q8_0 matrices as their rows of blocks: `weft/model/quantized.py`)."""
+    source: Source, show_progress: bool = True, keep_blocks: bool = False
+) -> Iterator[tuple[str, Path, Weight]]:
+    """(Hugging Face name, file, weight) for every tensor of a checkpoint directory or GGUF file
+    (with `keep_blocks`, quantized matrices in their blocks: `weft/model/quantized.py`)."""
     if not isinstance(source, GgufCheckpoint):
         yield from read_tensors(safetensors_files(source), show_progress)
         return
     count = len(source.reader.tensors)
     bar = tqdm(total=count, desc="Loading GGUF", unit="tensor", disable=not show_progress, leave=False)
     with bar:
-        for name, tensor in source.read_tensors(keep_q8_0):
+        for name, tensor in source.read_tensors(keep_blocks):
             bar.update(1)
             yield name, source.path, tensor
 
@@ -117,11 +117,11 @@ class _Weights:
     """The checkpoint's tensors by Hugging Face name, remembering which file each came from."""
 
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, Weight] = {}
         self.files: dict[str, Path] = {}
         self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
 
-    def add(self, name: str, path: Path, tensor: torch.Tensor) -> None:
+    def add(self, name: str, path: Path, tensor: Weight) -> None:
         self.tensors[name] = tensor
         self.files[name] = path
 
@@ -129,13 +129,14 @@ class _Weights:
         """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or in
         Q8_0, if it came in Q8_0 blocks)."""
         matrix = self.take(name, shape)
-        panels = (
-            pack_q8_0(matrix) if is_q8_0_rows(matrix) else torch.ops.weft.pack_linear_weight(matrix.to(dtype))
-        )
+        if isinstance(matrix, QuantizedRows):
+            panels = matrix.pack()
+        else:
+            panels = torch.ops.weft.pack_linear_weight(matrix.to(dtype))
         self.add(name, self.files[name], panels)
         self.packed.add(name)
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...]) -> Weight:
         if name not in self.tensors:
             raise CheckpointError(f"checkpoint has no tensor {name!r}, which the config requires")
         tensor = self.tensors.pop(name)
@@ -173,15 +174,15 @@ def load_model(
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
-    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, keeps_q8_0=panels)
+    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, keeps_blocks=panels)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-            table = weights.tensors[EMBED]
+            table = weights.tensors[EMBED]  # panels: float, or uint8 from Q8_0 blocks
+            assert isinstance(table, torch.Tensor)
             model.lm_head.expect_panels(table.shape, quantized="q8_0" if table.dtype == torch.uint8 else None)
             model.embed.read_from_panels(model.lm_head)
-    state = _convert(weights, arch.spec, config)
-    _expect_quantized(model, state)
+    state = _expect_quantized(model, _convert(weights, arch.spec, config))
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
@@ -203,18 +204,18 @@ def load_model(
     return model
 
 
-def _expect_quantized(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
-    """Pack every matrix that came in Q8_0 blocks into Q8_0 panels, its Linear (still on the meta
-    device) taking their shape; an embedding table in Q8_0 (untied) is dequantized."""
-    for name, tensor in state.items():
-        if not is_q8_0_rows(tensor):
-            continue
+def _expect_quantized(model: LlamaForCausalLM, state: dict[str, Weight]) -> dict[str, torch.Tensor]:
+    """Pack every matrix that came in blocks into panels of its kind, its Linear (still on the meta
+    device) taking their shape; an untied embedding table in blocks is dequantized."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(module, Linear):
-            state[name] = pack_q8_0(tensor)
-            module.expect_panels(state[name].shape, quantized="q8_0")
+        if isinstance(weight, QuantizedRows) and isinstance(module, Linear):
+            tensors[name] = weight.pack()
+            module.expect_panels(tensors[name].shape, quantized=weight.kind)
         else:
-            state[name] = dequantized(tensor)
+            tensors[name] = dequantized(weight)
+    return tensors
 
 
 def _dense_rows(model: LlamaForCausalLM, dtype: torch.dtype, show_progress: bool) -> dict[Shape, int]:
@@ -236,13 +237,13 @@ def _read_weights(
     dtype: torch.dtype,
     packs_table: bool,
     show_progress: bool,
-    keeps_q8_0: bool = False,
+    keeps_blocks: bool = False,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
     panels as soon as it is read, so that it never sits in memory twice beside the other weights;
-    with `keeps_q8_0`, GGUF Q8_0 matrices stay in their blocks (packed later, `_expect_quantized`)."""
+    with `keeps_blocks`, quantized GGUF matrices stay in their blocks (packed in `_expect_quantized`)."""
     weights = _Weights()
-    for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_q8_0):
+    for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
             weights.pack(name, (config.vocab_size, config.hidden_size), dtype)
@@ -257,11 +258,11 @@ def _set_activation_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
 
 
-def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, Weight]:
     """Hugging Face names and layout -> weft's, checking every shape."""
     h, d = config.hidden_size, config.head_dim
     q_out, kv_out, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Weight] = {}
     embed = weights.take(EMBED, (config.vocab_size, h))
     state["embed.weight"] = embed
     for i in range(config.num_layers):
@@ -276,7 +277,7 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
                 weights.take(src + f"self_attn.{p}_proj.bias", (n,))
                 for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
             ]
-            state[dst + "attn.qkv.bias"] = torch.cat(biases)
+            state[dst + "attn.qkv.bias"] = cat_rows(biases)
         state[dst + "attn.o.weight"] = weights.take(src + "self_attn.o_proj.weight", (h, q_out))
         if spec.o_bias:
             state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))

@@ -284,6 +284,74 @@ void tile_kernel_q8_0(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
+// kLanes unsigned bytes as float32 (the 6-bit scales and mins of Q4_K sub-blocks).
+inline vecf widen_bytes(const uint8_t* b) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vecf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vecf>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)))));
+#else
+  vecf w;
+  for (int c = 0; c < kLanes; ++c) w[c] = static_cast<float>(b[c]);
+  return w;
+#endif
+}
+
+// Columns kLanes * v .. of one Q4_K feature row (16 bytes: column c in the low nibble of byte c for
+// c < 16, in the high nibble of byte c - 16 above) as float32 quants 0..15.
+template <int kShift>
+inline vecf widen_nibbles(const uint8_t* b) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return reinterpret_cast<vecf>(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, kShift), _mm512_set1_epi32(15))));
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return reinterpret_cast<vecf>(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, kShift), _mm256_set1_epi32(15))));
+#else
+  vecf w;
+  for (int c = 0; c < kLanes; ++c) w[c] = static_cast<float>((b[c] >> kShift) & 15);
+  return w;
+#endif
+}
+
+inline vecf q4_k_quants(const uint8_t* row, int v) {  // row: a feature's 16 bytes; v: the column vector
+  const uint8_t* b = row + (kLanes * v) % (kPanel / 2);
+  return kLanes * v < kPanel / 2 ? widen_nibbles<0>(b) : widen_nibbles<4>(b);
+}
+
+// Q4_K panels (panels.h): per sub-block, scale = d * sc and min = dmin * m (exact in float32), and
+// each weight scale * q - min, rounded once as the dequantization rounds it.
+template <int kRows, int kV>
+void tile_kernel_q4_k(const Tile& t) {
+  vecf acc[kRows][kV];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
+  const uint8_t* panel = static_cast<const uint8_t*>(t.panel);
+  for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
+    const uint8_t* block = panel + sb * weft::kQ4KBlockBytes;
+    vecf d[kV], dmin[kV];
+    Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block), 0, t.first_vec, d);
+    Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block + 2 * kPanel), 0, t.first_vec, dmin);
+    for (int s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      vecf scale[kV], min[kV];
+      for (int j = 0; j < kV; ++j) {
+        const int64_t col = kLanes * (t.first_vec + j) + s * kPanel;
+        scale[j] = d[j] * widen_bytes(block + weft::kQ4KScalesOffset + col);
+        min[j] = dmin[j] * widen_bytes(block + weft::kQ4KMinsOffset + col);
+      }
+      const uint8_t* rows = block + weft::kQ4KQuantsOffset + s * 32 * (kPanel / 2);
+      for (int kk = 0; kk < 32; ++kk) {
+        const uint8_t* row = rows + kk * (kPanel / 2);
+        if (kk % 4 == 0) __builtin_prefetch(row + kPrefetchBytes);
+        vecf w[kV];
+        for (int j = 0; j < kV; ++j) w[j] = q4_k_quants(row, t.first_vec + j) * scale[j] - min[j];
+        add_row<kRows, kV>(acc, t, sb * weft::kQ4KBlock + s * 32 + kk, w);
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, acc);
+}
+
 using TileFn = void (*)(const Tile&);
 
 // The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
@@ -299,6 +367,9 @@ struct BFloat16DotTiles {
 };
 struct Q8Tiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q8_0<kRows, kV>(t); }
+};
+struct Q4KTiles {
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q4_k<kRows, kV>(t); }
 };
 
 template <typename Tiles, int kV, int... kRows>
@@ -386,6 +457,11 @@ bool is_q8_0(const at::Tensor& panels, int64_t k) {
          panels.is_contiguous() && k % kQ8Block == 0 && panels.size(1) == k / kQ8Block;
 }
 
+bool is_q4_k(const at::Tensor& panels, int64_t k) {
+  return panels.scalar_type() == at::kByte && panels.dim() == 3 && panels.size(2) == weft::kQ4KBlockBytes &&
+         panels.is_contiguous() && k % weft::kQ4KBlock == 0 && panels.size(1) == k / weft::kQ4KBlock;
+}
+
 at::Tensor embedding_from_q8_0(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
   TORCH_CHECK(is_q8_0(panels, k) && num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
               "embedding_from_panels: Q8_0 panels must come from pack_q8_0 of a [num_rows, K] matrix");
@@ -439,8 +515,9 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be a float32 [M, K] matrix");
   const auto type = panels.scalar_type();
   if (type == at::kByte) {
-    TORCH_CHECK(is_q8_0(panels, x.size(1)),
-                "packed_linear: uint8 weights must be Q8_0 panels from pack_q8_0 of as many input features as x has");
+    TORCH_CHECK(is_q8_0(panels, x.size(1)) || is_q4_k(panels, x.size(1)),
+                "packed_linear: uint8 weights must be Q8_0 or Q4_K panels (pack_q8_0, pack_q4_k) of as many input "
+                "features as x has");
   } else {
     TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                     (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
@@ -538,7 +615,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
       }
       break;
     case at::kHalf: run_panels<Float16Tiles, uint16_t>(x, panels, bp, out, at::Tensor()); break;
-    case at::kByte: run_panels<Q8Tiles, uint8_t>(x, panels, bp, out, at::Tensor()); break;
+    case at::kByte:
+      if (panels.size(2) == kQ8BlockBytes) {
+        run_panels<Q8Tiles, uint8_t>(x, panels, bp, out, at::Tensor());
+      } else {
+        run_panels<Q4KTiles, uint8_t>(x, panels, bp, out, at::Tensor());
+      }
+      break;
     default: run_panels<Float32Tiles, float>(x, panels, bp, out, at::Tensor()); break;
   }
   return out;

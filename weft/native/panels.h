@@ -15,6 +15,20 @@ constexpr int64_t kQ8Block = 32;                                  // input featu
 constexpr int64_t kQ8BlockBytes = 2 * kPanel + kQ8Block * kPanel;  // 1,088: 17 cache lines
 constexpr int64_t kQ8FileBlockBytes = 2 + kQ8Block;               // one block of one row in the file
 
+// Q4_K (GGUF's 4-bit k-quant): super-blocks of 256 input features, each a float16 scale d and min
+// dmin and, for its 8 sub-blocks of 32, 6-bit scales sc and mins m; a weight is d * sc * q - dmin * m
+// with q in 0..15. A Q4_K panel holds, per super-block, the 32 columns' d and dmin (float16, 64 bytes
+// each), their sub-block scales and mins ([8][32] bytes each), then the quants [256 features][16
+// bytes], byte b of a feature holding column b in its low nibble and column b + 16 in its high one:
+// 4.6 bits per weight (the file: 4.5), every super-block 64-byte aligned.
+constexpr int64_t kQ4KBlock = 256;
+constexpr int64_t kQ4KSubBlocks = 8;
+constexpr int64_t kQ4KScalesOffset = 4 * kPanel;                             // after d and dmin
+constexpr int64_t kQ4KMinsOffset = kQ4KScalesOffset + kQ4KSubBlocks * kPanel;
+constexpr int64_t kQ4KQuantsOffset = kQ4KMinsOffset + kQ4KSubBlocks * kPanel;  // 640
+constexpr int64_t kQ4KBlockBytes = kQ4KQuantsOffset + kQ4KBlock * kPanel / 2;  // 4,736: 74 cache lines
+constexpr int64_t kQ4KFileBlockBytes = 144;
+
 // Rows `ids` of a Q8_0 matrix, dequantized to float32 [T, K], from its panels [P, K / 32, 1,088].
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
 

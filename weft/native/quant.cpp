@@ -43,6 +43,57 @@ at::Tensor pack_q8_0(const at::Tensor& rows_in) {
   return out;
 }
 
+// The 6-bit scale and min of sub-block j of a Q4_K super-block (llama.cpp's get_scale_min_k4).
+void q4_k_scale_min(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One column's super-block (file layout: d, dmin, scales[12], qs[128]) into its panel block.
+void pack_q4_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
+  std::memcpy(block + 2 * c, file_block, 2);                 // d
+  std::memcpy(block + 2 * kPanel + 2 * c, file_block + 2, 2);  // dmin
+  for (int j = 0; j < kQ4KSubBlocks; ++j) {
+    q4_k_scale_min(j, file_block + 4, block + kQ4KScalesOffset + j * kPanel + c, block + kQ4KMinsOffset + j * kPanel + c);
+  }
+  const uint8_t* qs = file_block + 16;
+  uint8_t* quants = block + kQ4KQuantsOffset;
+  for (int64_t k = 0; k < kQ4KBlock; ++k) {  // feature k: 64 per pair of sub-blocks, low nibbles first
+    const uint8_t byte = qs[32 * (k / 64) + k % 32];
+    const uint8_t q = k % 64 < 32 ? byte & 0xF : byte >> 4;
+    uint8_t& dst = quants[k * (kPanel / 2) + c % 16];
+    dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
+  }
+}
+
+// GGUF Q4_K rows [N, K / 256 * 144] -> panels [ceil(N / 32), K / 256, 4,736], zero past row N.
+at::Tensor pack_q4_k(const at::Tensor& rows_in) {
+  TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
+                  rows_in.size(1) % kQ4KFileBlockBytes == 0,
+              "pack_q4_k: expected a Q4_K tensor's rows as uint8 [N, K / 256 * 144] on the CPU");
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t n = rows.size(0), blocks = rows.size(1) / kQ4KFileBlockBytes, panels = (n + kPanel - 1) / kPanel;
+  auto out = at::zeros({panels, blocks, kQ4KBlockBytes}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+        const uint8_t* row = src + (p * kPanel + c) * rows.size(1);
+        for (int64_t b = 0; b < blocks; ++b) {
+          pack_q4_k_column(row + b * kQ4KFileBlockBytes, c, dst + (p * blocks + b) * kQ4KBlockBytes);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out) {
@@ -64,6 +115,12 @@ void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int6
 
 }  // namespace weft
 
-TORCH_LIBRARY_FRAGMENT(weft, m) { m.def("pack_q8_0(Tensor rows) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(weft, m) {
+  m.def("pack_q8_0(Tensor rows) -> Tensor");
+  m.def("pack_q4_k(Tensor rows) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("pack_q8_0", &weft::pack_q8_0); }
+TORCH_LIBRARY_IMPL(weft, CPU, m) {
+  m.impl("pack_q8_0", &weft::pack_q8_0);
+  m.impl("pack_q4_k", &weft::pack_q4_k);
+}
