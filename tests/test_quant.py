@@ -55,6 +55,35 @@ def reference_dequantize(raw: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
     return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[kind]).astype(np.float32))
 
 
+def random_q6_k(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """Random Q6_K rows of super-blocks, uint8 [rows, in / 256 * 210]: random 6-bit quants (ql, qh),
+    int8 sub-block scales and a float16 d."""
+    gen = np.random.default_rng(seed)
+    blocks = in_features // 256
+    quants = gen.integers(0, 256, (rows, blocks, 208), dtype=np.uint8)  # ql, qh, scales
+    d = (gen.standard_normal((rows, blocks, 1)) * 0.001).astype(np.float16)
+    raw = np.concatenate([quants, d.view(np.uint8)], axis=2)
+    return torch.from_numpy(raw.reshape(rows, blocks * 210).copy())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 25])
+def test_q6_k_panels_compute_the_dequantized_product_and_embedding_rows(rows):
+    """Q6_K: each weight (d * sc) * q as the dequantization rounds it: the float32 panel product of
+    the dequantized matrix, bit for bit; and rows of a tied Q6_K table looked up exactly."""
+    raw = random_q6_k(70, 512, seed=rows)
+    weight = reference_dequantize(raw, "Q6_K")
+    assert torch.equal(QuantizedRows("q6_k", raw).dequantize(), weight)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    panels = torch.ops.weft.pack_q6_k(raw)
+    assert panels.shape == (3, 2, 8768)
+    out = torch.ops.weft.packed_linear(x, panels, None, 70)
+    assert torch.equal(
+        out, torch.ops.weft.packed_linear(x, torch.ops.weft.pack_linear_weight(weight), None, 70)
+    )
+    ids = torch.tensor([0, 31, 32, 69, rows])
+    assert torch.equal(torch.ops.weft.embedding_from_panels(ids, panels, 70, 512), weight[ids])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 12, 13, 25])
 @pytest.mark.parametrize("in_features", [256, 512])
 def test_q4_k_panels_compute_the_dequantized_product(rows, in_features):
@@ -125,7 +154,7 @@ def test_q8_0_rows_fuse_and_bad_inputs_are_errors():
     with pytest.raises(RuntimeError, match="Q4_K tensor's rows"):
         torch.ops.weft.pack_q4_k(torch.zeros(4, 145, dtype=torch.uint8))
     panels = torch.ops.weft.pack_q8_0(q.rows)
-    with pytest.raises(RuntimeError, match="uint8 weights must be Q8_0 or Q4_K panels"):
+    with pytest.raises(RuntimeError, match="uint8 weights must be Q8_0, Q4_K or Q6_K panels"):
         torch.ops.weft.packed_linear(torch.randn(2, 32), panels, None, 64)
     with pytest.raises(RuntimeError, match="bf16_dot needs bfloat16 panels"):
         torch.ops.weft.packed_linear(torch.randn(2, 256), panels, None, 64, True)

@@ -33,7 +33,8 @@ GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k"}  # types whose matrices run from their blocks on CPU
+# The types whose matrices run from their blocks on CPU (an embedding table: Q8_0 and Q6_K).
+KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -161,8 +162,8 @@ class GgufCheckpoint:
 
     def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
-        with `keep_blocks` a Q8_0 or Q4_K matrix as its rows of blocks (`QuantizedRows`; a Q4_K
-        embedding table is dequantized: embeddings are looked up from Q8_0 panels only)."""
+        with `keep_blocks` a Q8_0, Q4_K or Q6_K matrix as its rows of blocks (`QuantizedRows`; a
+        Q4_K embedding table is dequantized: embeddings are looked up from Q8_0 and Q6_K panels)."""
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:

@@ -120,6 +120,7 @@ class _Weights:
         self.tensors: dict[str, Weight] = {}
         self.files: dict[str, Path] = {}
         self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
+        self.kinds: dict[str, str] = {}  # the quantized kind of packed panels ("q8_0", ...)
 
     def add(self, name: str, path: Path, tensor: Weight) -> None:
         self.tensors[name] = tensor
@@ -131,6 +132,7 @@ class _Weights:
         matrix = self.take(name, shape)
         if isinstance(matrix, QuantizedRows):
             panels = matrix.pack()
+            self.kinds[name] = matrix.kind
         else:
             panels = torch.ops.weft.pack_linear_weight(matrix.to(dtype))
         self.add(name, self.files[name], panels)
@@ -178,9 +180,9 @@ def load_model(
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-            table = weights.tensors[EMBED]  # panels: float, or uint8 from Q8_0 blocks
-            assert isinstance(table, torch.Tensor)
-            model.lm_head.expect_panels(table.shape, quantized="q8_0" if table.dtype == torch.uint8 else None)
+            table = weights.tensors[EMBED]
+            assert isinstance(table, torch.Tensor)  # packed: panels
+            model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))
             model.embed.read_from_panels(model.lm_head)
     state = _expect_quantized(model, _convert(weights, arch.spec, config))
     model.load_state_dict(state, assign=True, strict=True)

@@ -1,4 +1,4 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0 and Q4_K) on their way from the file to the
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_K and Q6_K) on their way from the file to the
 panels of weft's CPU kernels (`weft/native/quant.cpp`, `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 # kind -> (input features per block, bytes per block in the file)
-BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144)}
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -352,6 +352,39 @@ void tile_kernel_q4_k(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
+// kLanes int8 values as float32 (Q6_K's sub-block scales).
+inline vecf widen_signed_bytes(const uint8_t* b) { return widen_quants(reinterpret_cast<const int8_t*>(b)); }
+
+// Q6_K panels (panels.h): per sub-block of 16, scale = d * sc (exact in float32), each weight
+// scale * q rounded once, as the dequantization rounds it.
+template <int kRows, int kV>
+void tile_kernel_q6_k(const Tile& t) {
+  vecf acc[kRows][kV];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
+  const uint8_t* panel = static_cast<const uint8_t*>(t.panel);
+  constexpr int64_t kSub = weft::kQ6KSubBlock;
+  for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
+    const uint8_t* block = panel + sb * weft::kQ6KBlockBytes;
+    vecf d[kV];
+    Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block), 0, t.first_vec, d);
+    const int8_t* quants = reinterpret_cast<const int8_t*>(block + weft::kQ6KQuantsOffset) + kLanes * t.first_vec;
+    for (int64_t s = 0; s < weft::kQ6KBlock / kSub; ++s) {
+      vecf scale[kV];
+      for (int j = 0; j < kV; ++j)
+        scale[j] = d[j] * widen_signed_bytes(block + weft::kQ6KScalesOffset + s * kPanel + kLanes * (t.first_vec + j));
+      for (int kk = 0; kk < kSub; ++kk) {
+        const int8_t* row = quants + (s * kSub + kk) * kPanel;
+        if (kk % 2 == 0) __builtin_prefetch(row + kPrefetchBytes);
+        vecf w[kV];
+        for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_quants(row + kLanes * j);
+        add_row<kRows, kV>(acc, t, sb * weft::kQ6KBlock + s * kSub + kk, w);
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, acc);
+}
+
 using TileFn = void (*)(const Tile&);
 
 // The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
@@ -370,6 +403,9 @@ struct Q8Tiles {
 };
 struct Q4KTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q4_k<kRows, kV>(t); }
+};
+struct Q6KTiles {
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q6_k<kRows, kV>(t); }
 };
 
 template <typename Tiles, int kV, int... kRows>
@@ -452,25 +488,37 @@ void gather_columns(const Storage* panels, int64_t rows, int64_t k, at::ScalarTy
   }
 }
 
-bool is_q8_0(const at::Tensor& panels, int64_t k) {
-  return panels.scalar_type() == at::kByte && panels.dim() == 3 && panels.size(2) == kQ8BlockBytes &&
-         panels.is_contiguous() && k % kQ8Block == 0 && panels.size(1) == k / kQ8Block;
+// Quantized panels (uint8, panels.h), told apart by their block size: the input features per block.
+int64_t quant_block_features(const at::Tensor& panels) {
+  if (panels.scalar_type() != at::kByte || panels.dim() != 3 || !panels.is_contiguous()) return 0;
+  switch (panels.size(2)) {
+    case kQ8BlockBytes: return kQ8Block;
+    case weft::kQ4KBlockBytes: return weft::kQ4KBlock;
+    case weft::kQ6KBlockBytes: return weft::kQ6KBlock;
+    default: return 0;
+  }
 }
 
-bool is_q4_k(const at::Tensor& panels, int64_t k) {
-  return panels.scalar_type() == at::kByte && panels.dim() == 3 && panels.size(2) == weft::kQ4KBlockBytes &&
-         panels.is_contiguous() && k % weft::kQ4KBlock == 0 && panels.size(1) == k / weft::kQ4KBlock;
+bool is_quantized(const at::Tensor& panels, int64_t k) {
+  const int64_t block = quant_block_features(panels);
+  return block > 0 && k % block == 0 && panels.size(1) == k / block;
 }
 
-at::Tensor embedding_from_q8_0(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
-  TORCH_CHECK(is_q8_0(panels, k) && num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
-              "embedding_from_panels: Q8_0 panels must come from pack_q8_0 of a [num_rows, K] matrix");
+at::Tensor embedding_from_quantized(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
+  const int64_t block = quant_block_features(panels);
+  TORCH_CHECK((block == kQ8Block || block == weft::kQ6KBlock) && is_quantized(panels, k) &&
+                  num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
+              "embedding_from_panels: quantized panels must be Q8_0 or Q6_K ones of a [num_rows, K] matrix");
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < ids.size(0); ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
   }
   auto out = at::empty({ids.size(0), k}, panels.options().dtype(at::kFloat));
-  weft::gather_q8_0_rows(panels.data_ptr<uint8_t>(), k, ip, ids.size(0), out.data_ptr<float>());
+  if (block == kQ8Block) {
+    weft::gather_q8_0_rows(panels.data_ptr<uint8_t>(), k, ip, ids.size(0), out.data_ptr<float>());
+  } else {
+    weft::gather_q6_k_rows(panels.data_ptr<uint8_t>(), k, ip, ids.size(0), out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -481,7 +529,7 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   const auto type = panels.scalar_type();
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "embedding_from_panels: ids must be a contiguous [T] int64 CPU tensor");
-  if (type == at::kByte) return embedding_from_q8_0(ids, panels, num_rows, num_features);
+  if (type == at::kByte) return embedding_from_quantized(ids, panels, num_rows, num_features);
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
                   num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
@@ -515,9 +563,9 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be a float32 [M, K] matrix");
   const auto type = panels.scalar_type();
   if (type == at::kByte) {
-    TORCH_CHECK(is_q8_0(panels, x.size(1)) || is_q4_k(panels, x.size(1)),
-                "packed_linear: uint8 weights must be Q8_0 or Q4_K panels (pack_q8_0, pack_q4_k) of as many input "
-                "features as x has");
+    TORCH_CHECK(is_quantized(panels, x.size(1)),
+                "packed_linear: uint8 weights must be Q8_0, Q4_K or Q6_K panels (pack_q8_0, pack_q4_k, pack_q6_k) "
+                "of as many input features as x has");
   } else {
     TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                     (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
@@ -618,8 +666,10 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
     case at::kByte:
       if (panels.size(2) == kQ8BlockBytes) {
         run_panels<Q8Tiles, uint8_t>(x, panels, bp, out, at::Tensor());
-      } else {
+      } else if (panels.size(2) == weft::kQ4KBlockBytes) {
         run_panels<Q4KTiles, uint8_t>(x, panels, bp, out, at::Tensor());
+      } else {
+        run_panels<Q6KTiles, uint8_t>(x, panels, bp, out, at::Tensor());
       }
       break;
     default: run_panels<Float32Tiles, float>(x, panels, bp, out, at::Tensor()); break;

@@ -29,7 +29,21 @@ constexpr int64_t kQ4KQuantsOffset = kQ4KMinsOffset + kQ4KSubBlocks * kPanel;  /
 constexpr int64_t kQ4KBlockBytes = kQ4KQuantsOffset + kQ4KBlock * kPanel / 2;  // 4,736: 74 cache lines
 constexpr int64_t kQ4KFileBlockBytes = 144;
 
+// Q6_K (GGUF's 6-bit k-quant): super-blocks of 256 input features, each a float16 scale d and, for
+// its 16 sub-blocks of 16, int8 scales sc; a weight is d * sc * q with q in -32..31. A Q6_K panel
+// holds, per super-block, the 32 columns' d (float16, 64 bytes), their sub-block scales ([16][32]
+// int8) and the quants as int8 [256 features][32 columns]: 8.6 bits per weight (the file: 6.6; the
+// 6-bit packing is left for later), every super-block 64-byte aligned.
+constexpr int64_t kQ6KBlock = 256;
+constexpr int64_t kQ6KSubBlock = 16;
+constexpr int64_t kQ6KScalesOffset = 2 * kPanel;
+constexpr int64_t kQ6KQuantsOffset = kQ6KScalesOffset + kQ6KBlock / kQ6KSubBlock * kPanel;  // 576
+constexpr int64_t kQ6KBlockBytes = kQ6KQuantsOffset + kQ6KBlock * kPanel;                   // 8,768
+constexpr int64_t kQ6KFileBlockBytes = 210;
+
 // Rows `ids` of a Q8_0 matrix, dequantized to float32 [T, K], from its panels [P, K / 32, 1,088].
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
+// The same for a Q6_K matrix's panels [P, K / 256, 8,768].
+void gather_q6_k_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
 
 }  // namespace weft
