@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import weft.native as native
-from weft.model.quantized import QuantizedRows, cat_rows, logical_shape
+from weft.model.quantized import QuantizedRows, as_q8_0, cat_rows, logical_shape
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,3 +158,17 @@ def test_q8_0_rows_fuse_and_bad_inputs_are_errors():
         torch.ops.weft.packed_linear(torch.randn(2, 32), panels, None, 64)
     with pytest.raises(RuntimeError, match="bf16_dot needs bfloat16 panels"):
         torch.ops.weft.packed_linear(torch.randn(2, 256), panels, None, 64, True)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+def test_q4_0_and_q5_0_become_q8_0_blocks_exactly(kind):
+    """Q4_0 (d * (q - 8)) and Q5_0 (d * (q - 16), the fifth bits apart) run as Q8_0 blocks under the
+    same scales: the same dequantized matrix, bit for bit (random bytes are valid blocks)."""
+    size = {"Q4_0": 18, "Q5_0": 22}[kind]
+    gen = np.random.default_rng(7)
+    blocks = gen.integers(0, 256, (40, 3, size), dtype=np.uint8)
+    blocks[..., :2] = (gen.standard_normal((40, 3, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(40, 3 * size)
+    converted = as_q8_0(kind.lower(), raw)
+    assert converted.kind == "q8_0" and converted.shape == (40, 96)
+    assert torch.equal(converted.dequantize(), reference_dequantize(torch.from_numpy(raw), kind))

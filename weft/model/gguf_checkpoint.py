@@ -27,14 +27,15 @@ import numpy as np
 import torch
 
 from weft.config import ConfigError, ModelConfig
-from weft.model.quantized import QuantizedRows, Weight
+from weft.model.quantized import QuantizedRows, Weight, as_q8_0
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-# The types whose matrices run from their blocks on CPU (an embedding table: Q8_0 and Q6_K).
-KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+# The types whose matrices run from their blocks on CPU (an embedding table: Q8_0 and Q6_K); Q4_0 and
+# Q5_0 become Q8_0 blocks, exactly (`as_q8_0`).
+KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_0": "q5_0"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -177,7 +178,7 @@ class GgufCheckpoint:
             )
             if kind == "q4_k" and tensor.name == "token_embd.weight":
                 kind = None
-            weight: Weight = QuantizedRows(kind, self._raw(tensor)) if kind else self._dequantized(tensor)
+            weight = self._blocks(tensor, kind) if kind else self._dequantized(tensor)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermuted(weight, heads)
             elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -194,8 +195,11 @@ class GgufCheckpoint:
         values = np.ascontiguousarray(values, dtype=np.float32)
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
-    def _raw(self, tensor: Any) -> torch.Tensor:  # uint8 [rows, bytes per row], copied off the mapping
-        return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+    def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:  # copied off the mapping
+        rows = np.asarray(tensor.data, dtype=np.uint8)  # [rows, bytes per row]
+        if kind in ("q4_0", "q5_0"):
+            return as_q8_0(kind, rows)
+        return QuantizedRows(kind, torch.from_numpy(rows.copy()))
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]

@@ -1,5 +1,5 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_K and Q6_K) on their way from the file to the
-panels of weft's CPU kernels (`weft/native/quant.cpp`, `linear.cpp`).
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_K and Q6_K; Q4_0 and Q5_0 as Q8_0) on
+their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`, `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
@@ -45,6 +45,22 @@ class QuantizedRows:
 Weight = torch.Tensor | QuantizedRows
 
 
+def as_q8_0(kind: str, rows: np.ndarray) -> QuantizedRows:
+    """GGUF Q4_0 or Q5_0 rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's
+    weights are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d
+    (8.5 bits a weight instead of 4.5 or 5.5, run by the Q8_0 panels)."""
+    size = {"q4_0": 18, "q5_0": 22}[kind]
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, size)  # [N, K / 32, size]
+    scales, packed = blocks[..., :2], blocks[..., size - 16 :]  # [N, B, 2], [N, B, 16]: low nibbles
+    quants = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # [N, B, 32]: features 0-15, 16-31
+    if kind == "q5_0":  # the fifth bit of feature j is bit j of a little-endian uint32
+        high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, B, 1]
+        quants = quants | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    centred = quants.astype(np.int16) - (8 if kind == "q4_0" else 16)  # [N, B, 32] in -16..15
+    q8 = np.concatenate([scales, centred.astype(np.int8).view(np.uint8)], axis=-1)  # [N, B, 34]
+    return QuantizedRows("q8_0", torch.from_numpy(q8.reshape(rows.shape[0], -1)))
+
+
 def logical_shape(weight: Weight) -> tuple[int, ...]:
     return weight.shape if isinstance(weight, QuantizedRows) else tuple(weight.shape)
 
@@ -65,4 +81,4 @@ def cat_rows(parts: list[Weight]) -> Weight:
     return torch.cat([dequantized(p) for p in parts])
 
 
-__all__ = ["BLOCKS", "QuantizedRows", "Weight", "cat_rows", "dequantized", "logical_shape"]
+__all__ = ["BLOCKS", "QuantizedRows", "Weight", "as_q8_0", "cat_rows", "dequantized", "logical_shape"]
