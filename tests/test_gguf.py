@@ -181,3 +181,34 @@ def test_a_tokenizer_directory_overrides_the_files_own(tmp_path):
     shutil.copytree(family, copy)
     llm = LLM(str(GGUF_DIR / FILES["q8_0"]), tokenizer=str(copy), show_progress=False)
     assert llm.tokenizer.encode("Hello world") == Tokenizer.from_dir(family).encode("Hello world")
+
+
+def test_rope_freqs_factors_give_llama3_scaling():
+    """A Llama 3.1+ GGUF file carries its rope scaling as per-frequency factors (rope_freqs, made by
+    llama.cpp's converter from the llama3 parameters as below): dividing each frequency by its factor
+    gives the llama3-scaled frequencies of the Hugging Face config."""
+    import math
+
+    from weft.config import RopeConfig, RopeType
+    from weft.model.layers import rope_inv_freq
+
+    llama3 = RopeConfig(500000.0, RopeType.LLAMA3, 32.0, 1.0, 4.0, 8192)
+    dim = 64
+    freqs = 1.0 / (llama3.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    low_wavelen = llama3.original_max_position_embeddings / llama3.low_freq_factor
+    high_wavelen = llama3.original_max_position_embeddings / llama3.high_freq_factor
+    factors = []
+    for freq in freqs.tolist():  # the converter's computation
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(llama3.factor)
+        else:
+            smooth = (llama3.original_max_position_embeddings / wavelen - llama3.low_freq_factor) / (
+                llama3.high_freq_factor - llama3.low_freq_factor
+            )
+            factors.append(1 / ((1 - smooth) / llama3.factor + smooth))
+    stored = tuple(float(f) for f in np.array(factors, dtype=np.float32))  # float32 in the file
+    from_file = rope_inv_freq(dim, RopeConfig(500000.0, freq_factors=stored))
+    torch.testing.assert_close(from_file, rope_inv_freq(dim, llama3), rtol=1e-6, atol=0)

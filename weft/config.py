@@ -35,6 +35,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # llama.cpp's rope_freqs (GGUF files of Llama 3.1 and later): each frequency divided by its factor
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

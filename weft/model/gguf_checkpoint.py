@@ -6,7 +6,8 @@ Steps of `GgufCheckpoint(path)`:
      check the architecture (`general.architecture`: llama, qwen2 or qwen3);
   2. `model_config()`: the `{arch}.*` keys as a Hugging Face config (sizes, heads, rope base and
      linear scaling, norm epsilon, context length, tied embeddings when there is no `output`
-     tensor, the tokenizer's BOS/EOS ids);
+     tensor, the tokenizer's BOS/EOS ids), and the per-frequency rope factors of a `rope_freqs`
+     tensor (Llama 3.1 and later);
   3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
      reads (`SUPPORTED_TYPES`), dequantized exactly to float32 (`gguf.quants.dequantize`), with
      the rows of `attn_q` / `attn_k` of llama-architecture files put back in the Hugging Face
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope factors (Llama 3.1 rope scaling)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -123,11 +126,6 @@ class GgufCheckpoint:
                     f"{self.path}: tensor {tensor.name!r} is stored as {kind}, which weft does not run; "
                     f"weft runs {', '.join(SUPPORTED_TYPES)} (the types of Q8_0, Q4_K_M and Q4_0 files)"
                 )
-            if tensor.name == "rope_freqs.weight":
-                raise GgufError(
-                    f"{self.path}: per-frequency rope factors (rope_freqs, Llama 3.1 rope scaling) are not "
-                    "supported yet; run the Hugging Face checkpoint of this model instead"
-                )
 
     def _key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{name}", default)
@@ -159,7 +157,14 @@ class GgufCheckpoint:
         return raw
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.config_dict(), source=str(self.path))
+        config = ModelConfig.from_dict(self.config_dict(), source=str(self.path))
+        factors = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
+        if factors is None:
+            return config
+        values = tuple(float(v) for v in self._dequantized(factors).flatten())
+        if len(values) != config.head_dim // 2:
+            raise GgufError(f"{self.path}: {ROPE_FREQS} has {len(values)} factors, not head_dim / 2")
+        return replace(config, rope=replace(config.rope, freq_factors=values))
 
     def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
@@ -168,6 +173,8 @@ class GgufCheckpoint:
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:
+            if tensor.name == ROPE_FREQS:  # part of the configuration (`model_config`)
+                continue
             name = hf_name(tensor.name)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")

@@ -162,6 +162,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == RopeType.LLAMA3:
         inv_freq = _llama3_scaled(inv_freq, rope)
+    if rope.freq_factors:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64, device="cpu")
     return inv_freq.float()
 
 
