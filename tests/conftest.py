@@ -31,6 +31,16 @@ def shared_data(relative: str) -> Path:
     return path
 
 
+def require_native_kernels() -> None:
+    """Skip the calling test when weft's CPU kernels are off or cannot be built; in CI, fail."""
+    import weft.native
+
+    if not weft.native.kernels_available():
+        if os.environ.get("CI"):
+            pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
+        pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels_built():
     """Build weft's CPU kernels once, before any test, so that no test (or `weft` subprocess under a

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
 from weft.model.gguf_checkpoint import GgufCheckpoint, GgufError, hf_name, unpermute_rotary_rows
 from weft.tokenizer import Tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = SHARED_DATA
 GGUF_DIR = SHARED / "gguf"
 FILES = {"q8_0": "tiny-q8_0.gguf", "q4_k_m": "tiny-q4_k_m.gguf", "q4_0": "tiny-q4_0.gguf"}
 # How close transformers' exact float32 dequantization gets to llama.cpp on these files (the

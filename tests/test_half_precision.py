@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_native_kernels
 
 import weft.native as native
 from weft import LLM, SamplingParams
@@ -35,10 +36,7 @@ CHILD_BUILD = "WEFT_TEST_CHILD_BUILD"  # set in the child processes that test an
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    if not native.kernels_available():
-        if os.environ.get("CI"):
-            pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
-        pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here")
+    require_native_kernels()
 
 
 @pytest.mark.parametrize("dtype", HALF)

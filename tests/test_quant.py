@@ -4,22 +4,17 @@ matrix that `gguf.quants.dequantize` makes of the same blocks, on every tile hei
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from conftest import require_native_kernels
 
-import weft.native as native
 from weft.model.quantized import QuantizedRows, as_q8_0, cat_rows, logical_shape
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    if not native.kernels_available():
-        if os.environ.get("CI"):
-            pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
-        pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here")
+    require_native_kernels()
 
 
 def random_q8_0(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:

@@ -9,7 +9,8 @@ Steps of `GgufCheckpoint(path)`:
      tensor, the tokenizer's BOS/EOS ids), and the per-frequency rope factors of a `rope_freqs`
      tensor (Llama 3.1 and later);
   3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
-     reads (`SUPPORTED_TYPES`), dequantized exactly to float32 (`gguf.quants.dequantize`), with
+     reads (`SUPPORTED_TYPES`): a quantized matrix kept in its blocks where asked
+     (`KEPT_IN_BLOCKS`), anything else dequantized exactly to float32 (`gguf.quants.dequantize`), with
      the rows of `attn_q` / `attn_k` of llama-architecture files put back in the Hugging Face
      order (llama.cpp's converter interleaves each head's two rotary halves);
   4. `metadata`: the `tokenizer.*` keys, for `weft.gguf_tokenizer`.

@@ -41,7 +41,7 @@ class Linear(nn.Module):
         self.out_features = out_features  # the panel layout pads it to a multiple of 32
         self.dense_rows = DENSE_PANEL_ROWS  # PANELS: from this many rows, the BLAS GEMM (prefill_gemm.py)
         self.bf16_dot = False  # bfloat16 PANELS: x rounded to bfloat16, bfloat16 products (linear.cpp)
-        self.quantized: str | None = None  # "q8_0": PANELS of GGUF Q8_0 blocks (weft/model/quantized.py)
+        self.quantized: str | None = None  # "q8_0", "q4_k", "q6_k": quantized PANELS (model/quantized.py)
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN

@@ -6,7 +6,8 @@ Steps:
      the architecture;
   2. list the safetensors files (one file, or many named by model.safetensors.index.json);
   3. read every tensor, with a progress bar, checking names and shapes against the config (a GGUF
-     file's tensors under their Hugging Face names, dequantized to float32);
+     file's tensors under their Hugging Face names; where the model uses panels its quantized
+     matrices stay in their blocks, `weft/model/quantized.py`, the rest is dequantized to float32);
   4. fuse q/k/v and gate/up into single matrices ([out, in] as in the checkpoint);
   5. move to the target device and dtype (no copy when the checkpoint is stored in that dtype);
   6. on CPU, make sure weft's native kernels are built and loaded (`weft/native`);
@@ -127,8 +128,8 @@ class _Weights:
         self.files[name] = path
 
     def pack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or in
-        Q8_0, if it came in Q8_0 blocks)."""
+        """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or of
+        its quantized kind, if it came in blocks)."""
         matrix = self.take(name, shape)
         if isinstance(matrix, QuantizedRows):
             panels = matrix.pack()

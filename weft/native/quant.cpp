@@ -110,40 +110,43 @@ at::Tensor pack_q6_k(const at::Tensor& rows) {
 
 }  // namespace
 
-void gather_q6_k_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out) {
-  const int64_t blocks = k / kQ6KBlock;
+namespace {
+
+// Rows `ids` of a quantized matrix, dequantized, from its panels of `block_bytes` per block of
+// `block` features: weight(block, column, feature in block) forms one weight as the kernels do.
+template <typename Weight>
+void gather_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out, int64_t block,
+                 int64_t block_bytes, Weight weight) {
+  const int64_t blocks = k / block;
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t c = ids[t] % kPanel;
-    const uint8_t* panel = panels + (ids[t] / kPanel) * blocks * kQ6KBlockBytes;
+    const uint8_t* panel = panels + (ids[t] / kPanel) * blocks * block_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = panel + b * kQ6KBlockBytes;
-      uint16_t bits;
-      std::memcpy(&bits, block + 2 * c, 2);
-      const float d = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-      for (int64_t kk = 0; kk < kQ6KBlock; ++kk) {
-        const auto sc = static_cast<int8_t>(block[kQ6KScalesOffset + (kk / kQ6KSubBlock) * kPanel + c]);
-        const auto q = static_cast<int8_t>(block[kQ6KQuantsOffset + kk * kPanel + c]);
-        out[t * k + b * kQ6KBlock + kk] = d * static_cast<float>(sc) * static_cast<float>(q);
-      }
+      for (int64_t kk = 0; kk < block; ++kk) out[t * k + b * block + kk] = weight(panel + b * block_bytes, c, kk);
     }
   }
 }
 
+float half_at(const uint8_t* p) {  // a float16 stored at p
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+}  // namespace
+
+void gather_q6_k_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out) {
+  gather_rows(panels, k, ids, tokens, out, kQ6KBlock, kQ6KBlockBytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+    const auto sc = static_cast<int8_t>(block[kQ6KScalesOffset + (kk / kQ6KSubBlock) * kPanel + c]);
+    const auto q = static_cast<int8_t>(block[kQ6KQuantsOffset + kk * kPanel + c]);
+    return half_at(block + 2 * c) * static_cast<float>(sc) * static_cast<float>(q);  // (d * sc) * q
+  });
+}
+
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out) {
-  const int64_t blocks = k / kQ8Block;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t c = ids[t] % kPanel;
-    const uint8_t* panel = panels + (ids[t] / kPanel) * blocks * kQ8BlockBytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = panel + b * kQ8BlockBytes;
-      uint16_t bits;
-      std::memcpy(&bits, block + 2 * c, 2);
-      const float scale = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-      for (int64_t kk = 0; kk < kQ8Block; ++kk) {
-        out[t * k + b * kQ8Block + kk] = scale * static_cast<float>(static_cast<int8_t>(block[2 * kPanel + kk * kPanel + c]));
-      }
-    }
-  }
+  gather_rows(panels, k, ids, tokens, out, kQ8Block, kQ8BlockBytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+    return half_at(block + 2 * c) * static_cast<float>(static_cast<int8_t>(block[2 * kPanel + kk * kPanel + c]));
+  });
 }
 
 }  // namespace weft
