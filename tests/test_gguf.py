@@ -53,8 +53,11 @@ def test_a_gguf_file_is_a_whole_model(gguf_llm):
     assert config.tie_word_embeddings and config.rope.theta == 100000.0
     assert llm.kernels["weights"] == "float32"
     if name == "q8_0":  # every matrix, the tied table included, runs from its Q8_0 blocks
-        assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (quantized panels)"), llm.kernels
-        assert llm.engine.model.embed.weight.dtype == torch.uint8
+        assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (int8 dot panels)"), llm.kernels
+        assert llm.engine.model.embed.weight.dtype == torch.int8
+    if name == "q4_k_m":  # the q/k/v fusion mixing Q4_K and Q6_K stays quantized (Q6_K layout with mins)
+        assert "Q4_K+Q6_K for 1 matrices" in llm.kernels["linear"], llm.kernels
+    assert llm.kernels["matmul"].startswith("quantized matrices: int8 activations")
     family = SHARED / "tokenizers" / "smollm2"
     hf = Tokenizer.from_dir(family)
     texts = [
@@ -74,11 +77,17 @@ def test_a_gguf_file_is_a_whole_model(gguf_llm):
     assert llm.tokenizer.apply_chat_template(messages) == hf.apply_chat_template(messages)
 
 
-def test_gguf_logprobs_are_as_close_to_llama_cpp_as_an_exact_dequantization(gguf_llm, reference):
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+@pytest.mark.parametrize("name", list(FILES))
+def test_gguf_logprobs_are_as_close_to_llama_cpp_as_an_exact_dequantization(name, precision, reference):
     """Teacher-forced along llama.cpp's greedy tokens: weft's logprob of each token and its argmax,
-    against llama.cpp's own, at least as close as transformers' exact float32 dequantization gets
-    (the differences are llama.cpp's: it rounds the activations to 8 bits in its products)."""
-    name, llm = gguf_llm
+    against llama.cpp's own. Exact products (float32) are at least as close as transformers' exact
+    float32 dequantization gets (the differences are llama.cpp's: it rounds the activations to 8
+    bits in its products). int8 products round them as llama.cpp does, from activations that differ
+    from llama.cpp's in the last bits (its float16 KV cache): measured 0.080 and 0.059 for Q4_K_M and
+    Q4_0, closer than exact products get; 0.064 for Q8_0, 9% further (docs/architecture.md,
+    "Quantized weights on CPU")."""
+    llm = LLM(str(GGUF_DIR / FILES[name]), show_progress=False, max_logprobs=5, matmul_precision=precision)
     gaps, agree = [], 0
     for prompt, run in zip(reference["prompts"], reference["files"][name], strict=True):
         ids = list(prompt) + list(run["tokens"])
@@ -91,8 +100,9 @@ def test_gguf_logprobs_are_as_close_to_llama_cpp_as_an_exact_dequantization(gguf
             agree += max(entry, key=lambda t: entry[t].logprob) == argmax
     bound, min_agree = LLAMA_CPP_GAP[name]
     assert len(gaps) == 128
-    print(f"{name}: mean |dlogp| {np.mean(gaps):.4f} (exact float32: {bound}), argmax {agree}/128")
-    assert float(np.mean(gaps)) <= bound * 1.05 and agree >= min_agree, (np.mean(gaps), agree)
+    print(f"{name} {precision}: mean |dlogp| {np.mean(gaps):.4f} (exact: {bound}), argmax {agree}/128")
+    slack = 1.05 if precision == "float32" else 1.1
+    assert float(np.mean(gaps)) <= bound * slack and agree >= min_agree, (np.mean(gaps), agree)
 
 
 def test_gguf_greedy_tokens_follow_llama_cpp_where_it_is_sure(gguf_llm, reference):
@@ -106,12 +116,13 @@ def test_gguf_greedy_tokens_follow_llama_cpp_where_it_is_sure(gguf_llm, referenc
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k_m"])
 def test_gguf_model_computes_the_reference_dequantized_product(name):
-    """The logits of a GGUF load equal transformers' load of the same file (which dequantizes with
-    the gguf package to float32) within 1e-4: weft computes the exactly dequantized model (Q8_0
-    from its blocks, in quantized panels)."""
+    """With matmul_precision="float32", the logits of a GGUF load equal transformers' load of the
+    same file (which dequantizes with the gguf package to float32) within 1e-4: weft computes the
+    exactly dequantized model (from the blocks, in exact quantized panels)."""
     transformers = pytest.importorskip("transformers")
     path = GGUF_DIR / FILES[name]
-    llm = LLM(str(path), show_progress=False, max_logprobs=20)
+    llm = LLM(str(path), show_progress=False, max_logprobs=20, matmul_precision="float32")
+    assert "exact quantized panels" in llm.kernels["linear"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
@@ -123,6 +134,15 @@ def test_gguf_model_computes_the_reference_dequantized_product(name):
     for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
         for token, logprob in entry.items():
             assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
+
+
+def test_int8_products_are_for_quantized_matrices(checkpoint_factory):
+    """matmul_precision="int8" names the byte dot product it runs; on a checkpoint without quantized
+    matrices it is a clear error."""
+    llm = LLM(str(GGUF_DIR / FILES["q4_0"]), show_progress=False, matmul_precision="int8")
+    assert any(how in llm.kernels["matmul"] for how in ("vpdpbusd", "vpmaddubsw", "scalar")), llm.kernels
+    with pytest.raises(ConfigError, match="matmul_precision='int8' multiplies quantized matrices"):
+        LLM(str(checkpoint_factory()), show_progress=False, matmul_precision="int8")
 
 
 def test_the_converters_rotary_order_is_undone():

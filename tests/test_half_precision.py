@@ -113,13 +113,14 @@ BUILDS = {
     "avx512_bf16": ("cooperlake", "", "avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
 }
 # What a child runs against another build: every test of the panels, the bfloat16 products and the
-# model-level parity here, the prefill GEMM's two paths, the other kernels' vector paths and the
-# quantized panels.
+# model-level parity here, the prefill GEMM's two paths, the other kernels' vector paths, the exact
+# quantized panels and the int8 products (vpdpbusd, vpmaddubsw on AVX-512BW and AVX2, scalar).
 CHILD_TESTS = [
     ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
     ("both_paths", "test_prefill_gemm.py"),
     ("gumbel or row_logprobs or top_p_filter or silu or attention or packed_linear", "test_native.py"),
     ("q8_0", "test_quant.py"),
+    ("", "test_qdot.py"),
 ]
 
 
@@ -288,7 +289,7 @@ def test_matmul_precision_is_chosen_by_the_cpu_and_checked(checkpoint_factory, m
     with pytest.raises(ConfigError, match="needs bfloat16 weights"):
         LLM(str(path), dtype="float16", show_progress=False, matmul_precision="bfloat16")
     with pytest.raises(ConfigError, match="is not supported"):
-        LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="int8")
+        LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="fp8")
     monkeypatch.setitem(native._state, "ok", False)
     with pytest.raises(ConfigError, match="run in the weights' dtype"):
         LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="float32")

@@ -243,16 +243,18 @@ def resolve_dtype(
     return DTYPES[dtype]
 
 
-MATMUL_PRECISIONS = ("auto", "float32", "bfloat16")
+MATMUL_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MATMUL_PRECISION_HELP = (
-    "CPU, bfloat16 weights: what the matrix products multiply in: float32 (exact, the weights widened) or "
-    "bfloat16 (x rounded to bfloat16, float32 accumulation, twice the arithmetic rate); default auto: "
-    "bfloat16 where the CPU has AVX512_BF16"
+    "CPU: what the matrix products multiply in: float32 (exact, the weights widened), bfloat16 (bfloat16 "
+    "weights: x rounded to bfloat16, float32 accumulation, twice the arithmetic rate) or int8 (quantized "
+    "GGUF weights: x quantized to int8 per 32 features, as llama.cpp does); default auto: int8 for "
+    "quantized weights, bfloat16 for bfloat16 weights where the CPU has AVX512_BF16, else float32"
 )
 
 
 def check_matmul_precision(value: str | None) -> str:
-    """`matmul_precision` as given (`LLM`, `--matmul-precision`): "auto" (None), "float32" or "bfloat16"."""
+    """`matmul_precision` as given (`LLM`, `--matmul-precision`): "auto" (None), "float32", "bfloat16"
+    or "int8"."""
     if value is None:
         return "auto"
     if value not in MATMUL_PRECISIONS:

@@ -78,10 +78,11 @@ class TorchKernels:
         return weight_dtype
 
     def matmul_dtype(
-        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None
+        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None, quantized: bool = False
     ) -> torch.dtype:
-        """The dtype the linear layers' products multiply in (`matmul_precision`: "auto", "float32" or
-        "bfloat16"). Plain torch multiplies in the weights' dtype, whatever is asked."""
+        """The dtype the linear layers' products multiply in (`matmul_precision`: "auto", "float32",
+        "bfloat16" or "int8"; `quantized`: the checkpoint has quantized matrices). Plain torch
+        multiplies in the weights' dtype (quantized ones dequantized at load), whatever is asked."""
         precision = check_matmul_precision(requested)
         if precision not in ("auto", _dtype_name(weight_dtype)):
             raise ConfigError(
@@ -273,16 +274,25 @@ class NativeCpuKernels(TorchKernels):
         return weight_dtype
 
     def matmul_dtype(
-        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None
+        self, device: torch.device, weight_dtype: torch.dtype, requested: str | None, quantized: bool = False
     ) -> torch.dtype:
-        """float32 (x kept float32, half-precision weights widened exactly in registers) or, for
-        bfloat16 weights, bfloat16 (x rounded to bfloat16 at each product, float32 accumulation:
-        vdpbf16ps, at twice the arithmetic rate). "auto" takes bfloat16 products where the CPU has
-        AVX512_BF16 (docs/architecture.md, "Half precision on CPU"); elsewhere they are emulated
-        (slower than float32) and only taken when asked for."""
+        """float32 (x kept float32, half-precision and quantized weights widened exactly in
+        registers) or, for bfloat16 weights, bfloat16 (x rounded to bfloat16 at each product,
+        float32 accumulation: vdpbf16ps, at twice the arithmetic rate). "auto" takes bfloat16
+        products where the CPU has AVX512_BF16 (docs/architecture.md, "Half precision on CPU");
+        elsewhere they are emulated (slower than float32) and only taken when asked for. A quantized
+        checkpoint's matrices multiply by int8 activations ("int8", and "auto": qdot.cpp, llama.cpp's
+        arithmetic) unless "float32" asks for the exact product of the dequantized weights."""
         if not self.packs_linear_weights(device, weight_dtype):
-            return super().matmul_dtype(device, weight_dtype, requested)
+            return super().matmul_dtype(device, weight_dtype, requested, quantized)
         precision = check_matmul_precision(requested)
+        if precision == "int8" and not quantized:
+            raise ConfigError(
+                "matmul_precision='int8' multiplies quantized matrices (a GGUF file's Q8_0, Q4_K, Q6_K, "
+                "Q5_0 or Q4_0 ones) by int8 activations, and this checkpoint has none; leave it 'auto'"
+            )
+        if quantized and precision in ("auto", "int8"):
+            return torch.int8
         if precision == "bfloat16" and weight_dtype != torch.bfloat16:
             raise ConfigError(
                 f"matmul_precision='bfloat16' needs bfloat16 weights, and this model loads "
@@ -303,6 +313,11 @@ class NativeCpuKernels(TorchKernels):
             if matmul == torch.bfloat16:
                 how = "vdpbf16ps" if isa == "avx512_bf16" else "emulated: this CPU has no AVX512_BF16"
                 info["matmul"] = f"bfloat16 products, float32 accumulation ({how})"
+            elif matmul == torch.int8:
+                info["matmul"] = (
+                    "quantized matrices: int8 activations (per 32 features) times their quants, int32 sums "
+                    f"({int8_dot_instructions()}); float32 elsewhere"
+                )
             elif weight_dtype != torch.float32:
                 info["matmul"] = f"float32 ({_dtype_name(weight_dtype)} weights widened exactly)"
         info["isa"] = isa
@@ -449,6 +464,16 @@ def cpu_isa_path() -> str:
     if "avx512_bf16" in isa:
         return "avx512_bf16"
     return "avx512" if "avx512f" in isa else "avx2" if "avx2" in isa else "scalar"
+
+
+def int8_dot_instructions() -> str:
+    """The byte dot product of this build's int8 products (weft/native/qdot.cpp)."""
+    isa = torch.ops.weft.build_info().split()
+    if "avx512_vnni" in isa:
+        return "vpdpbusd"
+    if "avx512bw" in isa or "avx2" in isa:
+        return "vpmaddubsw + vpmaddwd: this CPU has no AVX512_VNNI"
+    return "scalar: this build has no AVX2"
 
 
 def triton_available() -> bool:

@@ -118,7 +118,8 @@ class LLM:
         quantized = self.engine.model.quantized_matrices()
         if quantized:
             kinds = ", ".join(f"{kind.upper()} for {count} matrices" for kind, count in quantized.items())
-            info["linear"] += f"; {kinds} (quantized panels)"
+            panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
+            info["linear"] += f"; {kinds} ({panels})"
         thresholds = sorted(set(self.engine.model.dense_rows.values()))
         if thresholds:
             rows = [str(t) if t < NEVER else "never" for t in thresholds]

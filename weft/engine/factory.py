@@ -62,8 +62,9 @@ class EngineArgs:
     show_progress: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs, every step eager
     async_scheduling: bool | None = None  # None: on CUDA only (weft/engine/lookahead.py)
-    # "auto", "float32" or "bfloat16": what the linear layers' products multiply in on CPU
-    # (`TorchKernels.matmul_dtype`; "auto": bfloat16 for bfloat16 weights where the CPU has AVX512_BF16)
+    # "auto", "float32", "bfloat16" or "int8": what the linear layers' products multiply in on CPU
+    # (`TorchKernels.matmul_dtype`; "auto": int8 for a GGUF file's quantized matrices, bfloat16 for
+    # bfloat16 weights where the CPU has AVX512_BF16)
     matmul_precision: str | None = None
 
 
@@ -81,7 +82,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         model_config.checkpoint_dtype,
         kernels.packs_linear_weights(device, torch.bfloat16),
     )
-    matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision)
+    quantized = isinstance(source, GgufCheckpoint) and source.quantized
+    matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
     tokenizer = _load_tokenizer(source, args.tokenizer)
     max_len = _max_model_len(args.max_model_len, model_config)
     model = load_model(source, model_config, dtype, device, max_len, args.show_progress, matmul)

@@ -91,7 +91,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def _unpermuted(weight: Weight, num_heads: int) -> Weight:
+def _unpermuted(weight: torch.Tensor | QuantizedRows, num_heads: int) -> torch.Tensor | QuantizedRows:
     """`unpermute_rotary_rows` of a float matrix or of the rows of a quantized one (rows are whole)."""
     if isinstance(weight, QuantizedRows):
         return QuantizedRows(weight.kind, unpermute_rotary_rows(weight.rows, num_heads))
@@ -127,6 +127,11 @@ class GgufCheckpoint:
                     f"{self.path}: tensor {tensor.name!r} is stored as {kind}, which weft does not run; "
                     f"weft runs {', '.join(SUPPORTED_TYPES)} (the types of Q8_0, Q4_K_M and Q4_0 files)"
                 )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any matrix is stored quantized (runs from quantized panels where weft packs them)."""
+        return any(len(t.shape) == 2 and t.tensor_type.name in KEPT_IN_BLOCKS for t in self.reader.tensors)
 
     def _key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{name}", default)

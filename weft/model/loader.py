@@ -15,7 +15,9 @@ Steps:
      GEMM kernel (float32, bfloat16 or float16 weights), or [in, out] without the kernels
      (`weight_layout`, see `Linear`); with half-precision panels the activations, the norms' weights
      and the biases are float32 (`TorchKernels.activation_dtype`), and bfloat16 panels multiply with
-     bfloat16 products where `matmul_dtype` says so (`Linear.bf16_dot`).
+     bfloat16 products where `matmul_dtype` says so (`Linear.bf16_dot`); quantized matrices go into
+     dot panels for int8 products where `matmul_dtype` is int8 (`weft/native/qdot.cpp`), else into
+     exact quantized panels.
 
 Every error names the file and the problem.
 """
@@ -38,7 +40,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
-from weft.model.quantized import QuantizedRows, Weight, cat_rows, dequantized, logical_shape
+from weft.model.quantized import MixedRows, QuantizedRows, Weight, cat_rows, dequantized, logical_shape
 from weft.model.registry import resolve_architecture
 
 EMBED = "model.embed_tokens.weight"
@@ -127,15 +129,15 @@ class _Weights:
         self.tensors[name] = tensor
         self.files[name] = path
 
-    def pack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def pack(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, dot: bool = False) -> None:
         """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or of
-        its quantized kind, if it came in blocks)."""
+        its quantized kind, if it came in blocks: `dot` panels for int8 products)."""
         matrix = self.take(name, shape)
         if isinstance(matrix, QuantizedRows):
-            panels = matrix.pack()
+            panels = matrix.pack(dot)
             self.kinds[name] = matrix.kind
         else:
-            panels = torch.ops.weft.pack_linear_weight(matrix.to(dtype))
+            panels = torch.ops.weft.pack_linear_weight(dequantized(matrix).to(dtype))
         self.add(name, self.files[name], panels)
         self.packed.add(name)
 
@@ -172,12 +174,13 @@ def load_model(
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
     bf16_dot = layout is WeightLayout.PANELS and dtype == matmul_dtype == torch.bfloat16
+    int8_dot = layout is WeightLayout.PANELS and matmul_dtype == torch.int8  # quantized matrices: qdot.cpp
     with torch.device("meta"):
         model = arch.model_class(config, arch.spec, max_positions, kernels)
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
-    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, keeps_blocks=panels)
+    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, panels, int8_dot)
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
@@ -185,7 +188,7 @@ def load_model(
             assert isinstance(table, torch.Tensor)  # packed: panels
             model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))
             model.embed.read_from_panels(model.lm_head)
-    state = _expect_quantized(model, _convert(weights, arch.spec, config))
+    state = _expect_quantized(model, _convert(weights, arch.spec, config), int8_dot)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
@@ -207,15 +210,20 @@ def load_model(
     return model
 
 
-def _expect_quantized(model: LlamaForCausalLM, state: dict[str, Weight]) -> dict[str, torch.Tensor]:
-    """Pack every matrix that came in blocks into panels of its kind, its Linear (still on the meta
-    device) taking their shape; an untied embedding table in blocks is dequantized."""
+def _expect_quantized(
+    model: LlamaForCausalLM, state: dict[str, Weight], dot: bool
+) -> dict[str, torch.Tensor]:
+    """Pack every matrix that came in blocks into panels (`dot`: dot panels, for int8 products), its
+    Linear (still on the meta device) taking their shape; an untied embedding table in blocks, and
+    for exact products a fusion of mixed kinds, are dequantized."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state.items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(weight, QuantizedRows) and isinstance(module, Linear):
-            tensors[name] = weight.pack()
-            module.expect_panels(tensors[name].shape, quantized=weight.kind)
+        blocks = isinstance(weight, QuantizedRows) or (dot and isinstance(weight, MixedRows))
+        if blocks and isinstance(module, Linear):
+            assert isinstance(weight, (QuantizedRows, MixedRows))
+            tensors[name] = weight.pack(dot)
+            module.expect_panels(tensors[name].shape, quantized=weight.label)
         else:
             tensors[name] = dequantized(weight)
     return tensors
@@ -241,15 +249,17 @@ def _read_weights(
     packs_table: bool,
     show_progress: bool,
     keeps_blocks: bool = False,
+    dot: bool = False,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
-    panels as soon as it is read, so that it never sits in memory twice beside the other weights;
-    with `keeps_blocks`, quantized GGUF matrices stay in their blocks (packed in `_expect_quantized`)."""
+    panels as soon as it is read (`dot`: dot panels, if it came in blocks), so that it never sits in
+    memory twice beside the other weights; with `keeps_blocks`, quantized GGUF matrices stay in
+    their blocks (packed in `_expect_quantized`)."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
-            weights.pack(name, (config.vocab_size, config.hidden_size), dtype)
+            weights.pack(name, (config.vocab_size, config.hidden_size), dtype, dot)
     return weights
 
 

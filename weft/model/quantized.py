@@ -1,11 +1,15 @@
 """Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_K and Q6_K; Q4_0 and Q5_0 as Q8_0) on
-their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`, `linear.cpp`).
+their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in
+`qdot.cpp` with int8 activations, or exactly in `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
-(`cat_rows`: parts of different kinds are dequantized to float32 first), checks shapes by the
-logical [N, K], and packs every one into panels of its kind before the weights are assigned.
-Nothing above `weft/model` sees the formats.
+(`cat_rows`), checks shapes by the logical [N, K], and packs every one into panels before the
+weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
+float32 ones (`pack(dot=...)`). A fusion whose parts differ in kind (Q4_K_M gives attn_v and
+ffn_down Q6_K in some layers, Q4_K elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with
+mins, which holds both kinds exactly; for exact products, float32. Nothing above `weft/model` sees
+the formats.
 """
 
 from __future__ import annotations
@@ -38,11 +42,44 @@ class QuantizedRows:
         values = dequantize(self.rows.numpy(), GGMLQuantizationType[self.kind.upper()])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
-    def pack(self) -> torch.Tensor:  # the kind's panels (weft/native/panels.h)
+    def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
+        """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
+        (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins)."""
+        if dot:
+            return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
         return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
 
+    @property
+    def label(self) -> str:  # how llm.kernels names the panels
+        return self.kind
 
-Weight = torch.Tensor | QuantizedRows
+
+@dataclass(frozen=True, slots=True)
+class MixedRows:
+    """A fused matrix whose parts are Q4_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
+
+    parts: tuple[QuantizedRows, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def pack(self, dot: bool = True) -> torch.Tensor:
+        """Dot panels in the Q6_K layout with mins, part by part (no panel straddles two parts).
+        Exact panels do not mix kinds: for float32 products the loader dequantizes the matrix."""
+        if not dot:
+            raise ValueError("exact quantized panels hold one kind; dequantize a mixed fusion instead")
+        return torch.cat([p.pack(dot=True, mins=True) for p in self.parts])
+
+    @property
+    def label(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+
+Weight = torch.Tensor | QuantizedRows | MixedRows
 
 
 def as_q8_0(kind: str, rows: np.ndarray) -> QuantizedRows:
@@ -62,23 +99,35 @@ def as_q8_0(kind: str, rows: np.ndarray) -> QuantizedRows:
 
 
 def logical_shape(weight: Weight) -> tuple[int, ...]:
-    return weight.shape if isinstance(weight, QuantizedRows) else tuple(weight.shape)
+    return weight.shape if isinstance(weight, (QuantizedRows, MixedRows)) else tuple(weight.shape)
 
 
 def dequantized(weight: Weight) -> torch.Tensor:
-    """A weight as float32 where it came in blocks (an untied embedding table, a mixed fusion)."""
-    return weight.dequantize() if isinstance(weight, QuantizedRows) else weight
+    """A weight as float32 where it came in blocks (an untied embedding table, an odd fusion)."""
+    return weight.dequantize() if isinstance(weight, (QuantizedRows, MixedRows)) else weight
 
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Matrices stacked by rows (a fused q/k/v or gate/up): in blocks when every part is of one kind,
-    else float32."""
-    first = parts[0]
-    if isinstance(first, QuantizedRows) and all(
-        isinstance(p, QuantizedRows) and p.kind == first.kind for p in parts
-    ):
-        return QuantizedRows(first.kind, torch.cat([p.rows for p in parts if isinstance(p, QuantizedRows)]))
+    `MixedRows` when they are Q4_K and Q6_K parts of whole panels, else float32."""
+    blocks = [p for p in parts if isinstance(p, QuantizedRows)]
+    if len(blocks) == len(parts) and len({p.kind for p in blocks}) == 1:
+        return QuantizedRows(blocks[0].kind, torch.cat([p.rows for p in blocks]))
+    if len(blocks) == len(parts) and all(p.kind in MIXABLE and p.shape[0] % PANEL == 0 for p in blocks):
+        return MixedRows(tuple(blocks))
     return torch.cat([dequantized(p) for p in parts])
 
 
-__all__ = ["BLOCKS", "QuantizedRows", "Weight", "as_q8_0", "cat_rows", "dequantized", "logical_shape"]
+MIXABLE = ("q4_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
+PANEL = 32  # output columns per panel (weft/native/panels.h)
+
+__all__ = [
+    "BLOCKS",
+    "MixedRows",
+    "QuantizedRows",
+    "Weight",
+    "as_q8_0",
+    "cat_rows",
+    "dequantized",
+    "logical_shape",
+]

@@ -1,5 +1,6 @@
-"""weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16 and
-float16; `decoder.cpp`, a whole decoder stack for single-token rows), compiled on first use and
+"""weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16,
+float16 and exact quantized panels, `quant.cpp` packing quantized weights, `qdot.cpp` their int8
+products; `decoder.cpp`, a whole decoder stack for single-token rows), compiled on first use and
 cached.
 
 Steps of `kernels_available()`, run once per process:
@@ -28,9 +29,10 @@ import torch
 from weft.config import NativeConfig
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "decoder.cpp")
+    Path(__file__).with_name(name)
+    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h")]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):

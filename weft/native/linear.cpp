@@ -38,46 +38,39 @@
 // order as a float32 panel of it computes, at 8.5 bits read per weight.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <utility>
 
-#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+#include "ops.h"
 #include "panels.h"
+#include "tiles.h"
 
 namespace {
 
-using weft::kPanel;                          // columns per panel
+using weft::kPanel;  // columns per panel
 using weft::kQ8Block;
 using weft::kQ8BlockBytes;
-constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the current panel row to prefetch
-constexpr int64_t kBlockBytes = 256 << 10;   // the rows of x a thread keeps in L2 while the panels pass
+using weft::tiles::finish_tile;
+using weft::tiles::kLanes;
+using weft::tiles::kPrefetchBytes;
+using weft::tiles::kVecs;
+using weft::tiles::Tile;
+using weft::tiles::vecf;
+using weft::tiles::vecfu;
+using weft::tiles::widen_halves;
+using weft::tiles::widen_int8;
+using weft::tiles::widen_uint8;
 
-// Vectors of the machine's own width: 16 floats with AVX-512, else 8 (AVX2). Wider generic vectors
-// than the registers are not split into register pairs: GCC moves them through the stack, and the
-// AVX2 build of the 16-float kernel ran at ~5 GFLOP/s, 4x slower than torch even at one row.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int64_t kMaxTileRows = 12;         // rows per tile: 12 x 2 accumulators + 2 panel vectors (of 32)
+constexpr int kMaxTileRows = 12;  // rows per tile: 12 x 2 accumulators + 2 panel vectors (of 32)
 #else
-constexpr int kLanes = 8;
-constexpr int64_t kMaxTileRows = 3;          // 3 x 4 accumulators + a panel vector + broadcasts (of 16)
+constexpr int kMaxTileRows = 3;   // 3 x 4 accumulators + a panel vector + broadcasts (of 16)
 #endif
-constexpr int kVecs = kPanel / kLanes;       // vectors per panel row
 
-typedef float vecf __attribute__((vector_size(4 * kLanes)));                // aligned: panel rows
-typedef float vecfu __attribute__((vector_size(4 * kLanes), aligned(4)));   // unaligned: output rows, bias
 typedef uint32_t wordsv __attribute__((vector_size(4 * kLanes)));           // words of a bfloat16 panel row pair
 
 // One panel row of each weight type, widened to kVecs vectors of kLanes float32 columns.
@@ -140,50 +133,9 @@ struct Float16Row {  // natural column order
   template <int kV>
   static void load(const uint16_t* panel, int64_t k, int first_vec, vecf w[kV]) {
     const uint16_t* row = panel + k * kPanel + kLanes * first_vec;
-#if defined(__AVX512F__)
-    for (int j = 0; j < kV; ++j)
-      w[j] = reinterpret_cast<vecf>(_mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * j))));
-#elif defined(__F16C__)
-    for (int j = 0; j < kV; ++j)
-      w[j] = reinterpret_cast<vecf>(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row + 8 * j))));
-#else
-    for (int c = 0; c < kV * kLanes; ++c) reinterpret_cast<float*>(w)[c] = static_cast<float>(c10::Half(row[c], c10::Half::from_bits()));
-#endif
+    for (int j = 0; j < kV; ++j) w[j] = widen_halves(row + kLanes * j);
   }
 };
-
-struct Tile {
-  const float* x;      // first row of the tile
-  int64_t x_stride;
-  const uint32_t* xq;  // bfloat16 dot path: the tile's x as bfloat16 pairs, interleaved [K / 2, xq_stride]
-  int64_t xq_stride;   // the tile height: pair kk of the tile's row i is xq[kk * xq_stride + i]
-  const void* panel;   // [K, 32] of the weight type
-  int64_t k;
-  float* out;          // first row, first column of the tile
-  int64_t out_stride;
-  int64_t cols;        // valid columns of this tile (its width but in the last panel)
-  const float* bias;   // the tile's bias (its first column), or nullptr
-  int first_vec;       // the tile's first column vector in the panel (0, or kVecs / 2 for a right half)
-};
-
-// Adds the bias and stores the tile (shared by the kernels).
-template <int kRows, int kV>
-__attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc)[kRows][kV]) {
-  if (t.bias != nullptr) {
-    float bias[kPanel] = {};
-    std::memcpy(bias, t.bias, sizeof(float) * t.cols);
-    for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < kV; ++j) acc[i][j] += *reinterpret_cast<const vecfu*>(bias + kLanes * j);
-  }
-  for (int i = 0; i < kRows; ++i) {
-    float* dst = t.out + i * t.out_stride;
-    if (t.cols == kV * kLanes) {
-      for (int j = 0; j < kV; ++j) *reinterpret_cast<vecfu*>(dst + kLanes * j) = acc[i][j];
-    } else {
-      std::memcpy(dst, &acc[i][0], sizeof(float) * t.cols);
-    }
-  }
-}
 
 // out[i, :cols] = x[i, :] @ panel (+ bias) for the tile's kRows rows.
 // acc[i] += x[i, k] * w for the tile's rows (w: row k of the panel, widened).
@@ -236,7 +188,7 @@ void tile_kernel_bf16_dot(const Tile& t) {
     for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   const uint16_t* panel = static_cast<const uint16_t*>(t.panel);
   const int64_t pairs = (t.k + 1) / 2;
-  const uint32_t* xq = t.xq;  // the tile's rows side by side: one pointer, immediate offsets (and with
+  const auto* xq = static_cast<const uint32_t*>(t.xq);  // the tile's rows side by side: one pointer, immediate offsets (and with
                               // AVX-512 each broadcast folds into its vdpbf16ps as a {1to16} operand)
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems) + t.first_vec;  // of words
@@ -250,19 +202,6 @@ void tile_kernel_bf16_dot(const Tile& t) {
 }
 
 // Q8_0 panels (panels.h): per block of 32 input features, 32 float16 scales, then [32, 32] int8.
-// kLanes int8 quants as float32 (vpmovsxbd, vcvtdq2ps; one at a time on machines without AVX2).
-inline vecf widen_quants(const int8_t* q) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vecf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<vecf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
-#else
-  vecf w;
-  for (int c = 0; c < kLanes; ++c) w[c] = static_cast<float>(q[c]);
-  return w;
-#endif
-}
-
 template <int kRows, int kV>
 void tile_kernel_q8_0(const Tile& t) {
   vecf acc[kRows][kV];
@@ -277,24 +216,11 @@ void tile_kernel_q8_0(const Tile& t) {
     for (int kk = 0; kk < kQ8Block; ++kk) {
       if (kk < kQ8BlockBytes / 64) __builtin_prefetch(block + kPrefetchBytes + 64 * kk);
       vecf w[kV];
-      for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_quants(quants + kk * kPanel + kLanes * j);
+      for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(quants + kk * kPanel + kLanes * j);
       add_row<kRows, kV>(acc, t, b * kQ8Block + kk, w);
     }
   }
   finish_tile<kRows, kV>(t, acc);
-}
-
-// kLanes unsigned bytes as float32 (the 6-bit scales and mins of Q4_K sub-blocks).
-inline vecf widen_bytes(const uint8_t* b) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vecf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<vecf>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)))));
-#else
-  vecf w;
-  for (int c = 0; c < kLanes; ++c) w[c] = static_cast<float>(b[c]);
-  return w;
-#endif
 }
 
 // Columns kLanes * v .. of one Q4_K feature row (16 bytes: column c in the low nibble of byte c for
@@ -336,8 +262,8 @@ void tile_kernel_q4_k(const Tile& t) {
       vecf scale[kV], min[kV];
       for (int j = 0; j < kV; ++j) {
         const int64_t col = kLanes * (t.first_vec + j) + s * kPanel;
-        scale[j] = d[j] * widen_bytes(block + weft::kQ4KScalesOffset + col);
-        min[j] = dmin[j] * widen_bytes(block + weft::kQ4KMinsOffset + col);
+        scale[j] = d[j] * widen_uint8(block + weft::kQ4KScalesOffset + col);
+        min[j] = dmin[j] * widen_uint8(block + weft::kQ4KMinsOffset + col);
       }
       const uint8_t* rows = block + weft::kQ4KQuantsOffset + s * 32 * (kPanel / 2);
       for (int kk = 0; kk < 32; ++kk) {
@@ -351,9 +277,6 @@ void tile_kernel_q4_k(const Tile& t) {
   }
   finish_tile<kRows, kV>(t, acc);
 }
-
-// kLanes int8 values as float32 (Q6_K's sub-block scales).
-inline vecf widen_signed_bytes(const uint8_t* b) { return widen_quants(reinterpret_cast<const int8_t*>(b)); }
 
 // Q6_K panels (panels.h): per sub-block of 16, scale = d * sc (exact in float32), each weight
 // scale * q rounded once, as the dequantization rounds it.
@@ -372,12 +295,12 @@ void tile_kernel_q6_k(const Tile& t) {
     for (int64_t s = 0; s < weft::kQ6KBlock / kSub; ++s) {
       vecf scale[kV];
       for (int j = 0; j < kV; ++j)
-        scale[j] = d[j] * widen_signed_bytes(block + weft::kQ6KScalesOffset + s * kPanel + kLanes * (t.first_vec + j));
+        scale[j] = d[j] * widen_int8(block + weft::kQ6KScalesOffset + s * kPanel + kLanes * (t.first_vec + j));
       for (int kk = 0; kk < kSub; ++kk) {
         const int8_t* row = quants + (s * kSub + kk) * kPanel;
         if (kk % 2 == 0) __builtin_prefetch(row + kPrefetchBytes);
         vecf w[kV];
-        for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_quants(row + kLanes * j);
+        for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(row + kLanes * j);
         add_row<kRows, kV>(acc, t, sb * weft::kQ6KBlock + s * kSub + kk, w);
       }
     }
@@ -385,44 +308,34 @@ void tile_kernel_q6_k(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
-using TileFn = void (*)(const Tile&);
-
-// The tile kernel of each weight type and path, for 1..kMaxTileRows rows.
+// The tile kernel of each weight type and path, for 1..kMaxTileRows rows, and half-panel tiles of
+// twice the rows where registers are few: AVX2's sixteen hold 3 rows x 32 columns (12 accumulators)
+// or 6 rows x 16 columns, and the second reads half the panel bytes per multiply-add, which is what
+// bounds a long prefill there (a decode step of 1-3 rows streams the weights once either way and
+// keeps whole panels).
+struct PanelTiles {
+  static constexpr int kMaxRows = kMaxTileRows;
+  static constexpr int kHalfRows = kLanes == 8 ? 2 * kMaxTileRows : 0;
+};
 template <typename Row>
-struct RowTiles {
+struct RowTiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel<kRows, kV, Row>(t); }
 };
 using Float32Tiles = RowTiles<Float32Row>;
 using Float16Tiles = RowTiles<Float16Row>;
 using BFloat16Tiles = RowTiles<BFloat16Row>;
-struct BFloat16DotTiles {
+struct BFloat16DotTiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_bf16_dot<kRows, kV>(t); }
 };
-struct Q8Tiles {
+struct Q8Tiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q8_0<kRows, kV>(t); }
 };
-struct Q4KTiles {
+struct Q4KTiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q4_k<kRows, kV>(t); }
 };
-struct Q6KTiles {
+struct Q6KTiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q6_k<kRows, kV>(t); }
 };
-
-template <typename Tiles, int kV, int... kRows>
-constexpr std::array<TileFn, sizeof...(kRows) + 1> tile_table(std::integer_sequence<int, kRows...>) {
-  return {nullptr, &Tiles::template run<kRows + 1, kV>...};
-}
-
-// Whole-panel tiles (1..kMaxTileRows rows), and half-panel tiles of twice the rows where registers
-// are few: AVX2's sixteen hold 3 rows x 32 columns (12 accumulators) or 6 rows x 16 columns, and
-// the second reads half the panel bytes per multiply-add, which is what bounds a long prefill there
-// (a decode step of 1-3 rows streams the weights once either way and keeps whole panels).
-template <typename Tiles>
-constexpr auto kTileKernels = tile_table<Tiles, kVecs>(std::make_integer_sequence<int, kMaxTileRows>{});
-constexpr bool kHalfTiles = kLanes == 8;
-constexpr int64_t kMaxHalfTileRows = 2 * kMaxTileRows;
-template <typename Tiles>
-constexpr auto kHalfTileKernels = tile_table<Tiles, kVecs / 2>(std::make_integer_sequence<int, kMaxHalfTileRows>{});
 
 // Rows of a panel: K, or for bfloat16 K rounded up to whole pairs.
 inline int64_t panel_rows(at::ScalarType type, int64_t k) { return type == at::kBFloat16 ? k + k % 2 : k; }
@@ -522,6 +435,19 @@ at::Tensor embedding_from_quantized(const at::Tensor& ids, const at::Tensor& pan
   return out;
 }
 
+at::Tensor embedding_from_dot_panels(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
+  TORCH_CHECK(weft::is_dot_panels(panels, k) && num_rows > (panels.size(0) - 1) * kPanel &&
+                  num_rows <= panels.size(0) * kPanel,
+              "embedding_from_panels: int8 panels must be dot panels of a [num_rows, K] matrix");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
+  }
+  auto out = at::empty({ids.size(0), k}, panels.options().dtype(at::kFloat));
+  weft::gather_dot_rows(panels.data_ptr<int8_t>(), panels.size(2), k, ip, ids.size(0), out.data_ptr<float>());
+  return out;
+}
+
 // Rows `ids` of W from its panels, as float32 [T, K]: the token embeddings of a model whose
 // embedding table is tied to its packed lm_head, so the table is not kept a second time.
 at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows,
@@ -530,6 +456,7 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
               "embedding_from_panels: ids must be a contiguous [T] int64 CPU tensor");
   if (type == at::kByte) return embedding_from_quantized(ids, panels, num_rows, num_features);
+  if (type == at::kChar) return embedding_from_dot_panels(ids, panels, num_rows, num_features);
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
                   num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
@@ -550,19 +477,16 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   return out;
 }
 
-// Rows per tile: as even as possible, at most max_rows (16 rows in tiles of 12: 8 + 8, not 12 + 4).
-int64_t tile_rows(int64_t rows, int64_t max_rows) {
-  const int64_t tiles = (rows + max_rows - 1) / max_rows;
-  return (rows + tiles - 1) / tiles;
-}
-
 void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
               "packed_linear: x, the weight and the bias must be CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be a float32 [M, K] matrix");
   const auto type = panels.scalar_type();
-  if (type == at::kByte) {
+  if (type == at::kChar) {
+    TORCH_CHECK(weft::is_dot_panels(panels, x.size(1)),
+                "packed_linear: int8 weights must be dot panels (pack_dot) of as many input features as x has");
+  } else if (type == at::kByte) {
     TORCH_CHECK(is_quantized(panels, x.size(1)),
                 "packed_linear: uint8 weights must be Q8_0, Q4_K or Q6_K panels (pack_q8_0, pack_q4_k, pack_q6_k) "
                 "of as many input features as x has");
@@ -582,18 +506,6 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
-// How run_panels cuts M rows into tiles: whole-panel tiles of up to kMaxTileRows rows, or (AVX2, from
-// kMaxHalfTileRows rows) half-panel tiles of up to kMaxHalfTileRows; as even as possible.
-struct Tiling {
-  bool halves;
-  int64_t rows;  // rows per tile (the last tile may have fewer)
-};
-
-Tiling tiling(int64_t m) {
-  const bool halves = kHalfTiles && m >= kMaxHalfTileRows;
-  return {halves, tile_rows(m, halves ? kMaxHalfTileRows : kMaxTileRows)};
-}
-
 // x rounded to bfloat16 (to nearest even, torch's vectorized conversion) as pairs of features in
 // 32-bit words, feature 2i in the low half, laid out tile by tile: [tiles, K / 2, rows], pair kk of
 // the tile's row i at [kk, i] (the last tile zero-padded to `rows`).
@@ -609,38 +521,16 @@ at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
 template <typename Tiles, typename Storage>
 void run_panels(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out,
                 const at::Tensor& xq) {
-  const int64_t m = x.size(0), n = out.size(1), num_panels = panels.size(0), k = x.size(1);
-  const int64_t panel_elems = panels.stride(0);  // of Storage
-  // From kMaxHalfTileRows rows (AVX2 only), each panel is walked in two halves of 16 columns.
-  const auto [halves, rows] = tiling(m);
-  const int64_t width = halves ? kPanel / 2 : kPanel;
-  const TileFn* kernels = halves ? kHalfTileKernels<Tiles>.data() : kTileKernels<Tiles>.data();
-  const float* xp = x.data_ptr<float>();
-  const uint32_t* xqp = xq.defined() ? reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) : nullptr;
-  const int64_t xq_tile = xq.defined() ? xq.size(1) * rows : 0;  // words per tile of x (bfloat16 pairs)
-  const Storage* wp = static_cast<const Storage*>(panels.data_ptr());
-  float* op = out.data_ptr<float>();
-  // Long products go in blocks of rows whose x fits in L2 beside a panel: every panel streams past
-  // each block once, instead of all of x (megabytes in a long prefill) streaming past every panel.
-  const int64_t row_bytes = xq.defined() ? 4 * xq.size(1) : 4 * k;
-  const int64_t block = rows * std::max<int64_t>(1, kBlockBytes / (row_bytes * rows));
-  for (int64_t first = 0; first < m; first += block) {
-    const int64_t last = std::min(m, first + block);
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t col = p * kPanel; col < std::min((p + 1) * kPanel, n); col += width) {
-          const int first_vec = static_cast<int>((col - p * kPanel) / kLanes);
-          for (int64_t r = first; r < last; r += rows) {
-            const int64_t count = std::min(rows, m - r);
-            const Tile tile{xp + r * x.stride(0), x.stride(0), xqp == nullptr ? nullptr : xqp + (r / rows) * xq_tile,
-                            rows, wp + p * panel_elems, k, op + r * n + col, n, std::min(width, n - col),
-                            bias == nullptr ? nullptr : bias + col, first_vec};
-            kernels[count](tile);
-          }
-        }
-      }
-    });
+  const int64_t panel_bytes = panels.stride(0) * static_cast<int64_t>(sizeof(Storage));
+  if (!xq.defined()) {
+    weft::tiles::run_tiles<Tiles>(x, panels.data_ptr(), panels.size(0), panel_bytes, bias, out, nullptr, 0, 0,
+                                  4 * x.size(1));
+    return;
   }
+  const int64_t rows = xq.size(2);  // bfloat16 pairs [tiles, K / 2, rows]
+  weft::tiles::run_tiles<Tiles>(x, panels.data_ptr(), panels.size(0), panel_bytes, bias, out,
+                                static_cast<const uint8_t*>(xq.data_ptr()), 4 * xq.size(1) * rows, rows,
+                                4 * xq.size(1));
 }
 
 // y = x @ W.T + b: x [M, K] float32, panels from pack_linear_weight, bias [N] float32 or none.
@@ -657,12 +547,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   switch (panels.scalar_type()) {
     case at::kBFloat16:
       if (bf16_dot) {
-        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x, tiling(x.size(0)).rows));
+        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x, weft::tiles::tiling<BFloat16DotTiles>(x.size(0)).rows));
       } else {
         run_panels<BFloat16Tiles, uint16_t>(x, panels, bp, out, at::Tensor());
       }
       break;
     case at::kHalf: run_panels<Float16Tiles, uint16_t>(x, panels, bp, out, at::Tensor()); break;
+    case at::kChar: weft::dot_linear(x, panels, bp, out); break;
     case at::kByte:
       if (panels.size(2) == kQ8BlockBytes) {
         run_panels<Q8Tiles, uint8_t>(x, panels, bp, out, at::Tensor());
@@ -685,8 +576,14 @@ std::string build_info() {
 #elif defined(__AVX2__)
   isa += "avx2 ";
 #endif
+#if defined(__AVX512BW__)
+  isa += "avx512bw ";
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   isa += "avx512_bf16 ";
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  isa += "avx512_vnni ";
 #endif
 #if defined(__F16C__)
   isa += "f16c ";

@@ -1,4 +1,5 @@
-// The kernels of kernels.cpp and linear.cpp that decoder.cpp composes into a whole decoder stack.
+// The kernels of kernels.cpp and linear.cpp that decoder.cpp composes into a whole decoder stack, and
+// qdot.cpp's, that linear.cpp dispatches to.
 // Each checks its inputs as the registered torch.ops.weft.* operator does.
 #pragma once
 
@@ -15,6 +16,10 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
            int64_t num_heads);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale);
+// qdot.cpp: whether `panels` are dot panels (int8, panels.h) of K input features, and out = x @ W.T
+// (+ bias) through them, x quantized to int8.
+bool is_dot_panels(const at::Tensor& panels, int64_t k);
+void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool bf16_dot);
 

@@ -41,9 +41,56 @@ constexpr int64_t kQ6KQuantsOffset = kQ6KScalesOffset + kQ6KBlock / kQ6KSubBlock
 constexpr int64_t kQ6KBlockBytes = kQ6KQuantsOffset + kQ6KBlock * kPanel;                   // 8,768
 constexpr int64_t kQ6KFileBlockBytes = 210;
 
+// Dot panels (int8 tensors; qdot.cpp multiplies them by activations quantized to int8): the same
+// blocks laid out for byte dot products (vpdpbusd, or vpmaddubsw + vpmaddwd), each 32-bit lane one
+// column and its 4 consecutive input features. Features go in groups of 4; a group's quants are
+// [32 columns][4 features] of one byte (Q8_0) or, for 4-bit quants, 64 bytes whose byte 4c + f holds
+// column c in its low nibble and column c + 16 in its high one. All blocks stay 64-byte aligned.
+constexpr int64_t kDotGroup = 4;  // input features per byte dot product
+
+// Q8_0: per block of 32 features, the 32 columns' float16 d, then 8 groups of [32][4] int8.
+constexpr int64_t kQ8DotBlockBytes = 2 * kPanel + kQ8Block * kPanel;  // 1,088
+constexpr int64_t kQ8DotQuantsOffset = 2 * kPanel;
+
+// Q4_K: per super-block of 256, d and dmin (float16), the 6-bit scales and mins [8][32] (uint8), then
+// 64 groups of 64 bytes of nibbles (quants 0..15).
+constexpr int64_t kQ4KDotScalesOffset = 4 * kPanel;
+constexpr int64_t kQ4KDotMinsOffset = kQ4KDotScalesOffset + kQ4KSubBlocks * kPanel;
+constexpr int64_t kQ4KDotQuantsOffset = kQ4KDotMinsOffset + kQ4KSubBlocks * kPanel;  // 640
+constexpr int64_t kQ4KDotBlockBytes = kQ4KDotQuantsOffset + kQ4KBlock * kPanel / 2;  // 4,736: 4.6 bits a weight
+
+// Q6_K: per super-block of 256, d (float16), the int8 scales [16][32] of the sub-blocks of 16, then the
+// quants biased to q + 32 (0..63): their low 4 bits as nibbles (64 groups of 64 bytes) and their high
+// 2 bits (64 groups of 32 bytes, byte 4 (c % 8) + f holding column c's at bit 2 (c / 8)): 6.6 bits a
+// weight, as in the file. A weight is d * sc * (q' - 32).
+// "Q6_K with mins" holds Q4_K and Q6_K matrices alike, for a fused q/k/v or gate/up that mixes them:
+// d and dmin, int8 scales and mins per sub-block of 16, a weight d * sc * q' - dmin * m, with
+// q' = q, the Q4_K sc and m for Q4_K rows and q' = q + 32, dmin = 32 d, m = sc for Q6_K ones: both
+// exact (7.1 bits a weight).
+constexpr int64_t kQ6KSubBlocks = kQ6KBlock / kQ6KSubBlock;  // 16
+constexpr int64_t kQ6KDotHeaderBytes(bool mins) { return 2 * kPanel * (mins ? 2 : 1) + kQ6KSubBlocks * kPanel * (mins ? 2 : 1); }
+constexpr int64_t kQ6KDotScalesOffset(bool mins) { return 2 * kPanel * (mins ? 2 : 1); }
+constexpr int64_t kQ6KDotMinsOffset = 4 * kPanel + kQ6KSubBlocks * kPanel;  // with mins only
+constexpr int64_t kQ6KDotLowOffset(bool mins) { return kQ6KDotHeaderBytes(mins); }
+constexpr int64_t kQ6KDotHighOffset(bool mins) { return kQ6KDotLowOffset(mins) + kQ6KBlock * kPanel / 2; }
+constexpr int64_t kQ6KDotBlockBytes(bool mins) { return kQ6KDotHighOffset(mins) + kQ6KBlock * kPanel / 4; }
+static_assert(kQ6KDotBlockBytes(false) == 6720 && kQ6KDotBlockBytes(true) == 7296);
+
 // Rows `ids` of a Q8_0 matrix, dequantized to float32 [T, K], from its panels [P, K / 32, 1,088].
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
 // The same for a Q6_K matrix's panels [P, K / 256, 8,768].
 void gather_q6_k_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
+// Rows `ids` of a matrix in dot panels [P, blocks, block bytes] (int8), dequantized to float32 [T, K].
+void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const int64_t* ids, int64_t tokens,
+                     float* out);
+
+// Whether `block_bytes` is a dot panel block's size, and the input features of its blocks (0: not one).
+constexpr int64_t dot_block_features(int64_t block_bytes) {
+  return block_bytes == kQ8DotBlockBytes ? kQ8Block
+         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
+            block_bytes == kQ6KDotBlockBytes(true))
+             ? kQ4KBlock
+             : 0;
+}
 
 }  // namespace weft

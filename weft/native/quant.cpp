@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -33,39 +34,127 @@ void q4_k_scale_min(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
   }
 }
 
-// One column's super-block (file layout: d, dmin, scales[12], qs[128]) into its panel block.
-void pack_q4_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  std::memcpy(block + 2 * c, file_block, 2);                 // d
-  std::memcpy(block + 2 * kPanel + 2 * c, file_block + 2, 2);  // dmin
+// One column's k-quant super-block of 256 features, decoded to the form the panels hold: d and dmin
+// (float16 bits), a scale and a min per sub-block of 16, and the quants q (0..63): each weight
+// d * sc * q - dmin * m.
+struct KBlock {
+  uint16_t d, dmin;
+  int8_t sc[kQ6KSubBlocks], m[kQ6KSubBlocks];
+  uint8_t q[kQ4KBlock];
+};
+
+uint16_t half_bits(float value) { return c10::Half(value).x; }
+
+// A Q4_K super-block (file layout: d, dmin, scales[12], qs[128]): q 0..15, sc and m 0..63 per sub-block
+// of 32 (both of its halves).
+KBlock decode_q4_k(const uint8_t* file_block) {
+  KBlock b{};
+  std::memcpy(&b.d, file_block, 2);
+  std::memcpy(&b.dmin, file_block + 2, 2);
   for (int j = 0; j < kQ4KSubBlocks; ++j) {
-    q4_k_scale_min(j, file_block + 4, block + kQ4KScalesOffset + j * kPanel + c, block + kQ4KMinsOffset + j * kPanel + c);
+    uint8_t scale, min;
+    q4_k_scale_min(j, file_block + 4, &scale, &min);
+    b.sc[2 * j] = b.sc[2 * j + 1] = static_cast<int8_t>(scale);
+    b.m[2 * j] = b.m[2 * j + 1] = static_cast<int8_t>(min);
   }
   const uint8_t* qs = file_block + 16;
-  uint8_t* quants = block + kQ4KQuantsOffset;
-  for (int64_t k = 0; k < kQ4KBlock; ++k) {  // feature k: 64 per pair of sub-blocks, low nibbles first
+  for (int64_t k = 0; k < kQ4KBlock; ++k) {  // 64 features per pair of sub-blocks, low nibbles first
     const uint8_t byte = qs[32 * (k / 64) + k % 32];
-    const uint8_t q = k % 64 < 32 ? byte & 0xF : byte >> 4;
+    b.q[k] = k % 64 < 32 ? byte & 0xF : byte >> 4;
+  }
+  return b;
+}
+
+// A Q6_K super-block (file layout: ql[128], qh[64], scales[16], d): q + 32 (0..63), int8 sc, and
+// dmin = 32 d, m = sc, so that d * sc * (q + 32) - dmin * m = d * sc * q.
+KBlock decode_q6_k(const uint8_t* file_block) {
+  KBlock b{};
+  const uint8_t *ql = file_block, *qh = file_block + 128;
+  std::memcpy(&b.d, file_block + 208, 2);
+  const float dmin = 32.0f * static_cast<float>(c10::Half(b.d, c10::Half::from_bits()));
+  TORCH_CHECK(std::isfinite(dmin) && std::fabs(dmin) <= 65504.0f, "a Q6_K scale is too large to pack");
+  b.dmin = half_bits(dmin);
+  std::memcpy(b.sc, file_block + 192, kQ6KSubBlocks);
+  std::memcpy(b.m, b.sc, kQ6KSubBlocks);
+  for (int64_t half = 0; half < 2; ++half) {  // llama.cpp's dequantize_row_q6_K, 128 features at a time
+    const uint8_t *lo = ql + 64 * half, *hi = qh + 32 * half;
+    for (int64_t l = 0; l < 32; ++l) {
+      uint8_t* q = b.q + 128 * half + l;
+      q[0] = (lo[l] & 0xF) | (((hi[l] >> 0) & 3) << 4);
+      q[32] = (lo[l + 32] & 0xF) | (((hi[l] >> 2) & 3) << 4);
+      q[64] = (lo[l] >> 4) | (((hi[l] >> 4) & 3) << 4);
+      q[96] = (lo[l + 32] >> 4) | (((hi[l] >> 6) & 3) << 4);
+    }
+  }
+  return b;
+}
+
+// One column's Q4_K super-block into its panel block.
+void pack_q4_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
+  const KBlock b = decode_q4_k(file_block);
+  std::memcpy(block + 2 * c, &b.d, 2);
+  std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+  for (int j = 0; j < kQ4KSubBlocks; ++j) {
+    block[kQ4KScalesOffset + j * kPanel + c] = static_cast<uint8_t>(b.sc[2 * j]);
+    block[kQ4KMinsOffset + j * kPanel + c] = static_cast<uint8_t>(b.m[2 * j]);
+  }
+  uint8_t* quants = block + kQ4KQuantsOffset;
+  for (int64_t k = 0; k < kQ4KBlock; ++k) {
     uint8_t& dst = quants[k * (kPanel / 2) + c % 16];
-    dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
+    dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | b.q[k]) : static_cast<uint8_t>((dst & 0x0F) | (b.q[k] << 4));
   }
 }
 
-// One column's Q6_K super-block (file layout: ql[128], qh[64], scales[16], d) into its panel block.
+// One column's Q6_K super-block into its panel block (quants as int8 q).
 void pack_q6_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  const uint8_t *ql = file_block, *qh = file_block + 128;
-  const auto* scales = reinterpret_cast<const int8_t*>(file_block + 192);
-  std::memcpy(block + 2 * c, file_block + 208, 2);  // d
-  for (int64_t s = 0; s < kQ6KBlock / kQ6KSubBlock; ++s) block[kQ6KScalesOffset + s * kPanel + c] = scales[s];
-  auto* quants = reinterpret_cast<int8_t*>(block + kQ6KQuantsOffset);
-  for (int64_t half = 0; half < 2; ++half) {  // llama.cpp's dequantize_row_q6_K, 128 features at a time
-    for (int64_t l = 0; l < 32; ++l) {
-      const uint8_t *lo = ql + 64 * half, *hi = qh + 32 * half;
-      const int64_t k = 128 * half + l;
-      quants[(k + 0) * kPanel + c] = static_cast<int8_t>(((lo[l] & 0xF) | (((hi[l] >> 0) & 3) << 4)) - 32);
-      quants[(k + 32) * kPanel + c] = static_cast<int8_t>(((lo[l + 32] & 0xF) | (((hi[l] >> 2) & 3) << 4)) - 32);
-      quants[(k + 64) * kPanel + c] = static_cast<int8_t>(((lo[l] >> 4) | (((hi[l] >> 4) & 3) << 4)) - 32);
-      quants[(k + 96) * kPanel + c] = static_cast<int8_t>(((lo[l + 32] >> 4) | (((hi[l] >> 6) & 3) << 4)) - 32);
-    }
+  const KBlock b = decode_q6_k(file_block);
+  std::memcpy(block + 2 * c, &b.d, 2);
+  for (int64_t s = 0; s < kQ6KSubBlocks; ++s) block[kQ6KScalesOffset + s * kPanel + c] = static_cast<uint8_t>(b.sc[s]);
+  for (int64_t k = 0; k < kQ6KBlock; ++k) block[kQ6KQuantsOffset + k * kPanel + c] = static_cast<uint8_t>(b.q[k] - 32);
+}
+
+// Dot panels (panels.h): quant q of feature k, column c, into a group layout of nibbles (64 bytes a
+// group of 4 features) and of high 2-bit pairs (32 bytes a group).
+void put_nibble(uint8_t* groups, int64_t k, int64_t c, uint8_t q) {
+  uint8_t& dst = groups[64 * (k / kDotGroup) + kDotGroup * (c % 16) + k % kDotGroup];
+  dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
+}
+
+void put_high_bits(uint8_t* groups, int64_t k, int64_t c, uint8_t bits) {
+  groups[32 * (k / kDotGroup) + kDotGroup * (c % 8) + k % kDotGroup] |= static_cast<uint8_t>(bits << (2 * (c / 8)));
+}
+
+void pack_q8_0_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
+  std::memcpy(block + 2 * c, file_block, 2);
+  for (int64_t kk = 0; kk < kQ8Block; ++kk) {
+    block[kQ8DotQuantsOffset + kDotGroup * kPanel * (kk / kDotGroup) + kDotGroup * c + kk % kDotGroup] = file_block[2 + kk];
+  }
+}
+
+void pack_q4_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
+  const KBlock b = decode_q4_k(file_block);
+  std::memcpy(block + 2 * c, &b.d, 2);
+  std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+  for (int j = 0; j < kQ4KSubBlocks; ++j) {
+    block[kQ4KDotScalesOffset + j * kPanel + c] = static_cast<uint8_t>(b.sc[2 * j]);
+    block[kQ4KDotMinsOffset + j * kPanel + c] = static_cast<uint8_t>(b.m[2 * j]);
+  }
+  for (int64_t k = 0; k < kQ4KBlock; ++k) put_nibble(block + kQ4KDotQuantsOffset, k, c, b.q[k]);
+}
+
+// A Q6_K dot panel block (kMins: with dmin and mins, from either kind's decoded super-block).
+template <bool kMins, KBlock (*kDecode)(const uint8_t*)>
+void pack_q6_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
+  const KBlock b = kDecode(file_block);
+  std::memcpy(block + 2 * c, &b.d, 2);
+  if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+  for (int64_t s = 0; s < kQ6KSubBlocks; ++s) {
+    block[kQ6KDotScalesOffset(kMins) + s * kPanel + c] = static_cast<uint8_t>(b.sc[s]);
+    if (kMins) block[kQ6KDotMinsOffset + s * kPanel + c] = static_cast<uint8_t>(b.m[s]);
+  }
+  for (int64_t k = 0; k < kQ6KBlock; ++k) {
+    put_nibble(block + kQ6KDotLowOffset(kMins), k, c, b.q[k] & 0xF);
+    put_high_bits(block + kQ6KDotHighOffset(kMins), k, c, b.q[k] >> 4);
   }
 }
 
@@ -73,15 +162,15 @@ void pack_q6_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
 // panel block bytes], zero past row N (zero scales, zero quants); `column` packs one column's block.
 template <typename PackColumn>
 at::Tensor pack_super_blocks(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, PackColumn column,
-                             const char* message) {
+                             const char* message, at::ScalarType type = at::kByte) {
   TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
                   rows_in.size(1) % file_bytes == 0,
               message);
   const at::Tensor rows = rows_in.contiguous();
   const int64_t n = rows.size(0), blocks = rows.size(1) / file_bytes, panels = (n + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, blocks, block_bytes}, rows.options());
+  auto out = at::zeros({panels, blocks, block_bytes}, rows.options().dtype(type));
   const uint8_t* src = rows.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
@@ -106,6 +195,29 @@ at::Tensor pack_q4_k(const at::Tensor& rows) {
 at::Tensor pack_q6_k(const at::Tensor& rows) {
   return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KBlockBytes, pack_q6_k_column,
                            "pack_q6_k: expected a Q6_K tensor's rows as uint8 [N, K / 256 * 210] on the CPU");
+}
+
+// GGUF rows of `kind` ("q8_0", "q4_k", "q6_k") into dot panels (int8; panels.h); with `mins`
+// (Q4_K or Q6_K) the Q6_K layout with mins, which holds both kinds (a fusion that mixes them).
+at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
+  const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
+  if (kind == "q8_0" && !mins) {
+    return pack_super_blocks(rows, kQ8FileBlockBytes, kQ8DotBlockBytes, pack_q8_0_dot_column, message, at::kChar);
+  }
+  if (kind == "q4_k" && !mins) {
+    return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_column, message, at::kChar);
+  }
+  if (kind == "q4_k") {
+    return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q4_k>,
+                             message, at::kChar);
+  }
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_k or q6_k (mins: q4_k or q6_k), not ", kind);
+  if (mins) {
+    return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q6_k>,
+                             message, at::kChar);
+  }
+  return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(false), pack_q6_k_dot_column<false, decode_q6_k>,
+                           message, at::kChar);
 }
 
 }  // namespace
@@ -149,16 +261,62 @@ void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int6
   });
 }
 
+namespace {
+
+// Quant q of feature kk, column c, of a dot panel's nibble groups (and, where given, high 2-bit groups).
+int quant_at(const uint8_t* nibbles, const uint8_t* high, int64_t kk, int64_t c) {
+  const uint8_t byte = nibbles[64 * (kk / kDotGroup) + kDotGroup * (c % 16) + kk % kDotGroup];
+  const int low = c < 16 ? byte & 0xF : byte >> 4;
+  if (high == nullptr) return low;
+  return low | (((high[32 * (kk / kDotGroup) + kDotGroup * (c % 8) + kk % kDotGroup] >> (2 * (c / 8))) & 3) << 4);
+}
+
+// One weight of a k-quant dot panel block: (d * sc) * q - dmin * m, as the dequantization rounds it.
+template <bool kQ4K, bool kMins>
+float k_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
+  const int64_t sub = kk / kQ6KSubBlock;  // of 16 (Q4_K: scales per 32)
+  const int64_t scales = kQ4K ? kQ4KDotScalesOffset + (sub / 2) * kPanel : kQ6KDotScalesOffset(kMins) + sub * kPanel;
+  const float sc = kQ4K ? static_cast<float>(block[scales + c]) : static_cast<float>(static_cast<int8_t>(block[scales + c]));
+  const int q = kQ4K ? quant_at(block + kQ4KDotQuantsOffset, nullptr, kk, c)
+                     : quant_at(block + kQ6KDotLowOffset(kMins), block + kQ6KDotHighOffset(kMins), kk, c);
+  const float d = half_at(block + 2 * c);
+  if (kQ4K) return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * static_cast<float>(block[kQ4KDotMinsOffset + (sub / 2) * kPanel + c]);
+  if (!kMins) return d * sc * static_cast<float>(q - 32);
+  const auto m = static_cast<int8_t>(block[kQ6KDotMinsOffset + sub * kPanel + c]);
+  return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * static_cast<float>(m);
+}
+
+}  // namespace
+
+void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, const int64_t* ids, int64_t tokens,
+                     float* out) {
+  const auto* panels = reinterpret_cast<const uint8_t*>(panels_in);
+  if (block_bytes == kQ8DotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+      const auto q = static_cast<int8_t>(block[kQ8DotQuantsOffset + kDotGroup * kPanel * (kk / kDotGroup) + kDotGroup * c + kk % kDotGroup]);
+      return half_at(block + 2 * c) * static_cast<float>(q);
+    });
+  } else if (block_bytes == kQ4KDotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<true, false>);
+  } else if (block_bytes == kQ6KDotBlockBytes(false)) {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<false, false>);
+  } else {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<false, true>);
+  }
+}
+
 }  // namespace weft
 
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("pack_q8_0(Tensor rows) -> Tensor");
   m.def("pack_q4_k(Tensor rows) -> Tensor");
   m.def("pack_q6_k(Tensor rows) -> Tensor");
+  m.def("pack_dot(Tensor rows, str kind, bool mins=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("pack_q8_0", &weft::pack_q8_0);
   m.impl("pack_q4_k", &weft::pack_q4_k);
   m.impl("pack_q6_k", &weft::pack_q6_k);
+  m.impl("pack_dot", &weft::pack_dot);
 }

@@ -1,0 +1,388 @@
+// Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
+// is in dot panels (panels.h: Q8_0, Q4_K, Q6_K, and Q6_K with mins for a fusion mixing Q4_K and
+// Q6_K) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
+// (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
+// as llama.cpp quantizes activations for the same weights. The products are byte dot
+// products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
+// per 32-bit lane, summed exactly in int32 over a sub-block and then scaled in float32:
+//
+//   y = sum over sub-blocks of  d_x * (d * sc) * sum(q * x8)  -  d_x * (dmin * m) * sum(x8)
+//
+// Not the float32 product of the dequantized weights (x is rounded to 8 bits, as llama.cpp rounds
+// it), at a quarter of the instructions per weight of widening the weights to float32: what lets a
+// 4-bit matrix stream at the machine's read bandwidth at one row, and prefill run at 4 products per
+// lane per instruction. matmul_precision="float32" keeps the exact panels of linear.cpp instead.
+//
+// vpdpbusd multiplies unsigned by signed bytes: k-quant quants are unsigned (0..63), and a Q8_0
+// weight w goes in as w + 128 (w ^ 0x80) with 128 * sum(x8) taken off the block's sum. vpmaddubsw
+// saturates its pair sums at 32,767, so without VNNI a Q8_0 product is |w| * (x8 signed by w).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "panels.h"
+#include "tiles.h"
+
+namespace {
+
+using weft::kDotGroup;
+using weft::kPanel;
+using weft::tiles::finish_tile;
+using weft::tiles::kLanes;
+using weft::tiles::kPrefetchBytes;
+using weft::tiles::kVecs;
+using weft::tiles::Tile;
+using weft::tiles::vecf;
+using weft::tiles::widen_halves;
+using weft::tiles::widen_int8;
+using weft::tiles::widen_uint8;
+
+typedef int32_t veci __attribute__((vector_size(4 * kLanes)));   // int32 lanes: one column each
+typedef int8_t vecb __attribute__((vector_size(4 * kLanes)));    // the same bytes: 4 features a lane
+typedef uint32_t vecw __attribute__((vector_size(4 * kLanes)));  // for shifts of packed quants
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// ---- activations: x [M, K] float32 -> per row int8 q[K] | float32 d[K / 32] | int32 sums[K / 16]
+
+constexpr int64_t kActBlock = 32;  // features per activation scale
+constexpr int64_t kSumGroup = 16;  // features per stored sum of quants
+
+int64_t act_row_bytes(int64_t k) { return k + 4 * (k / kActBlock) + 4 * (k / kSumGroup); }
+
+struct ActRow {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sums;
+};
+
+inline ActRow act_row(const Tile& t, int i) {
+  const auto* row = static_cast<const int8_t*>(t.xq) + i * t.xq_stride;
+  return {row, reinterpret_cast<const float*>(row + t.k),
+          reinterpret_cast<const int32_t*>(row + t.k + 4 * (t.k / kActBlock))};
+}
+
+// x rounded as llama.cpp rounds it for the same weights, so that weft computes what llama.cpp
+// computes from a GGUF file: for Q8_0 weights (quantize_row_q8_0) blocks of 32 with
+// d = float16(max |x| / 127) and q = x * (127 / max |x|) rounded to nearest even; for k-quants
+// (quantize_row_q8_K) blocks of 256 with q = x * (127 / max |x|) rounded and d = 1 / (127 / max |x|),
+// float32. d is stored per 32 features either way (a k-quant block's repeated 8 times).
+enum class ActBlocks { kQ8_0, kQ8_K };
+
+template <ActBlocks kBlocks>
+void quantize_row(const float* x, int64_t k, int8_t* out) {
+  constexpr int64_t kBlock = kBlocks == ActBlocks::kQ8_0 ? kActBlock : 256;
+  auto* d = reinterpret_cast<float*>(out + k);
+  auto* sums = reinterpret_cast<int32_t*>(out + k + 4 * (k / kActBlock));
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float scale = kBlocks == ActBlocks::kQ8_0 ? static_cast<float>(c10::Half(amax / 127.0f))
+                        : amax > 0.0f                ? 1.0f / inv
+                                                     : 0.0f;
+    for (int64_t j = 0; j < kBlock / kActBlock; ++j) d[b * (kBlock / kActBlock) + j] = scale;
+    for (int64_t g = 0; g < kBlock / kSumGroup; ++g) {
+      int32_t sum = 0;
+      for (int64_t j = g * kSumGroup; j < (g + 1) * kSumGroup; ++j) {
+        const float r = std::nearbyint(xb[j] * inv);
+        const int v = r >= -127.0f && r <= 127.0f ? static_cast<int>(r) : 0;  // non-finite x: 0
+        out[b * kBlock + j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      sums[b * (kBlock / kSumGroup) + g] = sum;
+    }
+  }
+}
+
+// [M, K] float32 -> [M, act_row_bytes(K)] int8
+template <ActBlocks kBlocks>
+at::Tensor quantize_activations(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), bytes = act_row_bytes(k);
+  auto out = at::empty({m, bytes}, x.options().dtype(at::kChar));
+  const float* xp = x.data_ptr<float>();
+  int8_t* op = out.data_ptr<int8_t>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row<kBlocks>(xp + i * x.stride(0), k, op + i * bytes);
+  });
+  return out;
+}
+
+// ---- byte dot products
+
+// acc[lane] += the sum over the lane's 4 bytes of u * s (u unsigned, at most 128 unless VNNI; s signed).
+inline veci dot_bytes(veci acc, vecb u, vecb s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return reinterpret_cast<veci>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u),
+                                                    reinterpret_cast<__m512i>(s)));
+#elif defined(__AVX512BW__)
+  const __m512i pairs = _mm512_maddubs_epi16(reinterpret_cast<__m512i>(u), reinterpret_cast<__m512i>(s));
+  return acc + reinterpret_cast<veci>(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i pairs = _mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s));
+  return acc + reinterpret_cast<veci>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#else
+  for (int l = 0; l < kLanes; ++l) {
+    for (int f = 0; f < kDotGroup; ++f) acc[l] += static_cast<uint8_t>(u[kDotGroup * l + f]) * s[kDotGroup * l + f];
+  }
+  return acc;
+#endif
+}
+
+// acc += w * x for signed w (Q8_0): with VNNI (w + 128) * x, the caller taking 128 * sum(x) off;
+// else |w| * (x negated where w < 0).
+inline veci dot_signed(veci acc, vecb w, vecb x) {
+  if constexpr (kVnni) {
+    return dot_bytes(acc, w ^ static_cast<int8_t>(-128), x);
+  } else {
+#if defined(__AVX512BW__)
+    const __m512i wi = reinterpret_cast<__m512i>(w);
+    const __m512i xs = _mm512_mask_sub_epi8(reinterpret_cast<__m512i>(x), _mm512_movepi8_mask(wi),
+                                            _mm512_setzero_si512(), reinterpret_cast<__m512i>(x));
+    return dot_bytes(acc, reinterpret_cast<vecb>(_mm512_abs_epi8(wi)), reinterpret_cast<vecb>(xs));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256i wi = reinterpret_cast<__m256i>(w);
+    return dot_bytes(acc, reinterpret_cast<vecb>(_mm256_abs_epi8(wi)),
+                     reinterpret_cast<vecb>(_mm256_sign_epi8(reinterpret_cast<__m256i>(x), wi)));
+#else
+    const vecb sign = w >> 7;  // -1 where w < 0
+    return dot_bytes(acc, (w ^ sign) - sign, (x ^ sign) - sign);
+#endif
+  }
+}
+
+inline vecb broadcast4(const int8_t* q) {  // 4 quants of x into every lane
+  int32_t word;
+  std::memcpy(&word, q, 4);
+  return reinterpret_cast<vecb>(veci{} + word);
+}
+
+// Column vector v of a 64-byte group of nibbles (panels.h): quants 0..15 as bytes, 4 features a lane.
+inline vecb nibbles(const int8_t* group, int v) {
+  constexpr int kHalf = kVecs / 2;
+  vecw raw;
+  std::memcpy(&raw, group + 4 * kLanes * (v % kHalf), sizeof(raw));
+  return reinterpret_cast<vecb>((v < kHalf ? raw : raw >> 4) & 0x0F0F0F0Fu);
+}
+
+// The high 2 bits of a Q6_K quant, for column vector v of a 32-byte group (column c at bit 2 (c / 8)
+// of the bytes of c % 8), shifted into place (<< 4); `shift`: high_shift(v).
+inline vecw high_shift(int v) {
+  vecw shift;
+  for (int l = 0; l < kLanes; ++l) shift[l] = 2 * ((kLanes * v + l) / 8);
+  return shift;
+}
+
+inline vecb high_bits(const int8_t* group, vecw shift) {
+#if defined(__AVX512F__)
+  const auto raw = reinterpret_cast<vecw>(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))));
+#else
+  vecw raw;
+  std::memcpy(&raw, group, sizeof(raw));
+#endif
+  return reinterpret_cast<vecb>(((raw >> shift) & 0x03030303u) << 4);
+}
+
+template <int kRows, int kV>
+struct Accumulators {
+  vecf acc[kRows][kV];
+  veci sub[kRows][kV];  // the current sub-block's int32 sums
+  Accumulators() {
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
+  }
+  void clear_sub() {
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kV; ++j) sub[i][j] = veci{};
+  }
+  // sub[i] += w (unsigned bytes) . the 4 quants of row i at `quants` (row i's x8 + offset)
+  void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV]) {
+    for (int i = 0; i < kRows; ++i) {
+      const vecb xb = broadcast4(x[i].q + offset);
+      for (int j = 0; j < kV; ++j) sub[i][j] = dot_bytes(sub[i][j], w[j], xb);
+    }
+  }
+};
+
+// ---- tile kernels (one per dot panel kind; tiles.h walks the product)
+
+template <int kRows, int kV>
+void dot_tile_q8_0(const Tile& t) {
+  Accumulators<kRows, kV> a;
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
+    const int8_t* block = panel + b * weft::kQ8DotBlockBytes;
+    a.clear_sub();
+    for (int64_t g = 0; g < weft::kQ8Block / kDotGroup; ++g) {
+      const int8_t* group = block + weft::kQ8DotQuantsOffset + kDotGroup * kPanel * g;
+      __builtin_prefetch(group + kPrefetchBytes);
+      __builtin_prefetch(group + kPrefetchBytes + 64);
+      vecb w[kV];
+      for (int j = 0; j < kV; ++j) std::memcpy(&w[j], group + 4 * kLanes * (t.first_vec + j), sizeof(vecb));
+      for (int i = 0; i < kRows; ++i) {
+        const vecb xb = broadcast4(x[i].q + b * weft::kQ8Block + kDotGroup * g);
+        for (int j = 0; j < kV; ++j) a.sub[i][j] = dot_signed(a.sub[i][j], w[j], xb);
+      }
+    }
+    vecf d[kV];
+    for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (t.first_vec + j));
+    for (int i = 0; i < kRows; ++i) {
+      const int32_t offset = kVnni ? 128 * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]) : 0;
+      const float dx = x[i].d[b];
+      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
+    }
+  }
+  finish_tile<kRows, kV>(t, a.acc);
+}
+
+template <int kRows, int kV>
+void dot_tile_q4_k(const Tile& t) {
+  Accumulators<kRows, kV> a;
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  constexpr int64_t kSub = weft::kQ4KBlock / weft::kQ4KSubBlocks;  // 32: one activation block
+  for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
+    const int8_t* block = panel + sb * weft::kQ4KDotBlockBytes;
+    vecf d[kV], dmin[kV];
+    for (int j = 0; j < kV; ++j) {
+      d[j] = widen_halves(block + 2 * kLanes * (t.first_vec + j));
+      dmin[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (t.first_vec + j));
+    }
+    for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      a.clear_sub();
+      const int8_t* quants = block + weft::kQ4KDotQuantsOffset + s * (kSub / kDotGroup) * 64;
+      for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
+        __builtin_prefetch(quants + 64 * g + kPrefetchBytes);
+        vecb w[kV];
+        for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, t.first_vec + j);
+        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
+      }
+      vecf scale[kV], min[kV];
+      for (int j = 0; j < kV; ++j) {
+        const int64_t col = s * kPanel + kLanes * (t.first_vec + j);
+        scale[j] = d[j] * widen_uint8(block + weft::kQ4KDotScalesOffset + col);
+        min[j] = dmin[j] * widen_uint8(block + weft::kQ4KDotMinsOffset + col);
+      }
+      const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
+      for (int i = 0; i < kRows; ++i) {
+        const float dx = x[i].d[xb], sum = dx * static_cast<float>(x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]);
+        for (int j = 0; j < kV; ++j)
+          a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * sum;
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, a.acc);
+}
+
+template <int kRows, int kV, bool kMins>
+void dot_tile_q6_k(const Tile& t) {
+  Accumulators<kRows, kV> a;
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
+  for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
+    const int8_t* block = panel + sb * weft::kQ6KDotBlockBytes(kMins);
+    const int8_t* low = block + weft::kQ6KDotLowOffset(kMins);
+    const int8_t* high = block + weft::kQ6KDotHighOffset(kMins);
+    vecf d[kV], dmin[kV];
+    vecw shift[kV];
+    for (int j = 0; j < kV; ++j) {
+      shift[j] = high_shift(t.first_vec + j);
+      d[j] = widen_halves(block + 2 * kLanes * (t.first_vec + j));
+      dmin[j] = kMins ? widen_halves(block + 2 * kPanel + 2 * kLanes * (t.first_vec + j)) : vecf{};
+    }
+    for (int64_t s = 0; s < weft::kQ6KSubBlocks; ++s) {
+      a.clear_sub();
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const int64_t group = s * kGroups + g;
+        __builtin_prefetch(low + 64 * group + kPrefetchBytes);
+        vecb w[kV];
+        for (int j = 0; j < kV; ++j)
+          w[j] = nibbles(low + 64 * group, t.first_vec + j) | high_bits(high + 32 * group, shift[j]);
+        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
+      }
+      vecf scale[kV], min[kV];
+      for (int j = 0; j < kV; ++j) {
+        const int64_t col = s * kPanel + kLanes * (t.first_vec + j);
+        scale[j] = d[j] * widen_int8(block + weft::kQ6KDotScalesOffset(kMins) + col);
+        min[j] = kMins ? dmin[j] * widen_int8(block + weft::kQ6KDotMinsOffset + col) : vecf{};
+      }
+      const int64_t xb = (sb * weft::kQ6KBlock + s * kSub) / kActBlock, xs = (sb * weft::kQ6KBlock + s * kSub) / kSumGroup;
+      for (int i = 0; i < kRows; ++i) {
+        const float dx = x[i].d[xb];
+        const int32_t sum = x[i].sums[xs];
+        for (int j = 0; j < kV; ++j) {
+          if constexpr (kMins) {
+            a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
+          } else {  // q' - 32: the bias comes off in int32
+            a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - 32 * sum, vecf) * (scale[j] * dx);
+          }
+        }
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, a.acc);
+}
+
+// Tiles of up to 4 rows x 32 columns with AVX-512 (4 x 2 float and 4 x 2 int32 accumulators of the
+// 32 registers); with 8-lane vectors one row x 32 columns, or half panels of 2 rows.
+struct DotTiles {
+  static constexpr int kMaxRows = kLanes == 16 ? 6 : 1;
+  static constexpr int kHalfRows = kLanes == 16 ? 0 : 2;
+};
+struct Q8DotTiles : DotTiles {
+  static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
+};
+struct Q4KDotTiles : DotTiles {
+  static constexpr ActBlocks kActivations = ActBlocks::kQ8_K;
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q4_k<kRows, kV>(t); }
+};
+template <bool kMins>
+struct Q6KDotTiles : DotTiles {
+  static constexpr ActBlocks kActivations = ActBlocks::kQ8_K;
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q6_k<kRows, kV, kMins>(t); }
+};
+
+template <typename Tiles>
+void run_dot(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
+  const at::Tensor xq = quantize_activations<Tiles::kActivations>(x);
+  const int64_t row_bytes = xq.size(1), rows = weft::tiles::tiling<Tiles>(x.size(0)).rows;
+  weft::tiles::run_tiles<Tiles>(x, panels.data_ptr(), panels.size(0), panels.stride(0), bias, out,
+                                static_cast<const uint8_t*>(xq.data_ptr()), rows * row_bytes, row_bytes, row_bytes);
+}
+
+}  // namespace
+
+namespace weft {
+
+bool is_dot_panels(const at::Tensor& panels, int64_t k) {
+  if (panels.scalar_type() != at::kChar || panels.dim() != 3 || !panels.is_contiguous()) return false;
+  const int64_t block = dot_block_features(panels.size(2));
+  return block > 0 && k % block == 0 && panels.size(1) == k / block;
+}
+
+void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
+  switch (panels.size(2)) {
+    case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
+    case kQ4KDotBlockBytes: run_dot<Q4KDotTiles>(x, panels, bias, out); break;
+    case kQ6KDotBlockBytes(false): run_dot<Q6KDotTiles<false>>(x, panels, bias, out); break;
+    default: run_dot<Q6KDotTiles<true>>(x, panels, bias, out); break;
+  }
+}
+
+}  // namespace weft
