@@ -34,7 +34,7 @@ using weft::kDotGroup;
 using weft::kPanel;
 using weft::tiles::finish_tile;
 using weft::tiles::kLanes;
-using weft::tiles::kPrefetchBytes;
+constexpr int64_t kPrefetchBytes = 2048;  // TRY
 using weft::tiles::kVecs;
 using weft::tiles::Tile;
 using weft::tiles::vecf;
@@ -193,23 +193,37 @@ inline vecb high_bits(const int8_t* group, vecw shift) {
   return reinterpret_cast<vecb>(((raw >> shift) & 0x03030303u) << 4);
 }
 
+// A tile's float32 outputs and the current sub-block's int32 sums. Small tiles sum a sub-block in
+// kSplit interleaved parts (group g into part g % kSplit): one chain of dependent vpdpbusd (4-5
+// cycles each) per output vector held one row of Q4_K to 47 GB/s from L3, and to 10 GB/s from DRAM,
+// where the stalls add to it; four chains stream it at 2x that.
 template <int kRows, int kV>
 struct Accumulators {
+  static constexpr int kSplit = kRows == 1 ? 4 : kRows <= 3 ? 2 : 1;
   vecf acc[kRows][kV];
-  veci sub[kRows][kV];  // the current sub-block's int32 sums
+  veci part[kSplit][kRows][kV];
   Accumulators() {
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   }
   void clear_sub() {
-    for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < kV; ++j) sub[i][j] = veci{};
+    for (int p = 0; p < kSplit; ++p)
+      for (int i = 0; i < kRows; ++i)
+        for (int j = 0; j < kV; ++j) part[p][i][j] = veci{};
   }
-  // sub[i] += w (unsigned bytes) . the 4 quants of row i at `quants` (row i's x8 + offset)
-  void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV]) {
+  veci sub(int i, int j) const {  // the sub-block's sums of row i, column vector j
+    veci total = part[0][i][j];
+    for (int p = 1; p < kSplit; ++p) total += part[p][i][j];
+    return total;
+  }
+  // Group g of the sub-block: += w (unsigned bytes, or with kSigned signed: Q8_0) . the 4 quants of
+  // each row at x[i].q + offset.
+  template <bool kSigned = false>
+  void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV], int64_t g) {
+    veci (&sums)[kRows][kV] = part[g % kSplit];
     for (int i = 0; i < kRows; ++i) {
       const vecb xb = broadcast4(x[i].q + offset);
-      for (int j = 0; j < kV; ++j) sub[i][j] = dot_bytes(sub[i][j], w[j], xb);
+      for (int j = 0; j < kV; ++j) sums[i][j] = kSigned ? dot_signed(sums[i][j], w[j], xb) : dot_bytes(sums[i][j], w[j], xb);
     }
   }
 };
@@ -224,6 +238,8 @@ void dot_tile_q8_0(const Tile& t) {
   const auto* panel = static_cast<const int8_t*>(t.panel);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
     const int8_t* block = panel + b * weft::kQ8DotBlockBytes;
+    vecf d[kV];  // read first: the block's bytes in order (panels.h)
+    for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (t.first_vec + j));
     a.clear_sub();
     for (int64_t g = 0; g < weft::kQ8Block / kDotGroup; ++g) {
       const int8_t* group = block + weft::kQ8DotQuantsOffset + kDotGroup * kPanel * g;
@@ -231,17 +247,12 @@ void dot_tile_q8_0(const Tile& t) {
       __builtin_prefetch(group + kPrefetchBytes + 64);
       vecb w[kV];
       for (int j = 0; j < kV; ++j) std::memcpy(&w[j], group + 4 * kLanes * (t.first_vec + j), sizeof(vecb));
-      for (int i = 0; i < kRows; ++i) {
-        const vecb xb = broadcast4(x[i].q + b * weft::kQ8Block + kDotGroup * g);
-        for (int j = 0; j < kV; ++j) a.sub[i][j] = dot_signed(a.sub[i][j], w[j], xb);
-      }
+      a.template dot<true>(x, b * weft::kQ8Block + kDotGroup * g, w, g);
     }
-    vecf d[kV];
-    for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (t.first_vec + j));
     for (int i = 0; i < kRows; ++i) {
       const int32_t offset = kVnni ? 128 * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]) : 0;
       const float dx = x[i].d[b];
-      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
+      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub(i, j) - offset, vecf) * (d[j] * dx);
     }
   }
   finish_tile<kRows, kV>(t, a.acc);
@@ -262,25 +273,25 @@ void dot_tile_q4_k(const Tile& t) {
       dmin[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (t.first_vec + j));
     }
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
+      vecf scale[kV], min[kV];
+      for (int j = 0; j < kV; ++j) {
+        scale[j] = d[j] * widen_uint8(sub + kLanes * (t.first_vec + j));
+        min[j] = dmin[j] * widen_uint8(sub + kPanel + kLanes * (t.first_vec + j));
+      }
       a.clear_sub();
-      const int8_t* quants = block + weft::kQ4KDotQuantsOffset + s * (kSub / kDotGroup) * 64;
+      const int8_t* quants = sub + 2 * kPanel;
       for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
         __builtin_prefetch(quants + 64 * g + kPrefetchBytes);
         vecb w[kV];
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, t.first_vec + j);
-        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
-      }
-      vecf scale[kV], min[kV];
-      for (int j = 0; j < kV; ++j) {
-        const int64_t col = s * kPanel + kLanes * (t.first_vec + j);
-        scale[j] = d[j] * widen_uint8(block + weft::kQ4KDotScalesOffset + col);
-        min[j] = dmin[j] * widen_uint8(block + weft::kQ4KDotMinsOffset + col);
+        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w, g);
       }
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
       for (int i = 0; i < kRows; ++i) {
         const float dx = x[i].d[xb], sum = dx * static_cast<float>(x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]);
         for (int j = 0; j < kV; ++j)
-          a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * sum;
+          a.acc[i][j] += __builtin_convertvector(a.sub(i, j), vecf) * (scale[j] * dx) - min[j] * sum;
       }
     }
   }
@@ -296,8 +307,6 @@ void dot_tile_q6_k(const Tile& t) {
   constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
   for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
     const int8_t* block = panel + sb * weft::kQ6KDotBlockBytes(kMins);
-    const int8_t* low = block + weft::kQ6KDotLowOffset(kMins);
-    const int8_t* high = block + weft::kQ6KDotHighOffset(kMins);
     vecf d[kV], dmin[kV];
     vecw shift[kV];
     for (int j = 0; j < kV; ++j) {
@@ -306,20 +315,24 @@ void dot_tile_q6_k(const Tile& t) {
       dmin[j] = kMins ? widen_halves(block + 2 * kPanel + 2 * kLanes * (t.first_vec + j)) : vecf{};
     }
     for (int64_t s = 0; s < weft::kQ6KSubBlocks; ++s) {
-      a.clear_sub();
-      for (int64_t g = 0; g < kGroups; ++g) {
-        const int64_t group = s * kGroups + g;
-        __builtin_prefetch(low + 64 * group + kPrefetchBytes);
-        vecb w[kV];
-        for (int j = 0; j < kV; ++j)
-          w[j] = nibbles(low + 64 * group, t.first_vec + j) | high_bits(high + 32 * group, shift[j]);
-        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
-      }
+      const int8_t* pair = block + weft::q6k_dot_pair(kMins, s / 2);  // scales (mins), then quants
+      const int8_t* quants = pair + weft::q6k_dot_pair_scales(kMins);
       vecf scale[kV], min[kV];
       for (int j = 0; j < kV; ++j) {
-        const int64_t col = s * kPanel + kLanes * (t.first_vec + j);
-        scale[j] = d[j] * widen_int8(block + weft::kQ6KDotScalesOffset(kMins) + col);
-        min[j] = kMins ? dmin[j] * widen_int8(block + weft::kQ6KDotMinsOffset + col) : vecf{};
+        const int64_t col = (s % 2) * kPanel + kLanes * (t.first_vec + j);
+        scale[j] = d[j] * widen_int8(pair + col);
+        min[j] = kMins ? dmin[j] * widen_int8(pair + 2 * kPanel + col) : vecf{};
+      }
+      a.clear_sub();
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const int64_t group = (s % 2) * kGroups + g;  // of the pair
+        __builtin_prefetch(quants + weft::q6k_dot_low(group) + kPrefetchBytes);
+        vecb w[kV];
+        for (int j = 0; j < kV; ++j) {
+          w[j] = nibbles(quants + weft::q6k_dot_low(group), t.first_vec + j) |
+                 high_bits(quants + weft::q6k_dot_high(group), shift[j]);
+        }
+        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w, g);
       }
       const int64_t xb = (sb * weft::kQ6KBlock + s * kSub) / kActBlock, xs = (sb * weft::kQ6KBlock + s * kSub) / kSumGroup;
       for (int i = 0; i < kRows; ++i) {
@@ -327,9 +340,9 @@ void dot_tile_q6_k(const Tile& t) {
         const int32_t sum = x[i].sums[xs];
         for (int j = 0; j < kV; ++j) {
           if constexpr (kMins) {
-            a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
+            a.acc[i][j] += __builtin_convertvector(a.sub(i, j), vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
           } else {  // q' - 32: the bias comes off in int32
-            a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - 32 * sum, vecf) * (scale[j] * dx);
+            a.acc[i][j] += __builtin_convertvector(a.sub(i, j) - 32 * sum, vecf) * (scale[j] * dx);
           }
         }
       }

@@ -113,15 +113,27 @@ void pack_q6_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
   for (int64_t k = 0; k < kQ6KBlock; ++k) block[kQ6KQuantsOffset + k * kPanel + c] = static_cast<uint8_t>(b.q[k] - 32);
 }
 
-// Dot panels (panels.h): quant q of feature k, column c, into a group layout of nibbles (64 bytes a
-// group of 4 features) and of high 2-bit pairs (32 bytes a group).
-void put_nibble(uint8_t* groups, int64_t k, int64_t c, uint8_t q) {
-  uint8_t& dst = groups[64 * (k / kDotGroup) + kDotGroup * (c % 16) + k % kDotGroup];
-  dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
+// Where dot panels (panels.h) keep feature k of column c within a super-block: the byte of its nibble
+// (low for columns 0-15, high for 16-31), the byte of its high 2 bits (Q6_K; at bit 2 (c / 8)), and
+// its sub-block's scale and min.
+struct DotSpot {
+  int64_t nibble, high, scale, min;
+};
+
+DotSpot q4k_dot_spot(int64_t k, int64_t c) {
+  const int64_t sub = q4k_dot_sub_block(k / 32), group = (k % 32) / kDotGroup;
+  return {sub + 2 * kPanel + 64 * group + kDotGroup * (c % 16) + k % kDotGroup, -1, sub + c, sub + kPanel + c};
 }
 
-void put_high_bits(uint8_t* groups, int64_t k, int64_t c, uint8_t bits) {
-  groups[32 * (k / kDotGroup) + kDotGroup * (c % 8) + k % kDotGroup] |= static_cast<uint8_t>(bits << (2 * (c / 8)));
+DotSpot q6k_dot_spot(bool mins, int64_t k, int64_t c) {
+  const int64_t pair = q6k_dot_pair(mins, k / 32), half = (k % 32) / kQ6KSubBlock, group = (k % 32) / kDotGroup;
+  const int64_t quants = pair + q6k_dot_pair_scales(mins), f = k % kDotGroup;
+  return {quants + q6k_dot_low(group) + kDotGroup * (c % 16) + f, quants + q6k_dot_high(group) + kDotGroup * (c % 8) + f,
+          pair + half * kPanel + c, pair + 2 * kPanel + half * kPanel + c};
+}
+
+void put_nibble(uint8_t& dst, int64_t c, uint8_t q) {
+  dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
 }
 
 void pack_q8_0_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
@@ -135,11 +147,12 @@ void pack_q4_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) 
   const KBlock b = decode_q4_k(file_block);
   std::memcpy(block + 2 * c, &b.d, 2);
   std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
-  for (int j = 0; j < kQ4KSubBlocks; ++j) {
-    block[kQ4KDotScalesOffset + j * kPanel + c] = static_cast<uint8_t>(b.sc[2 * j]);
-    block[kQ4KDotMinsOffset + j * kPanel + c] = static_cast<uint8_t>(b.m[2 * j]);
+  for (int64_t k = 0; k < kQ4KBlock; ++k) {
+    const DotSpot at = q4k_dot_spot(k, c);
+    block[at.scale] = static_cast<uint8_t>(b.sc[k / kQ6KSubBlock]);
+    block[at.min] = static_cast<uint8_t>(b.m[k / kQ6KSubBlock]);
+    put_nibble(block[at.nibble], c, b.q[k]);
   }
-  for (int64_t k = 0; k < kQ4KBlock; ++k) put_nibble(block + kQ4KDotQuantsOffset, k, c, b.q[k]);
 }
 
 // A Q6_K dot panel block (kMins: with dmin and mins, from either kind's decoded super-block).
@@ -148,13 +161,12 @@ void pack_q6_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) 
   const KBlock b = kDecode(file_block);
   std::memcpy(block + 2 * c, &b.d, 2);
   if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
-  for (int64_t s = 0; s < kQ6KSubBlocks; ++s) {
-    block[kQ6KDotScalesOffset(kMins) + s * kPanel + c] = static_cast<uint8_t>(b.sc[s]);
-    if (kMins) block[kQ6KDotMinsOffset + s * kPanel + c] = static_cast<uint8_t>(b.m[s]);
-  }
   for (int64_t k = 0; k < kQ6KBlock; ++k) {
-    put_nibble(block + kQ6KDotLowOffset(kMins), k, c, b.q[k] & 0xF);
-    put_high_bits(block + kQ6KDotHighOffset(kMins), k, c, b.q[k] >> 4);
+    const DotSpot at = q6k_dot_spot(kMins, k, c);
+    block[at.scale] = static_cast<uint8_t>(b.sc[k / kQ6KSubBlock]);
+    if (kMins) block[at.min] = static_cast<uint8_t>(b.m[k / kQ6KSubBlock]);
+    put_nibble(block[at.nibble], c, b.q[k] & 0xF);
+    block[at.high] |= static_cast<uint8_t>((b.q[k] >> 4) << (2 * (c / 8)));
   }
 }
 
@@ -263,27 +275,18 @@ void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int6
 
 namespace {
 
-// Quant q of feature kk, column c, of a dot panel's nibble groups (and, where given, high 2-bit groups).
-int quant_at(const uint8_t* nibbles, const uint8_t* high, int64_t kk, int64_t c) {
-  const uint8_t byte = nibbles[64 * (kk / kDotGroup) + kDotGroup * (c % 16) + kk % kDotGroup];
-  const int low = c < 16 ? byte & 0xF : byte >> 4;
-  if (high == nullptr) return low;
-  return low | (((high[32 * (kk / kDotGroup) + kDotGroup * (c % 8) + kk % kDotGroup] >> (2 * (c / 8))) & 3) << 4);
-}
-
 // One weight of a k-quant dot panel block: (d * sc) * q - dmin * m, as the dequantization rounds it.
 template <bool kQ4K, bool kMins>
 float k_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
-  const int64_t sub = kk / kQ6KSubBlock;  // of 16 (Q4_K: scales per 32)
-  const int64_t scales = kQ4K ? kQ4KDotScalesOffset + (sub / 2) * kPanel : kQ6KDotScalesOffset(kMins) + sub * kPanel;
-  const float sc = kQ4K ? static_cast<float>(block[scales + c]) : static_cast<float>(static_cast<int8_t>(block[scales + c]));
-  const int q = kQ4K ? quant_at(block + kQ4KDotQuantsOffset, nullptr, kk, c)
-                     : quant_at(block + kQ6KDotLowOffset(kMins), block + kQ6KDotHighOffset(kMins), kk, c);
+  const DotSpot at = kQ4K ? q4k_dot_spot(kk, c) : q6k_dot_spot(kMins, kk, c);
+  const uint8_t byte = block[at.nibble];
+  int q = c < 16 ? byte & 0xF : byte >> 4;
+  if (!kQ4K) q |= ((block[at.high] >> (2 * (c / 8))) & 3) << 4;
+  const float sc = kQ4K ? static_cast<float>(block[at.scale]) : static_cast<float>(static_cast<int8_t>(block[at.scale]));
   const float d = half_at(block + 2 * c);
-  if (kQ4K) return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * static_cast<float>(block[kQ4KDotMinsOffset + (sub / 2) * kPanel + c]);
-  if (!kMins) return d * sc * static_cast<float>(q - 32);
-  const auto m = static_cast<int8_t>(block[kQ6KDotMinsOffset + sub * kPanel + c]);
-  return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * static_cast<float>(m);
+  if (!kQ4K && !kMins) return d * sc * static_cast<float>(q - 32);
+  const float m = kQ4K ? static_cast<float>(block[at.min]) : static_cast<float>(static_cast<int8_t>(block[at.min]));
+  return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * m;
 }
 
 }  // namespace
