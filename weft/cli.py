@@ -6,7 +6,10 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from weft.llm import LLM
 
 EPILOG = """examples:
   weft demo                                       free, JSON and choice completions side by side
@@ -171,10 +174,31 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
 
 
+def _load_llm(args: argparse.Namespace) -> LLM:
+    """The LLM of a command's --model, --dtype, --device, --matmul-precision and --quantization."""
+    from weft import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        matmul_precision=args.matmul_precision,
+        quantization=args.quantization,
+    )
+
+
 def _add_matmul_precision(p: argparse.ArgumentParser) -> None:
+    """--matmul-precision and --quantization: how the linear layers run."""
     from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
+    from weft.model.quantize import QUANTIZATIONS
 
     p.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="CPU: quantize a float checkpoint's matrices as it loads (q8_0: llama.cpp's Q8_0 blocks)",
+    )
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -197,9 +221,7 @@ def _add_score(p: argparse.ArgumentParser) -> None:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    from weft import LLM
-
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
+    llm = _load_llm(args)
     scores = llm.score(args.prompt, args.option)
     print("| option | logprob | probability | tokens |")
     print("|---|---:|---:|---:|")
@@ -221,7 +243,7 @@ def _constraint_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_beam_search(args: argparse.Namespace) -> int:
-    from weft import LLM, BeamSearchParams
+    from weft import BeamSearchParams
 
     params = BeamSearchParams(
         beam_width=args.beam_width,
@@ -230,7 +252,7 @@ def run_beam_search(args: argparse.Namespace) -> int:
         stop=args.stop,
         **_constraint_options(args),
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
+    llm = _load_llm(args)
     (result,) = llm.beam_search(args.prompt, params)
     if result.error is not None:
         print(f"weft: error: {result.error}", file=sys.stderr)
@@ -243,7 +265,7 @@ def run_beam_search(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from weft import LLM, SamplingParams
+    from weft import SamplingParams
 
     if args.beam_width is not None:
         return run_beam_search(args)
@@ -264,7 +286,7 @@ def run_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, matmul_precision=args.matmul_precision)
+    llm = _load_llm(args)
     if args.stream and args.n == 1:
         sys.stdout.write(args.prompt)
         for output in llm.stream(args.prompt, params):

@@ -80,6 +80,7 @@ class LLM:
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
         matmul_precision: str | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.engine = build_engine(
             EngineArgs(
@@ -100,6 +101,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 async_scheduling=async_scheduling,
                 matmul_precision=matmul_precision,
+                quantization=quantization,
             )
         )
         self.tokenizer = self.engine.tokenizer

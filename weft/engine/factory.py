@@ -36,6 +36,7 @@ from weft.engine.runner import ModelRunner
 from weft.kernels import kernels_for
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.loader import load_config, load_model, open_source
+from weft.model.quantize import check_quantization
 from weft.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -66,6 +67,8 @@ class EngineArgs:
     # (`TorchKernels.matmul_dtype`; "auto": int8 for a GGUF file's quantized matrices, bfloat16 for
     # bfloat16 weights where the CPU has AVX512_BF16)
     matmul_precision: str | None = None
+    # "q8_0": quantize a float checkpoint's matrices as it loads (CPU; weft/model/quantize.py)
+    quantization: str | None = None
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -82,11 +85,12 @@ def build_engine(args: EngineArgs) -> LLMEngine:
         model_config.checkpoint_dtype,
         kernels.packs_linear_weights(device, torch.bfloat16),
     )
-    quantized = isinstance(source, GgufCheckpoint) and source.quantized
+    quantization = check_quantization(args.quantization)
+    quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
     tokenizer = _load_tokenizer(source, args.tokenizer)
     max_len = _max_model_len(args.max_model_len, model_config)
-    model = load_model(source, model_config, dtype, device, max_len, args.show_progress, matmul)
+    model = load_model(source, model_config, dtype, device, max_len, args.show_progress, matmul, quantization)
     if args.show_progress:  # what runs the model, chosen once here
         info = kernels.describe(device, dtype, matmul)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)

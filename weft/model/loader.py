@@ -40,6 +40,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
+from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import MixedRows, QuantizedRows, Weight, cat_rows, dequantized, logical_shape
 from weft.model.registry import resolve_architecture
 
@@ -163,12 +164,15 @@ def load_model(
     max_positions: int,
     show_progress: bool = True,
     matmul_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Steps: choose the device's kernel set (on CPU this builds weft's kernels, so the first step
     does not), read the tensors, build the model on the meta device, load the converted weights,
     move to the device and dtype, tie the embeddings, and put linear weights in the layout the
     kernel set streams fastest. `matmul_dtype` bfloat16 with bfloat16 panels: bfloat16 products
-    (which never take the dense GEMM: it would multiply in float32, at half their rate)."""
+    (which never take the dense GEMM: it would multiply in float32, at half their rate).
+    `quantization` ("q8_0"): float matrices become blocks of that type as they are read
+    (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels."""
     kernels = kernels_for(device)
     arch = resolve_architecture(config)
     layout = weight_layout(kernels, device, dtype)
@@ -180,7 +184,10 @@ def load_model(
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
-    weights = _read_weights(model_dir, config, dtype, packs_table, show_progress, panels, int8_dot)
+    _check_quantization(quantization, layout)
+    weights = _read_weights(
+        model_dir, config, dtype, packs_table, show_progress, panels, int8_dot, quantization
+    )
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
         if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
@@ -208,6 +215,14 @@ def load_model(
     model.set_bf16_dot(bf16_dot)
     model.fuse_stack()
     return model
+
+
+def _check_quantization(quantization: str | None, layout: WeightLayout) -> None:
+    if quantization is not None and layout is not WeightLayout.PANELS:
+        raise CheckpointError(
+            f"quantization={quantization!r} runs on CPU with weft's kernels (this load uses {layout.value} "
+            "weights); load the checkpoint without it, or on CPU"
+        )
 
 
 def _expect_quantized(
@@ -250,13 +265,17 @@ def _read_weights(
     show_progress: bool,
     keeps_blocks: bool = False,
     dot: bool = False,
+    quantization: str | None = None,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
     panels as soon as it is read (`dot`: dot panels, if it came in blocks), so that it never sits in
     memory twice beside the other weights; with `keeps_blocks`, quantized GGUF matrices stay in
-    their blocks (packed in `_expect_quantized`)."""
+    their blocks (packed in `_expect_quantized`); with `quantization`, float matrices become blocks."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
+        if quantization is not None and quantizes(name, tensor, quantization, config.tie_word_embeddings):
+            assert isinstance(tensor, torch.Tensor)
+            tensor = quantize_rows(tensor, quantization)
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
             weights.pack(name, (config.vocab_size, config.hidden_size), dtype, dot)

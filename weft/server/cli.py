@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
+from weft.model.quantize import QUANTIZATIONS
 from weft.server.engine_loop import EngineLoop
 
 
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP
+    )
+    engine.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="CPU: quantize a float checkpoint's matrices as it loads (q8_0: llama.cpp's Q8_0 blocks)",
     )
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--max-model-len", type=int, default=None, help="context length")
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on",
             matmul_precision=args.matmul_precision,
+            quantization=args.quantization,
         )
     )
     name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")

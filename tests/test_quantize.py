@@ -1,0 +1,88 @@
+"""Quantizing a float checkpoint as it loads (weft/model/quantize.py, `LLM(quantization="q8_0")`):
+the blocks are llama.cpp's reference Q8_0 (`gguf.quants`), and the loaded model computes what
+transformers computes with every matrix replaced by its dequantized blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import require_native_kernels
+
+from weft import LLM, SamplingParams
+from weft.config import ConfigError
+from weft.model.quantize import quantize_rows, quantizes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    require_native_kernels()
+
+
+def test_q8_0_blocks_are_llama_cpp_reference_blocks():
+    """Per 32 features d = float16(max |w| / 127) and q = w / d rounded half away from zero (llama.cpp's
+    quantize_row_q8_0_ref, as `gguf.quants.quantize` writes it); a zero block stays zero."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=gen) * 0.05
+    w[1, :32] = 0.0
+    s = 2.0**-6  # d = s exactly, 1 / d = 64: 2.5 * s lands halfway between two quants
+    w[2, :32] = torch.tensor([127 * s, 2.5 * s, -2.5 * s, 0.5 * s] + [0.0] * 28)
+    rows = quantize_rows(w, "q8_0")
+    assert np.array_equal(rows.rows.numpy(), quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    blocks = rows.rows.view(40, 3, 34)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).float()  # [40, 3, 1]
+    q = blocks[:, :, 2:].contiguous().view(torch.int8)  # [40, 3, 32]
+    amax = w.view(40, 3, 32).abs().amax(-1, keepdim=True)
+    assert torch.equal(d, (amax / 127).half().float())
+    assert q[2, 0, :4].tolist() == [127, 3, -3, 1] and not q[1, 0].any()
+    error = (rows.dequantize() - w).view(40, 3, 32).abs()
+    # half a step, plus d's float16 rounding (2^-11 of it) over as many as 127 steps
+    assert bool((error <= d * (0.5 + 127 * 2.0**-11) + 1e-7).all())
+
+
+def test_what_quantizing_at_load_takes():
+    table = torch.zeros(384, 64)
+    assert quantizes("model.layers.0.self_attn.q_proj.weight", table, "q8_0", tied=False)
+    assert quantizes("lm_head.weight", table, "q8_0", tied=False)
+    assert quantizes("model.embed_tokens.weight", table, "q8_0", tied=True)
+    assert not quantizes("model.embed_tokens.weight", table, "q8_0", tied=False)  # looked up in float
+    assert not quantizes("model.layers.0.input_layernorm.weight", torch.zeros(64), "q8_0", tied=False)
+    assert not quantizes("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 48), "q8_0", tied=False)
+
+
+def test_a_float_checkpoint_quantized_at_load(checkpoint_factory):
+    """Every matrix (the tied table too) runs from Q8_0 blocks: with exact products, the logprobs of
+    transformers on the checkpoint whose matrices are replaced by their dequantized blocks, within
+    1e-4; with int8 products (the default) close to those (x rounded to 8 bits: a mean |dlogp| of
+    0.026 on this small random model, whose logits are large)."""
+    transformers = pytest.importorskip("transformers")
+    path = checkpoint_factory()
+    options = {"quantization": "q8_0", "show_progress": False, "max_logprobs": 9}
+    llm = LLM(str(path), **options)
+    assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (int8 dot panels)"), llm.kernels
+    exact = LLM(str(path), matmul_precision="float32", **options)
+    assert "exact quantized panels" in exact.kernels["linear"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() == 2:  # q/k/v/o, gate/up/down, the tied embedding (and so the lm_head)
+                param.copy_(quantize_rows(param, "q8_0").dequantize())
+        ids = [5, 17, 200, 3, 99, 250, 7, 42]
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=9)
+    for engine, mean_bound, max_bound in ((exact, 1e-4, 1e-4), (llm, 0.04, 0.15)):
+        out = engine.generate([ids], params, use_tqdm=False)[0]
+        gaps = [
+            abs(logprob.logprob - expected[pos - 1, token].item())
+            for pos, entry in enumerate(out.prompt_logprobs[1:], start=1)
+            for token, logprob in entry.items()
+        ]
+        assert float(np.mean(gaps)) <= mean_bound and max(gaps) <= max_bound, (np.mean(gaps), max(gaps))
+
+
+def test_bad_quantization_is_a_clear_error(checkpoint_factory):
+    with pytest.raises(ConfigError, match="quantization 'q3_k' is not supported; use one of"):
+        LLM(str(checkpoint_factory()), quantization="q3_k", show_progress=False)

@@ -1,0 +1,53 @@
+"""Quantizing a float checkpoint's matrices as it loads (`LLM(model, quantization="q8_0")`): each
+linear weight, read in float, becomes the blocks a GGUF file of that type would hold
+(`QuantizedRows`), and from there runs as a GGUF file's matrices do (weft/model/quantized.py):
+packed into panels, multiplied with int8 activations by default. Norms, biases and an untied
+embedding table stay in float.
+
+Q8_0 blocks are `gguf.quants.quantize`'s, llama.cpp's reference quantizer (quantize_row_q8_0_ref):
+per 32 input features d = max |w| / 127 as float16 and q = round(w / d), ties away from zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from weft.config import ConfigError
+from weft.model.quantized import QuantizedRows
+
+QUANTIZATIONS = ("q8_0",)
+_BLOCK = {"q8_0": 32}  # input features per block
+_MATRICES = ("_proj.weight", "lm_head.weight")  # the linear layers' weights, by Hugging Face name
+_TABLE = "model.embed_tokens.weight"
+
+
+def check_quantization(value: str | None) -> str | None:
+    """`quantization` as given (`LLM`, `--quantization`): None (keep the checkpoint's) or a type."""
+    if value is not None and value not in QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization {value!r} is not supported; use one of {list(QUANTIZATIONS)} "
+            "(or leave it unset to run the checkpoint's own weights)"
+        )
+    return value
+
+
+def quantizes(name: str, tensor: object, kind: str, tied: bool) -> bool:
+    """Whether the tensor `name` is a matrix that quantizing at load turns into `kind` blocks: a
+    linear weight, or the embedding table where it is the lm_head's too, with whole blocks."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[1] % _BLOCK[kind] != 0:
+        return False
+    return name.endswith(_MATRICES) or (tied and name == _TABLE)
+
+
+def quantize_rows(matrix: torch.Tensor, kind: str) -> QuantizedRows:
+    """A float [N, K] matrix as `kind` blocks, uint8 [N, K / 32 * 34] for Q8_0."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    values = matrix.detach().to(torch.float32).contiguous().numpy()
+    blocks = quantize(values, GGMLQuantizationType[kind.upper()])
+    return QuantizedRows(kind, torch.from_numpy(np.ascontiguousarray(blocks)))
+
+
+__all__ = ["QUANTIZATIONS", "check_quantization", "quantize_rows", "quantizes"]
