@@ -145,6 +145,47 @@ def test_int8_products_are_for_quantized_matrices(checkpoint_factory):
         LLM(str(checkpoint_factory()), show_progress=False, matmul_precision="int8")
 
 
+def test_weft_quantize_writes_gguf_files_llama_cpp_reads(tmp_path, capsys):
+    """`weft quantize`: Q8_0 of llama.cpp's own Q8_0 file gives back its tensors byte for byte and
+    every key; of its Q4_K_M file, every matrix in Q8_0 blocks (read back by gguf: the same tensors,
+    names and shapes, within half a Q8_0 step of the Q4_K values), which weft then runs."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from weft.cli import main
+
+    source, again = GGUF_DIR / FILES["q8_0"], tmp_path / "again-q8_0.gguf"
+    assert main(["quantize", str(source), str(again), "--type", "q8_0"]) == 0
+    assert "15 matrices in Q8_0" in capsys.readouterr().out
+    old, new = GGUFReader(str(source)), GGUFReader(str(again))
+    assert [t.name for t in old.tensors] == [t.name for t in new.tensors]
+    for a, b in zip(old.tensors, new.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type, a.name
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+    keys = {k: f.contents() for k, f in old.fields.items()}
+    assert keys == {k: f.contents() for k, f in new.fields.items()}
+
+    source, q8 = GGUF_DIR / FILES["q4_k_m"], tmp_path / "from-q4_k_m.gguf"
+    assert main(["quantize", str(source), str(q8)]) == 0
+    old, new = GGUFReader(str(source)), GGUFReader(str(q8))
+    assert new.fields["general.file_type"].contents() == 7  # llama.cpp's MOSTLY_Q8_0
+    for a, b in zip(old.tensors, new.tensors, strict=True):
+        assert (a.name, list(a.shape)) == (b.name, list(b.shape))
+        if len(a.shape) == 1:
+            assert b.tensor_type == a.tensor_type
+            continue
+        assert b.tensor_type.name == "Q8_0"
+        before, after = dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type)
+        step = np.abs(before).reshape(-1, 32).max(axis=1, keepdims=True) / 127  # [blocks, 1]
+        bound = (0.5 + 127 * 2.0**-11) * step + 1e-6  # half a step, and the step's float16 rounding
+        assert (np.abs(after - before).reshape(-1, 32) <= bound).all(), a.name
+    llm = LLM(str(q8), show_progress=False)
+    assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (int8 dot panels)")
+    capsys.readouterr()
+    assert main(["quantize", str(q8), str(q8)]) == 2
+    assert "the output would overwrite the input" in capsys.readouterr().err
+
+
 def test_the_converters_rotary_order_is_undone():
     """llama.cpp's converter stores q/k rows of each head as (half, pair) interleaved; the reader
     puts them back."""

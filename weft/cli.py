@@ -21,6 +21,7 @@ EPILOG = """examples:
   weft generate --beam-width 4 --max-tokens 20 "ROMEO:"  beam search, the best beams with scores
   weft score "The capital of France is" --option " Paris" --option " Lyon"   exact option logprobs
   weft serve --port 8000                          OpenAI-compatible server (base_url http://127.0.0.1:8000/v1)
+  weft quantize model-f16.gguf model-q8_0.gguf --type q8_0   a GGUF file's matrices in Q8_0 blocks
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
   weft bench structured --batch-sizes 1,8         the cost of a JSON Schema constraint
 """
@@ -57,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="an OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
             description="Serve the model over the OpenAI API: /v1/completions, /v1/chat/completions, "
             "/v1/models, /health, /metrics.",
+        )
+    )
+    _add_quantize(
+        commands.add_parser(
+            "quantize",
+            help="rewrite a GGUF file with its matrices quantized (as llama.cpp's quantizer does)",
+            description="Write OUTPUT, a GGUF file of INPUT's model, configuration, tokenizer and chat "
+            "template with its matrices in --type blocks; llama.cpp loads it as a file of its own.",
         )
     )
     demo = commands.add_parser(
@@ -211,6 +220,26 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_quantize(p: argparse.ArgumentParser) -> None:
+    from weft.model.quantize import QUANTIZATIONS
+
+    p.add_argument("input", help="a GGUF file (float or quantized)")
+    p.add_argument("output", help="the GGUF file to write")
+    p.add_argument(
+        "--type", default="q8_0", choices=QUANTIZATIONS, help="the blocks to write (default: q8_0)"
+    )
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from weft.model.gguf_quantize import quantize_gguf
+
+    count = quantize_gguf(Path(args.input), Path(args.output), args.type)
+    print(f"weft quantize: {args.output}: {count} matrices in {args.type.upper()}")
+    return 0
+
+
 def _add_score(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--option", action="append", required=True, help="an option to score (repeatable)")
@@ -361,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from weft.server import cli as server_cli
 
             return server_cli.run(args)
+        if args.command == "quantize":
+            return run_quantize(args)
         if args.command == "demo":
             from weft import demo
 

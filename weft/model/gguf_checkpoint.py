@@ -167,7 +167,7 @@ class GgufCheckpoint:
         factors = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
         if factors is None:
             return config
-        values = tuple(float(v) for v in self._dequantized(factors).flatten())
+        values = tuple(float(v) for v in self.dequantized(factors).flatten())
         if len(values) != config.head_dim // 2:
             raise GgufError(f"{self.path}: {ROPE_FREQS} has {len(values)} factors, not head_dim / 2")
         return replace(config, rope=replace(config.rope, freq_factors=values))
@@ -191,14 +191,14 @@ class GgufCheckpoint:
             )
             if kind == "q4_k" and tensor.name == "token_embd.weight":
                 kind = None
-            weight = self._blocks(tensor, kind) if kind else self._dequantized(tensor)
+            weight = self._blocks(tensor, kind) if kind else self.dequantized(tensor)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermuted(weight, heads)
             elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = _unpermuted(weight, kv_heads)
             yield name, weight
 
-    def _dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization
+    def dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization
         from gguf.quants import dequantize
 
         try:
