@@ -35,7 +35,10 @@
 // weight, as in the file. The tile kernel widens a row of quants to float32 (vpmovsxbd, vcvtdq2ps)
 // and multiplies it by the block's scales, which gives the dequantized weights exactly, and then
 // accumulates as the float panels do: the float32 product of the dequantized matrix, in the same
-// order as a float32 panel of it computes, at 8.5 bits read per weight.
+// order as a float32 panel of it computes, at 8.5 bits read per weight. Q4_K and Q6_K panels work the
+// same way. These exact panels are matmul_precision="float32"'s; by default quantized weights are
+// int8 dot panels (int8 tensors), multiplied by int8 activations in qdot.cpp, which packed_linear
+// calls for them.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -34,7 +34,7 @@ using weft::kDotGroup;
 using weft::kPanel;
 using weft::tiles::finish_tile;
 using weft::tiles::kLanes;
-constexpr int64_t kPrefetchBytes = 2048;  // TRY
+using weft::tiles::kPrefetchBytes;  // 2 KB: 4, 8 and 16 KB measured the same here
 using weft::tiles::kVecs;
 using weft::tiles::Tile;
 using weft::tiles::vecf;
@@ -193,37 +193,27 @@ inline vecb high_bits(const int8_t* group, vecw shift) {
   return reinterpret_cast<vecb>(((raw >> shift) & 0x03030303u) << 4);
 }
 
-// A tile's float32 outputs and the current sub-block's int32 sums. Small tiles sum a sub-block in
-// kSplit interleaved parts (group g into part g % kSplit): one chain of dependent vpdpbusd (4-5
-// cycles each) per output vector held one row of Q4_K to 47 GB/s from L3, and to 10 GB/s from DRAM,
-// where the stalls add to it; four chains stream it at 2x that.
+// A tile's float32 outputs and the current sub-block's int32 sums. (Summing a sub-block in 2-4
+// interleaved parts, against vpdpbusd's 4-5 cycles of latency, measured no faster at one row.)
 template <int kRows, int kV>
 struct Accumulators {
-  static constexpr int kSplit = kRows == 1 ? 4 : kRows <= 3 ? 2 : 1;
   vecf acc[kRows][kV];
-  veci part[kSplit][kRows][kV];
+  veci part[kRows][kV];
   Accumulators() {
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   }
   void clear_sub() {
-    for (int p = 0; p < kSplit; ++p)
-      for (int i = 0; i < kRows; ++i)
-        for (int j = 0; j < kV; ++j) part[p][i][j] = veci{};
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kV; ++j) part[i][j] = veci{};
   }
-  veci sub(int i, int j) const {  // the sub-block's sums of row i, column vector j
-    veci total = part[0][i][j];
-    for (int p = 1; p < kSplit; ++p) total += part[p][i][j];
-    return total;
-  }
-  // Group g of the sub-block: += w (unsigned bytes, or with kSigned signed: Q8_0) . the 4 quants of
-  // each row at x[i].q + offset.
+  veci sub(int i, int j) const { return part[i][j]; }  // the sub-block's sums of row i, column vector j
+  // += w (unsigned bytes, or with kSigned signed: Q8_0) . the 4 quants of each row at x[i].q + offset.
   template <bool kSigned = false>
-  void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV], int64_t g) {
-    veci (&sums)[kRows][kV] = part[g % kSplit];
+  void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV]) {
     for (int i = 0; i < kRows; ++i) {
       const vecb xb = broadcast4(x[i].q + offset);
-      for (int j = 0; j < kV; ++j) sums[i][j] = kSigned ? dot_signed(sums[i][j], w[j], xb) : dot_bytes(sums[i][j], w[j], xb);
+      for (int j = 0; j < kV; ++j) part[i][j] = kSigned ? dot_signed(part[i][j], w[j], xb) : dot_bytes(part[i][j], w[j], xb);
     }
   }
 };
@@ -247,7 +237,7 @@ void dot_tile_q8_0(const Tile& t) {
       __builtin_prefetch(group + kPrefetchBytes + 64);
       vecb w[kV];
       for (int j = 0; j < kV; ++j) std::memcpy(&w[j], group + 4 * kLanes * (t.first_vec + j), sizeof(vecb));
-      a.template dot<true>(x, b * weft::kQ8Block + kDotGroup * g, w, g);
+      a.template dot<true>(x, b * weft::kQ8Block + kDotGroup * g, w);
     }
     for (int i = 0; i < kRows; ++i) {
       const int32_t offset = kVnni ? 128 * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]) : 0;
@@ -285,7 +275,7 @@ void dot_tile_q4_k(const Tile& t) {
         __builtin_prefetch(quants + 64 * g + kPrefetchBytes);
         vecb w[kV];
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, t.first_vec + j);
-        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w, g);
+        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
       }
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
       for (int i = 0; i < kRows; ++i) {
@@ -332,7 +322,7 @@ void dot_tile_q6_k(const Tile& t) {
           w[j] = nibbles(quants + weft::q6k_dot_low(group), t.first_vec + j) |
                  high_bits(quants + weft::q6k_dot_high(group), shift[j]);
         }
-        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w, g);
+        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
       }
       const int64_t xb = (sb * weft::kQ6KBlock + s * kSub) / kActBlock, xs = (sb * weft::kQ6KBlock + s * kSub) / kSumGroup;
       for (int i = 0; i < kRows; ++i) {

@@ -71,9 +71,7 @@ KBlock decode_q6_k(const uint8_t* file_block) {
   KBlock b{};
   const uint8_t *ql = file_block, *qh = file_block + 128;
   std::memcpy(&b.d, file_block + 208, 2);
-  const float dmin = 32.0f * static_cast<float>(c10::Half(b.d, c10::Half::from_bits()));
-  TORCH_CHECK(std::isfinite(dmin) && std::fabs(dmin) <= 65504.0f, "a Q6_K scale is too large to pack");
-  b.dmin = half_bits(dmin);
+  b.dmin = half_bits(32.0f * static_cast<float>(c10::Half(b.d, c10::Half::from_bits())));  // inf past 2047
   std::memcpy(b.sc, file_block + 192, kQ6KSubBlocks);
   std::memcpy(b.m, b.sc, kQ6KSubBlocks);
   for (int64_t half = 0; half < 2; ++half) {  // llama.cpp's dequantize_row_q6_K, 128 features at a time
@@ -89,6 +87,11 @@ KBlock decode_q6_k(const uint8_t* file_block) {
   return b;
 }
 
+// Column c's quant q into its byte: the low nibble for columns 0-15, the high one for 16-31.
+void put_nibble(uint8_t& dst, int64_t c, uint8_t q) {
+  dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
+}
+
 // One column's Q4_K super-block into its panel block.
 void pack_q4_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
   const KBlock b = decode_q4_k(file_block);
@@ -98,11 +101,7 @@ void pack_q4_k_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
     block[kQ4KScalesOffset + j * kPanel + c] = static_cast<uint8_t>(b.sc[2 * j]);
     block[kQ4KMinsOffset + j * kPanel + c] = static_cast<uint8_t>(b.m[2 * j]);
   }
-  uint8_t* quants = block + kQ4KQuantsOffset;
-  for (int64_t k = 0; k < kQ4KBlock; ++k) {
-    uint8_t& dst = quants[k * (kPanel / 2) + c % 16];
-    dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | b.q[k]) : static_cast<uint8_t>((dst & 0x0F) | (b.q[k] << 4));
-  }
+  for (int64_t k = 0; k < kQ4KBlock; ++k) put_nibble(block[kQ4KQuantsOffset + k * (kPanel / 2) + c % 16], c, b.q[k]);
 }
 
 // One column's Q6_K super-block into its panel block (quants as int8 q).
@@ -132,10 +131,6 @@ DotSpot q6k_dot_spot(bool mins, int64_t k, int64_t c) {
           pair + half * kPanel + c, pair + 2 * kPanel + half * kPanel + c};
 }
 
-void put_nibble(uint8_t& dst, int64_t c, uint8_t q) {
-  dst = c < 16 ? static_cast<uint8_t>((dst & 0xF0) | q) : static_cast<uint8_t>((dst & 0x0F) | (q << 4));
-}
-
 void pack_q8_0_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
   std::memcpy(block + 2 * c, file_block, 2);
   for (int64_t kk = 0; kk < kQ8Block; ++kk) {
@@ -159,6 +154,8 @@ void pack_q4_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) 
 template <bool kMins, KBlock (*kDecode)(const uint8_t*)>
 void pack_q6_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
   const KBlock b = kDecode(file_block);
+  TORCH_CHECK(!kMins || std::isfinite(static_cast<float>(c10::Half(b.dmin, c10::Half::from_bits()))),
+              "pack_dot: a Q6_K scale d above 2047 cannot go into the layout with mins (32 d is its float16 dmin)");
   std::memcpy(block + 2 * c, &b.d, 2);
   if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
   for (int64_t k = 0; k < kQ6KBlock; ++k) {
