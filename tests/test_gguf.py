@@ -9,6 +9,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,6 +185,54 @@ def test_weft_quantize_writes_gguf_files_llama_cpp_reads(tmp_path, capsys):
     capsys.readouterr()
     assert main(["quantize", str(q8), str(q8)]) == 2
     assert "the output would overwrite the input" in capsys.readouterr().err
+
+
+def _sentencepiece_metadata(model_file: Path) -> tuple[dict, Any]:
+    """A GGUF file's tokenizer keys for a SentencePiece model, as llama.cpp's converter writes them
+    (pieces, scores, types: 2 unknown, 3 control, 6 byte, 1 normal)."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    n = sp.GetPieceSize()
+    kinds = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_byte, 6)]
+    types = [next((t for test, t in kinds if test(i)), 1) for i in range(n)]
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    return metadata, sp
+
+
+SENTENCEPIECE_MODELS = ["llama2/tokenizer.model", "mistral/tokenizer.model.v1", "mistral/tokenizer.model.v3"]
+
+
+@pytest.mark.parametrize("model", SENTENCEPIECE_MODELS)
+def test_sentencepiece_gguf_tokenizers_encode_as_sentencepiece_does(model):
+    """A SentencePiece GGUF tokenizer (Llama 2, Mistral): the ids of SentencePiece itself on
+    llama.cpp's tokenizer test inputs and a corpus, llama.cpp's own recorded ids for Llama 2, the
+    same decoded text, and BOS added as the file says."""
+    from weft.gguf_tokenizer import tokenizer_from_gguf
+
+    metadata, sp = _sentencepiece_metadata(SHARED / "tokenizers" / model)
+    tokenizer, config = tokenizer_from_gguf(metadata, model)
+    tests = SHARED / "tokenizer_tests"
+    texts = (tests / "ggml-vocab-llama-spm.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = (tests / "ggml-vocab-llama-spm.gguf.out").read_text().split("\n")
+    corpus = sorted((SHARED / "corpora").rglob("*.txt"))
+    lines = corpus[0].read_text(encoding="utf-8", errors="replace")[:20000].splitlines()[:200]
+    for text in texts + lines:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == sp.encode(text) and tokenizer.decode(ids) == sp.decode(ids), text
+    if model.startswith("llama2"):
+        for text, line in zip(texts, expected, strict=False):
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            assert ids == [int(i) for i in line.split()], text
+    assert tokenizer.encode("Hi").ids[0] == sp.bos_id() and config["bos_token"] == "<s>"
 
 
 def test_the_converters_rotary_order_is_undone():

@@ -5,8 +5,13 @@ GGUF stores a byte-level BPE tokenizer (`tokenizer.ggml.model == "gpt2"`) as its
 (3 = control, 4 = user-defined: both become special added tokens), its merges and the name of its
 pre-tokenizer (`tokenizer.ggml.pre`), whose splitting rule llama.cpp keeps in code: `PRE_TOKENIZERS`
 holds the rules of the families weft runs, as the Hugging Face tokenizers of those families state
-them. SentencePiece files (`"llama"`) are not built here: pass `tokenizer=` a Hugging Face tokenizer
-directory for those.
+them.
+
+A SentencePiece BPE tokenizer (`"llama"`: Llama 2, Mistral, ...) is stored as its pieces, their
+scores and types; SentencePiece merges the pair whose merged piece scores highest, so the BPE model
+here gets every split of a piece into two pieces as a merge, ranked by that piece's score (what
+Hugging Face's converters do), with byte fallback for the `<0xNN>` pieces, "▁" for spaces and one
+before the text (`tokenizer.ggml.add_space_prefix`).
 """
 
 from __future__ import annotations
@@ -58,20 +63,14 @@ def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
 def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> tuple[HFTokenizer, dict[str, Any]]:
     """The tokenizer and its tokenizer_config from a GGUF file's metadata (`source` names the file)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ConfigError(
-            f"{source}: tokenizer.ggml.model={kind!r}: weft builds byte-level BPE tokenizers ('gpt2') from "
-            "GGUF files; pass tokenizer= a Hugging Face tokenizer directory of this model"
+            f"{source}: tokenizer.ggml.model={kind!r}: weft builds byte-level BPE ('gpt2') and SentencePiece "
+            "BPE ('llama') tokenizers from GGUF files; pass tokenizer= a Hugging Face tokenizer directory"
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    pre, ignore_merges = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-    tokenizer.pre_tokenizer = pre
-    tokenizer.decoder = decoders.ByteLevel()
-    if metadata.get("tokenizer.ggml.pre") in ("qwen2", "deepseek-r1-qwen"):
-        tokenizer.normalizer = normalizers.NFC()
+    tokenizer = _byte_level_bpe(metadata, vocab) if kind == "gpt2" else _sentencepiece_bpe(metadata, tokens)
     types = metadata.get("tokenizer.ggml.token_type", [])
     special = [
         AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (3, 4)
@@ -84,6 +83,52 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: str) -> tuple[HFTokeni
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
     return tokenizer, config
+
+
+def _byte_level_bpe(metadata: dict[str, Any], vocab: dict[str, int]) -> HFTokenizer:
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    pre, ignore_merges = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    tokenizer.pre_tokenizer = pre
+    tokenizer.decoder = decoders.ByteLevel()
+    if metadata.get("tokenizer.ggml.pre") in ("qwen2", "deepseek-r1-qwen"):
+        tokenizer.normalizer = normalizers.NFC()
+    return tokenizer
+
+
+_NORMAL = 1  # tokenizer.ggml.token_type of an ordinary piece (2: unknown, 3: control, 6: byte)
+
+
+def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+    scores = list(metadata.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    types = list(metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unknown = next((tokens[i] for i, t in enumerate(types) if t == 2), None)
+    merges = _score_merges(tokens, scores, vocab)
+    tokenizer = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
+    )
+    space: list[normalizers.Normalizer] = [normalizers.Replace(" ", "\u2581")]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        space.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(space)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tokenizer
+
+
+def _score_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the best-scored merged pieces first (ties: in piece
+    order, then by the halves' ids), as SentencePiece's BPE applies them."""
+    merges: list[tuple[float, int, int, int, str, str]] = []
+    for index, (piece, score) in enumerate(zip(tokens, scores, strict=True)):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((-score, index, vocab[left], vocab[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
 
 
 def _tokenizer_config(metadata: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
