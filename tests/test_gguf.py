@@ -182,6 +182,11 @@ def test_weft_quantize_writes_gguf_files_llama_cpp_reads(tmp_path, capsys):
         assert (np.abs(after - before).reshape(-1, 32) <= bound).all(), a.name
     llm = LLM(str(q8), show_progress=False)
     assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (int8 dot panels)")
+    q4 = tmp_path / "q4_k.gguf"  # Q4_K blocks, the token embedding in Q8_0
+    assert main(["quantize", str(GGUF_DIR / FILES["q8_0"]), str(q4), "--type", "q4_k"]) == 0
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(q4)).tensors if len(t.shape) == 2}
+    assert types.pop("token_embd.weight") == "Q8_0" and set(types.values()) == {"Q4_K"}
+    assert "Q4_K for 8 matrices" in LLM(str(q4), show_progress=False).kernels["linear"]
     capsys.readouterr()
     assert main(["quantize", str(q8), str(q8)]) == 2
     assert "the output would overwrite the input" in capsys.readouterr().err

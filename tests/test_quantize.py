@@ -83,6 +83,52 @@ def test_a_float_checkpoint_quantized_at_load(checkpoint_factory):
         assert float(np.mean(gaps)) <= mean_bound and max(gaps) <= max_bound, (np.mean(gaps), max(gaps))
 
 
+def test_q4_k_blocks_are_llama_cpp_reference_blocks():
+    """Q4_K (llama.cpp's quantize_row_q4_K_ref): per sub-block of 32 the 16 levels of its 6-bit scale
+    and min cover the values (within one level of the dequantized value, by gguf's dequantization);
+    a constant or zero super-block is exact; rows that are not whole super-blocks become Q8_0."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 512, generator=gen) * 0.05
+    w[1, :256] = 0.0
+    w[2, :256] = 0.25
+    rows = quantize_rows(w, "q4_k")
+    assert rows.kind == "q4_k" and rows.rows.shape == (24, 2 * 144)
+    approx = torch.from_numpy(dequantize(rows.rows.numpy(), GGMLQuantizationType.Q4_K))
+    assert torch.equal(approx, rows.dequantize())
+    blocks, values = approx.view(-1, 32), w.view(-1, 32)
+    span = (values.amax(1) - values.amin(1).clamp(max=0)).unsqueeze(1)  # [sub-blocks, 1]
+    assert bool(((blocks - values).abs() <= span / 15 + 1e-6).all())
+    assert not approx[1, :256].any() and torch.allclose(approx[2, :256], w[2, :256], atol=1e-3)
+    assert quantize_rows(torch.randn(4, 96), "q4_k").kind == "q8_0"
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k"])
+def test_a_checkpoint_quantized_at_load_computes_its_dequantized_model(checkpoint_factory, kind):
+    """Rows of 256 features: Q4_K for every layer matrix (the tied table Q8_0); with exact products
+    the logprobs of transformers on the checkpoint whose matrices are their dequantized blocks."""
+    transformers = pytest.importorskip("transformers")
+    path = checkpoint_factory(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+    )
+    llm = LLM(str(path), quantization=kind, matmul_precision="float32", show_progress=False, max_logprobs=9)
+    expected_kinds = "Q4_K for 8 matrices, Q8_0 for 1 matrices" if kind == "q4_k" else "Q8_0 for 9 matrices"
+    assert expected_kinds in llm.kernels["linear"], llm.kernels
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if param.dim() == 2:
+                param.copy_(quantize_rows(param, "q8_0" if "embed" in name else kind).dequantize())
+        ids = [5, 17, 200, 3, 99, 250, 7, 42]
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=9), use_tqdm=False)[0]
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        for token, logprob in entry.items():
+            assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
+
+
 def test_bad_quantization_is_a_clear_error(checkpoint_factory):
     with pytest.raises(ConfigError, match="quantization 'q3_k' is not supported; use one of"):
         LLM(str(checkpoint_factory()), quantization="q3_k", show_progress=False)

@@ -275,7 +275,7 @@ def _read_weights(
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
         if quantization is not None and quantizes(name, tensor, quantization, config.tie_word_embeddings):
             assert isinstance(tensor, torch.Tensor)
-            tensor = quantize_rows(tensor, quantization)
+            tensor = quantize_rows(tensor, "q8_0" if name == EMBED else quantization)
         weights.add(name, path, tensor)
         if packs_table and name == EMBED:
             weights.pack(name, (config.vocab_size, config.hidden_size), dtype, dot)

@@ -6,6 +6,9 @@ embedding table stay in float.
 
 Q8_0 blocks are `gguf.quants.quantize`'s, llama.cpp's reference quantizer (quantize_row_q8_0_ref):
 per 32 input features d = max |w| / 127 as float16 and q = round(w / d), ties away from zero.
+Q4_K blocks are llama.cpp's quantize_row_q4_K_ref (no importance matrix), ported line by line to
+weft/native/quant.cpp (`quantize_q4_k`); rows that are not whole super-blocks of 256, and a tied
+embedding table (which llama.cpp's Q4_K_M keeps in Q6_K), go to Q8_0.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import torch
 from weft.config import ConfigError
 from weft.model.quantized import QuantizedRows
 
-QUANTIZATIONS = ("q8_0",)
-_BLOCK = {"q8_0": 32}  # input features per block
+QUANTIZATIONS = ("q8_0", "q4_k")
+_BLOCK = {"q8_0": 32, "q4_k": 32}  # input features per block (Q4_K falls back to Q8_0)
 _MATRICES = ("_proj.weight", "lm_head.weight")  # the linear layers' weights, by Hugging Face name
 _TABLE = "model.embed_tokens.weight"
 
@@ -41,10 +44,15 @@ def quantizes(name: str, tensor: object, kind: str, tied: bool) -> bool:
 
 
 def quantize_rows(matrix: torch.Tensor, kind: str) -> QuantizedRows:
-    """A float [N, K] matrix as `kind` blocks, uint8 [N, K / 32 * 34] for Q8_0."""
+    """A float [N, K] matrix as `kind` blocks: uint8 [N, K / 32 * 34] for Q8_0, [N, K / 256 * 144]
+    for Q4_K (weft's kernels must be loaded), Q8_0 where Q4_K's super-blocks do not fit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
+    if kind == "q4_k" and matrix.shape[1] % 256 == 0:
+        rows = torch.ops.weft.quantize_q4_k(matrix.detach().to(torch.float32).contiguous())
+        return QuantizedRows("q4_k", rows)
+    kind = "q8_0"
     values = matrix.detach().to(torch.float32).contiguous().numpy()
     blocks = quantize(values, GGMLQuantizationType[kind.upper()])
     return QuantizedRows(kind, torch.from_numpy(np.ascontiguousarray(blocks)))
