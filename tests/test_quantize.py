@@ -45,12 +45,12 @@ def test_q8_0_blocks_are_llama_cpp_reference_blocks():
 
 def test_what_quantizing_at_load_takes():
     table = torch.zeros(384, 64)
-    assert quantizes("model.layers.0.self_attn.q_proj.weight", table, "q8_0", tied=False)
-    assert quantizes("lm_head.weight", table, "q8_0", tied=False)
-    assert quantizes("model.embed_tokens.weight", table, "q8_0", tied=True)
-    assert not quantizes("model.embed_tokens.weight", table, "q8_0", tied=False)  # looked up in float
-    assert not quantizes("model.layers.0.input_layernorm.weight", torch.zeros(64), "q8_0", tied=False)
-    assert not quantizes("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 48), "q8_0", tied=False)
+    assert quantizes("model.layers.0.self_attn.q_proj.weight", table, tied=False)
+    assert quantizes("lm_head.weight", table, tied=False)
+    assert quantizes("model.embed_tokens.weight", table, tied=True)
+    assert not quantizes("model.embed_tokens.weight", table, tied=False)  # looked up in float
+    assert not quantizes("model.layers.0.input_layernorm.weight", torch.zeros(64), tied=False)
+    assert not quantizes("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 48), tied=False)
 
 
 def test_a_float_checkpoint_quantized_at_load(checkpoint_factory):

@@ -315,7 +315,8 @@ class NativeCpuKernels(TorchKernels):
                 info["matmul"] = f"bfloat16 products, float32 accumulation ({how})"
             elif matmul == torch.int8:
                 info["matmul"] = (
-                    "quantized matrices: int8 activations (per 32 features) times their quants, int32 sums "
+                    "quantized matrices: int8 activations (rounded as llama.cpp rounds them) times their "
+                    "quants, int32 sums "
                     f"({int8_dot_instructions()}); float32 elsewhere"
                 )
             elif weight_dtype != torch.float32:

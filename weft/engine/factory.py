@@ -67,7 +67,7 @@ class EngineArgs:
     # (`TorchKernels.matmul_dtype`; "auto": int8 for a GGUF file's quantized matrices, bfloat16 for
     # bfloat16 weights where the CPU has AVX512_BF16)
     matmul_precision: str | None = None
-    # "q8_0": quantize a float checkpoint's matrices as it loads (CPU; weft/model/quantize.py)
+    # "q8_0" or "q4_k": quantize a float checkpoint's matrices as it loads (CPU; weft/model/quantize.py)
     quantization: str | None = None
 
 

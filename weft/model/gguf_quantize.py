@@ -45,8 +45,8 @@ def quantize_gguf(source: Path, target: Path, kind: str, show_progress: bool = T
     quantized = 0
     desc = f"Quantizing to {kind.upper()}"
     for tensor in tqdm(checkpoint.reader.tensors, desc=desc, unit="tensor", disable=not show_progress):
-        array, qtype = _converted(checkpoint, tensor, kind)
-        quantized += qtype.name in ("Q8_0", kind.upper())
+        array, qtype, requantized = _converted(checkpoint, tensor, kind)
+        quantized += requantized
         writer.add_tensor(tensor.name, array, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -66,17 +66,17 @@ def _copy_field(writer: Any, key: str, field: Any) -> None:
         writer.add_key_value(key, field.contents(), types[0])
 
 
-def _converted(checkpoint: GgufCheckpoint, tensor: Any, kind: str) -> tuple[np.ndarray, Any]:
-    """A tensor as written: a matrix of whole blocks quantized (its rows of blocks and their type),
-    anything else as stored."""
+def _converted(checkpoint: GgufCheckpoint, tensor: Any, kind: str) -> tuple[np.ndarray, Any, bool]:
+    """A tensor as written, its type, and whether it was quantized: a matrix of whole blocks becomes
+    its rows of blocks, anything else stays as stored."""
     import gguf
 
     shape = [int(n) for n in reversed(tensor.shape)]  # numpy order: [rows, features]
     if len(shape) == 2 and shape[1] % 32 == 0:
         values = checkpoint.dequantized(tensor).reshape(shape)
         blocks = quantize_rows(values, "q8_0" if tensor.name == "token_embd.weight" else kind)
-        return blocks.rows.numpy(), gguf.GGMLQuantizationType[blocks.kind.upper()]
-    return np.asarray(tensor.data), tensor.tensor_type
+        return blocks.rows.numpy(), gguf.GGMLQuantizationType[blocks.kind.upper()], True
+    return np.asarray(tensor.data), tensor.tensor_type, False
 
 
 __all__ = ["FILE_TYPES", "quantize_gguf"]

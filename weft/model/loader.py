@@ -171,7 +171,7 @@ def load_model(
     move to the device and dtype, tie the embeddings, and put linear weights in the layout the
     kernel set streams fastest. `matmul_dtype` bfloat16 with bfloat16 panels: bfloat16 products
     (which never take the dense GEMM: it would multiply in float32, at half their rate).
-    `quantization` ("q8_0"): float matrices become blocks of that type as they are read
+    `quantization` ("q8_0", "q4_k"): float matrices become blocks of that type as they are read
     (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels."""
     kernels = kernels_for(device)
     arch = resolve_architecture(config)
@@ -273,7 +273,7 @@ def _read_weights(
     their blocks (packed in `_expect_quantized`); with `quantization`, float matrices become blocks."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
-        if quantization is not None and quantizes(name, tensor, quantization, config.tie_word_embeddings):
+        if quantization is not None and quantizes(name, tensor, config.tie_word_embeddings):
             assert isinstance(tensor, torch.Tensor)
             tensor = quantize_rows(tensor, "q8_0" if name == EMBED else quantization)
         weights.add(name, path, tensor)

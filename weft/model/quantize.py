@@ -20,7 +20,7 @@ from weft.config import ConfigError
 from weft.model.quantized import QuantizedRows
 
 QUANTIZATIONS = ("q8_0", "q4_k")
-_BLOCK = {"q8_0": 32, "q4_k": 32}  # input features per block (Q4_K falls back to Q8_0)
+_BLOCK = 32  # input features a matrix's rows must hold whole blocks of (Q8_0's; Q4_K falls back to it)
 _MATRICES = ("_proj.weight", "lm_head.weight")  # the linear layers' weights, by Hugging Face name
 _TABLE = "model.embed_tokens.weight"
 
@@ -35,10 +35,10 @@ def check_quantization(value: str | None) -> str | None:
     return value
 
 
-def quantizes(name: str, tensor: object, kind: str, tied: bool) -> bool:
-    """Whether the tensor `name` is a matrix that quantizing at load turns into `kind` blocks: a
-    linear weight, or the embedding table where it is the lm_head's too, with whole blocks."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[1] % _BLOCK[kind] != 0:
+def quantizes(name: str, tensor: object, tied: bool) -> bool:
+    """Whether the tensor `name` is a matrix that quantizing at load turns into blocks: a linear
+    weight, or the embedding table where it is the lm_head's too, with whole blocks of 32."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.shape[1] % _BLOCK != 0:
         return False
     return name.endswith(_MATRICES) or (tied and name == _TABLE)
 

@@ -420,15 +420,21 @@ bool is_quantized(const at::Tensor& panels, int64_t k) {
   return block > 0 && k % block == 0 && panels.size(1) == k / block;
 }
 
+// The token ids of an embedding lookup, each checked to be a row of the table.
+const int64_t* checked_ids(const at::Tensor& ids, int64_t num_rows) {
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
+  }
+  return ip;
+}
+
 at::Tensor embedding_from_quantized(const at::Tensor& ids, const at::Tensor& panels, int64_t num_rows, int64_t k) {
   const int64_t block = quant_block_features(panels);
   TORCH_CHECK((block == kQ8Block || block == weft::kQ6KBlock) && is_quantized(panels, k) &&
                   num_rows > (panels.size(0) - 1) * kPanel && num_rows <= panels.size(0) * kPanel,
               "embedding_from_panels: quantized panels must be Q8_0 or Q6_K ones of a [num_rows, K] matrix");
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < ids.size(0); ++t) {
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
-  }
+  const int64_t* ip = checked_ids(ids, num_rows);
   auto out = at::empty({ids.size(0), k}, panels.options().dtype(at::kFloat));
   if (block == kQ8Block) {
     weft::gather_q8_0_rows(panels.data_ptr<uint8_t>(), k, ip, ids.size(0), out.data_ptr<float>());
@@ -442,10 +448,7 @@ at::Tensor embedding_from_dot_panels(const at::Tensor& ids, const at::Tensor& pa
   TORCH_CHECK(weft::is_dot_panels(panels, k) && num_rows > (panels.size(0) - 1) * kPanel &&
                   num_rows <= panels.size(0) * kPanel,
               "embedding_from_panels: int8 panels must be dot panels of a [num_rows, K] matrix");
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < ids.size(0); ++t) {
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
-  }
+  const int64_t* ip = checked_ids(ids, num_rows);
   auto out = at::empty({ids.size(0), k}, panels.options().dtype(at::kFloat));
   weft::gather_dot_rows(panels.data_ptr<int8_t>(), panels.size(2), k, ip, ids.size(0), out.data_ptr<float>());
   return out;
@@ -467,10 +470,7 @@ at::Tensor embedding_from_panels(const at::Tensor& ids, const at::Tensor& panels
   TORCH_CHECK(panels.size(1) == panel_rows(type, num_features),
               "embedding_from_panels: num_features does not match the panels");
   const int64_t tokens = ids.size(0), rows = panels.size(1), k = num_features;
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < num_rows, "embedding_from_panels: a token id is outside the table");
-  }
+  const int64_t* ip = checked_ids(ids, num_rows);
   auto out = at::empty({tokens, k}, panels.options().dtype(at::kFloat));
   if (type == at::kFloat) {
     gather_columns(panels.data_ptr<float>(), rows, k, type, ip, tokens, out.data_ptr<float>());

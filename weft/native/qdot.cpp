@@ -198,22 +198,21 @@ inline vecb high_bits(const int8_t* group, vecw shift) {
 template <int kRows, int kV>
 struct Accumulators {
   vecf acc[kRows][kV];
-  veci part[kRows][kV];
+  veci sub[kRows][kV];
   Accumulators() {
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < kV; ++j) acc[i][j] = vecf{};
   }
   void clear_sub() {
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < kV; ++j) part[i][j] = veci{};
+      for (int j = 0; j < kV; ++j) sub[i][j] = veci{};
   }
-  veci sub(int i, int j) const { return part[i][j]; }  // the sub-block's sums of row i, column vector j
-  // += w (unsigned bytes, or with kSigned signed: Q8_0) . the 4 quants of each row at x[i].q + offset.
+  // sub += w (unsigned bytes, or with kSigned signed: Q8_0) . the 4 quants of each row at x[i].q + offset.
   template <bool kSigned = false>
   void dot(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV]) {
     for (int i = 0; i < kRows; ++i) {
       const vecb xb = broadcast4(x[i].q + offset);
-      for (int j = 0; j < kV; ++j) part[i][j] = kSigned ? dot_signed(part[i][j], w[j], xb) : dot_bytes(part[i][j], w[j], xb);
+      for (int j = 0; j < kV; ++j) sub[i][j] = kSigned ? dot_signed(sub[i][j], w[j], xb) : dot_bytes(sub[i][j], w[j], xb);
     }
   }
 };
@@ -242,7 +241,7 @@ void dot_tile_q8_0(const Tile& t) {
     for (int i = 0; i < kRows; ++i) {
       const int32_t offset = kVnni ? 128 * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]) : 0;
       const float dx = x[i].d[b];
-      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub(i, j) - offset, vecf) * (d[j] * dx);
+      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
     }
   }
   finish_tile<kRows, kV>(t, a.acc);
@@ -281,7 +280,7 @@ void dot_tile_q4_k(const Tile& t) {
       for (int i = 0; i < kRows; ++i) {
         const float dx = x[i].d[xb], sum = dx * static_cast<float>(x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]);
         for (int j = 0; j < kV; ++j)
-          a.acc[i][j] += __builtin_convertvector(a.sub(i, j), vecf) * (scale[j] * dx) - min[j] * sum;
+          a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * sum;
       }
     }
   }
@@ -330,9 +329,9 @@ void dot_tile_q6_k(const Tile& t) {
         const int32_t sum = x[i].sums[xs];
         for (int j = 0; j < kV; ++j) {
           if constexpr (kMins) {
-            a.acc[i][j] += __builtin_convertvector(a.sub(i, j), vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
+            a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
           } else {  // q' - 32: the bias comes off in int32
-            a.acc[i][j] += __builtin_convertvector(a.sub(i, j) - 32 * sum, vecf) * (scale[j] * dx);
+            a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - 32 * sum, vecf) * (scale[j] * dx);
           }
         }
       }
