@@ -247,7 +247,7 @@ MATMUL_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MATMUL_PRECISION_HELP = (
     "CPU: what the matrix products multiply in: float32 (exact, the weights widened), bfloat16 (bfloat16 "
     "weights: x rounded to bfloat16, float32 accumulation, twice the arithmetic rate) or int8 (quantized "
-    "GGUF weights: x quantized to int8 per 32 features, as llama.cpp does); default auto: int8 for "
+    "GGUF weights: x rounded to int8 in blocks, as llama.cpp rounds it); default auto: int8 for "
     "quantized weights, bfloat16 for bfloat16 weights where the CPU has AVX512_BF16, else float32"
 )
 
