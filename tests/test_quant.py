@@ -125,11 +125,12 @@ def test_q8_0_extreme_scales_and_embedding_rows():
     raw = random_q8_0(70, 64, seed=3, extreme=True)
     weight = reference_dequantize(raw)
     panels = torch.ops.weft.pack_q8_0(raw)
-    x = torch.randn(5, 64)
-    expected = torch.nn.functional.linear(x.double(), weight.double()).float()
-    torch.testing.assert_close(
-        torch.ops.weft.packed_linear(x, panels, None, 70), expected, rtol=1e-4, atol=1e-2
-    )
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    # float32 sums of terms up to 60000 * 127 * |x| cancel: bound the error by the terms' magnitude
+    magnitude = torch.nn.functional.linear(x.double().abs(), weight.double().abs())
+    error = (torch.ops.weft.packed_linear(x, panels, None, 70).double() - expected).abs()
+    assert (error <= 1e-5 * magnitude + 1e-2).all(), (error / magnitude).max()
     ids = torch.tensor([0, 31, 32, 69, 5])
     assert torch.equal(torch.ops.weft.embedding_from_panels(ids, panels, 70, 64), weight[ids])
 
