@@ -10,7 +10,7 @@ from weft.config import CacheConfig, SchedulerConfig
 from weft.engine.factory import default_model_path
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
-from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
+from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
 from weft.params import SamplingParams
 from weft.tokenizer import Tokenizer
 
@@ -40,7 +40,8 @@ def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """One engine step with a fake sampler that always returns `token`."""
     out = sched.schedule()
     num_rows = len(out.sampling)
-    sched.update(out, SampledRows([token] * num_rows, [None] * num_rows, {}))
+    sched.advance(out)
+    sched.accept(out, SampledRows([token] * num_rows, [None] * num_rows, {}))
     return out
 
 
@@ -110,9 +111,12 @@ def test_preemption_and_resumption_finish_everything():
     old, new = make_seq(8, max_tokens=12), make_seq(8, max_tokens=12, first_token=300)
     s.add(old)
     s.add(new)
-    run_to_end(s)
+    preempted = set()
+    while s.num_unfinished:
+        step(s)
+        preempted |= {seq.seq_id for seq in (old, new) if seq.status == SequenceStatus.PREEMPTED}
     assert s.num_preemptions >= 1
-    assert new.num_preemptions >= 1 and old.num_preemptions == 0  # the newest is preempted first
+    assert preempted == {new.seq_id}  # the newest is preempted first, the oldest never
     for r in (old, new):
         assert r.finish_reason == FinishReason.LENGTH and r.output_token_ids == [7] * 12
     assert s.kv.num_used_blocks == 0
@@ -123,7 +127,7 @@ def test_preempted_request_recomputes_from_zero():
     old, new = make_seq(6, max_tokens=8), make_seq(6, max_tokens=8, first_token=300)
     s.add(old)
     s.add(new)
-    while new.num_preemptions == 0:
+    while new.status != SequenceStatus.PREEMPTED:
         step(s)
     assert new.num_computed_tokens == 0 and new in s.waiting
     assert s.kv.block_ids(new.seq_id) == []

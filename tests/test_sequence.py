@@ -176,7 +176,8 @@ def test_fork_of_a_plain_sequence_copies_text_and_logprobs():
         seq.append(token, LogprobRef.of([token, 7], [-1.0, -0.5], 2))
     child = seq.fork(next(_ids), index=3, seed=9)
     child.append(43, LogprobRef.of([43, 7], [-2.0, -0.1], 3))
-    assert len(seq.logprobs or []) == 3 and len(child.logprobs or []) == 4
+    assert seq.positions is not None and child.positions is not None
+    assert len(seq.positions.records) == 3 and len(child.positions.records) == 4
     assert seq.cumulative_logprob == pytest.approx(-3.0) and child.cumulative_logprob == pytest.approx(-5.0)
     assert child.index == 3 and child.seed == 9 and child.fork_parent is seq
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from weft.engine.group import GroupUpdate, SequenceGroup, Spawner
 from weft.engine.sequence import FinishReason, Sequence
-from weft.params import BeamSearchParams
+from weft.params import BeamSearchParams, SamplingParams
 
 
 def beam_score(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
@@ -84,10 +84,16 @@ class BeamSearch:
     def num_candidates(self) -> int:
         return num_candidates(self.width, 0 if self.params.ignore_eos else len(self.eos_token_ids))
 
+    def validate(self, params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"beam_width is too large for a vocabulary of {vocab_size} tokens")
+
+    def allows_lookahead(self) -> bool:
+        return False  # every step's candidates decide the next beams
+
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         self.spawner = spawner
         first.defers_sampling = True
-        first.cumulative_logprob = 0.0
         self.live = [first]
 
     def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
@@ -144,7 +150,7 @@ class BeamSearch:
         assert self.spawner is not None
         child = self.spawner.fork(self.live[c.beam], 0)
         child.append(c.token_id)
-        child.cumulative_logprob = c.score
+        _score(child, c.score)
         return child
 
     def _add_finished(self, hypotheses: list[tuple[float, Sequence]]) -> None:
@@ -179,7 +185,7 @@ class BeamSearch:
                 taken[c] = self._spawn(c)
                 update.forks.append((beam, taken[c]))
             beam.append(mine[0].token_id)
-            beam.cumulative_logprob = mine[0].score
+            _score(beam, mine[0].score)
             taken[mine[0]] = beam
             update.resumes.append(beam)
         ended = [seq for seq in taken.values() if seq.is_finished]
@@ -220,3 +226,9 @@ class BeamSearch:
             seq.index = index
         group.sequences = results
         return GroupUpdate(prunes=prunes)
+
+
+def _score(beam: Sequence, cumulative_logprob: float) -> None:
+    """A beam's tokens are chosen here, not sampled with logprobs: its sum is set here too."""
+    assert beam.positions is not None  # beams ask for their candidates' logprobs
+    beam.positions.cumulative_logprob = cumulative_logprob
