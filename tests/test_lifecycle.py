@@ -68,7 +68,8 @@ class World:
     def step(self, token: int) -> None:
         out = self.sched.schedule()
         rows = len(out.sampling)
-        self.sched.update(out, SampledRows([token] * rows, [None] * rows, {}))
+        self.sched.advance(out)
+        self.sched.accept(out, SampledRows([token] * rows, [None] * rows, {}))
 
 
 def check_invariants(world: World) -> None:

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-import weft.engine.engine as engine_module
+import weft.sample.transfer as transfer_module
 from weft import LLM, SamplingParams
 
 CONVERSIONS = ("tolist", "item", "__bool__", "__int__", "__float__", "numpy", "__array__", "cpu")
@@ -35,7 +35,7 @@ def counting(monkeypatch, counts: Counter) -> None:
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    to_host = engine_module.to_host
+    to_host = transfer_module.to_host
 
     def counted_to_host(tensor):
         counts["to_host"] += 1
@@ -45,7 +45,7 @@ def counting(monkeypatch, counts: Counter) -> None:
         finally:
             inside.pop()
 
-    monkeypatch.setattr(engine_module, "to_host", counted_to_host)
+    monkeypatch.setattr(transfer_module, "to_host", counted_to_host)
 
 
 def test_each_step_reads_the_device_back_once(llm, monkeypatch):

@@ -10,7 +10,7 @@ Steps, in order:
   4. print decode tokens/s per mode and each mode's cost over "off".
 
 On CPU the same runs also time the work logprobs add, where it happens: the sampler call, the
-step's transfer and the records of each position (`Sequence._add_logprobs`). "work cost" is a
+step's transfer and the records of each position (`PositionOutputs.add`). "work cost" is a
 mode's extra seconds there over "off", divided by "off"'s decode time (medians over the repeats):
 on a machine shared with other tenants it resolves a few percent that the end-to-end rates do not.
 On a GPU the sampler runs asynchronously and the transfer waits for the whole step, so only the
@@ -65,18 +65,18 @@ class WorkClock:
 
     @contextmanager
     def timing(self, llm: Any) -> Iterator[None]:
-        import weft.engine.engine as engine_module
-        from weft.engine.sequence import Sequence
+        from weft.engine.positions import PositionOutputs
+        from weft.sample.transfer import StepTransfer
 
         engine = llm.engine
-        saved = (engine.sampler, engine_module._host_results, Sequence._add_logprobs)
+        saved = (engine.sampler, StepTransfer.read, PositionOutputs.add)
         engine.sampler = self.wrap(engine.sampler)
-        engine_module._host_results = self.wrap(engine_module._host_results)
-        Sequence._add_logprobs = self.wrap(Sequence._add_logprobs)  # type: ignore[method-assign]
+        StepTransfer.read = self.wrap(StepTransfer.read)  # type: ignore[method-assign]
+        PositionOutputs.add = self.wrap(PositionOutputs.add)  # type: ignore[method-assign]
         try:
             yield
         finally:
-            engine.sampler, engine_module._host_results, Sequence._add_logprobs = saved  # type: ignore[method-assign]
+            engine.sampler, StepTransfer.read, PositionOutputs.add = saved  # type: ignore[method-assign]
 
 
 def decode_seconds(llm: Any, prompts: list[list[int]], output_len: int, logprobs: int | None) -> float:

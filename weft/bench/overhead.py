@@ -166,16 +166,17 @@ class _TimedSampler:
 @contextmanager
 def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
     """Time the phases of `engine.step()`; everything is put back afterwards."""
-    import weft.engine.engine as engine_module
+    import weft.sample.transfer as transfer_module
+    from weft.engine.positions import PositionOutputs
     from weft.engine.sequence import Sequence
     from weft.structured.manager import PendingFill
 
     class_patches = [
         (Sequence, "_append_text", "text+stop"),
-        (Sequence, "_add_logprobs", "logprobs"),
+        (PositionOutputs, "add", "logprobs"),
         (PendingFill, "apply", "mask apply"),
-        (engine_module, "_host_results", "transfer"),
-        (engine_module, "to_host", "transfer"),
+        (transfer_module.StepTransfer, "read", "transfer"),
+        (transfer_module, "to_host", "transfer"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in class_patches]
     grammars = engine.grammars

@@ -10,11 +10,15 @@ One `step()`:
   3. mask, started: fill the grammar bitmask of the constrained sampling rows on a worker thread;
   4. run: the forward pass (`ModelRunner.execute`), logits for the sampling rows;
   5. sample: one vectorized pass over the rows (`Sampler`: padding, raw logprobs, the grammar mask,
-     processors, penalties, filters, sampling, logprobs), then one host transfer of its results;
-  6. update: advance counters and append each sampled token to its sequence, which takes the
-     decision to stop; finished sequences free their blocks (`Scheduler.update`);
-  7. policies: each touched group forks and prunes (`GroupPolicy.after_step`);
-  8. emit a `RequestOutput` per group that progressed; finished groups are forgotten.
+     processors, penalties, filters, sampling, logprobs), then one host transfer of its results
+     (`StepTransfer`), held with what was scheduled in a `Launched`;
+  6. advance: count the step's tokens as computed, caching the blocks they filled
+     (`Scheduler.advance`);
+  7. resolve: read the results back (`Launched.results`) and hand each sequence its token, which
+     takes the decision to stop; finished sequences free their blocks (`Scheduler.accept`);
+  8. policies: each touched group forks and prunes (`GroupPolicy.after_step`);
+  9. emit a `RequestOutput` per group that progressed; finished groups are forgotten.
+With lookahead (`weft/engine/lookahead.py`) step 7 of a step waits until the next step's 5.
 """
 
 from __future__ import annotations
@@ -29,29 +33,25 @@ import torch
 from weft.arrays import column
 from weft.config import EngineConfig
 from weft.engine.beam import BeamSearch
+from weft.engine.exact_choice import ExactChoice
 from weft.engine.group import NO_UPDATE, GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.lookahead import Launched, can_stay_in_flight, commit
+from weft.engine.launch import Launched
+from weft.engine.lookahead import can_stay_in_flight, commit
 from weft.engine.runner import InFlightTokens, ModelRunner, StepLogits
-from weft.engine.scheduler import Fanout, SampledRows, Scheduler, SchedulerOutput
+from weft.engine.scheduler import Fanout, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
-from weft.logprob_records import LogprobRef, row_refs
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput
 from weft.params import BeamSearchParams, SamplingParams
 from weft.sample.prompt_logprobs import prompt_logprobs
-from weft.sample.sampler import INVALID_TOKEN, Sampler, SamplingBatchBuilder
-from weft.sample.transfer import logprob_block, pack, to_host, unpack
+from weft.sample.sampler import Sampler, SamplingBatchBuilder
+from weft.sample.transfer import KnownTokenLogprobs, StepTransfer
 from weft.structured.grammar import CompiledGrammar
 from weft.structured.llguidance_backend import LLGuidanceBackend
 from weft.structured.manager import GrammarManager, compile_error
 from weft.tokenizer import Tokenizer, check_text
-
-NON_FINITE_ERROR = (
-    "the logits of this sequence were not finite (a NaN, or every token at -inf) after the logits "
-    "processors and the grammar mask, so no token could be sampled; check the logits processors"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}  # user request id -> its group
         self.awaiting: list[AwaitingGrammar] = []
         self.scorer = ChoiceScorer(self.runner, self.kv)
-        self.choosing: list[SequenceGroup] = []  # exact choice selection: scored at the next step
+        self.started: list[SequenceGroup] = []  # groups finished as their policy started them
         self._grammars: GrammarManager | None = None
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
@@ -115,7 +115,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._encode_prompt(prompt)
         policy, params, seq_params = self._policy(params)
-        self._validate(prompt_ids, params, beams=isinstance(policy, BeamSearch))
+        self._validate(prompt_ids, params)
+        policy.validate(params, self.vocab_size, min(self.config.max_logprobs, self.vocab_size))
         group = SequenceGroup(request_id, prompt_text, prompt_ids, params, policy)
         seed = self.spawner.seed_for(params, 0)
         first = Sequence.create(
@@ -123,9 +124,7 @@ class LLMEngine:
         )
         group.add([first])
         self.groups[request_id] = group
-        if isinstance(params, SamplingParams) and params.exact_choice:
-            self.choosing.append(group)
-        elif params.structured is None:
+        if params.structured is None or params.exact_choice:
             self._start(group, first)
         else:
             self.awaiting.append(AwaitingGrammar(group, self.grammars.submit(params.structured)))
@@ -139,6 +138,8 @@ class LLMEngine:
             beams = BeamSearch(params, self.eos_token_ids, self.config.scheduler.max_model_len)
             beam_params = params.sampling_params(beams.num_candidates)
             return beams, beam_params, beam_params
+        if params.exact_choice:
+            return ExactChoice(params.n, self._score_options), params, params
         policy = ParallelSampling(params.num_samples, params.n)
         ranks = params.num_samples > params.n and params.logprobs is None
         return policy, params, params.replace(logprobs=0) if ranks else params
@@ -154,7 +155,12 @@ class LLMEngine:
             check_text(option, "option")
         prompt_text, prompt_ids = self._encode_prompt(prompt)
         self._validate(prompt_ids, SamplingParams(max_tokens=None))
-        return self.scorer.score(self._attribute(prompt_text, prompt_ids, list(options)))
+        return self._score_options(prompt_text, prompt_ids, list(options))
+
+    def _score_options(
+        self, prompt: str | None, prompt_ids: list[int], options: list[str]
+    ) -> list[ChoiceScore]:
+        return self.scorer.score(self._attribute(prompt, prompt_ids, options))
 
     def _attribute(self, prompt: str | None, prompt_ids: list[int], options: list[str]) -> list[Attributed]:
         attributed = [attribute(self.tokenizer, prompt, prompt_ids, option) for option in options]
@@ -167,26 +173,6 @@ class LLMEngine:
                 )
         return attributed
 
-    def _choose_exactly(self) -> list[SequenceGroup]:
-        """Score the options of the exact-choice requests and finish each with its `n` most
-        probable options, best first."""
-        groups, self.choosing = self.choosing, []
-        for group in groups:
-            first = group.sequences[0]
-            options = list(group.params.choice or ())
-            try:
-                scores = self.scorer.score(self._attribute(group.prompt, group.prompt_token_ids, options))
-            except ValueError as exc:
-                first.finish(FinishReason.ERROR, error=str(exc))
-                continue
-            ranked = sorted(scores, key=lambda s: -s.logprob)[: group.params.n]
-            chosen = [first] + [self.spawner.fork(first, i) for i in range(1, len(ranked))]
-            for seq, score in zip(chosen, ranked, strict=True):
-                seq.fork_parent = None  # never runs
-                seq.complete_with(score.token_ids, score.text, score.logprob)
-            group.add(chosen[1:])
-        return groups
-
     def _encode_prompt(self, prompt: str | Iterable[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
@@ -196,7 +182,8 @@ class LLMEngine:
             raise ValueError("the prompt must be a string or a list of integer token ids")
         return None, ids
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, beams: bool = False) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What every request must satisfy; its policy checks the rest (`GroupPolicy.validate`)."""
         max_len = self.config.scheduler.max_model_len
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -213,23 +200,15 @@ class LLMEngine:
             raise ValueError(
                 f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        max_logprobs = min(self.config.max_logprobs, self.vocab_size)
-        if params.exact_choice:
-            _validate_exact_choice(params)
-        if beams and params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"beam_width is too large for a vocabulary of {self.vocab_size} tokens")
-        for name in () if beams else ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise ValueError(
-                    f"SamplingParams.{name}={value} is more than this engine's max_logprobs "
-                    f"({max_logprobs}); ask for fewer, or raise max_logprobs"
-                )
 
     def _start(self, group: SequenceGroup, first: Sequence) -> None:
+        """The group's policy starts it; a group finished at once (exact choice) is reported by the
+        next step."""
         group.policy.start(group, first, self.spawner)
         if not first.is_finished:
             self.scheduler.add(first)
+        elif group.finished:
+            self.started.append(group)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all of its sequences) and free its KV blocks at once."""
@@ -237,7 +216,7 @@ class LLMEngine:
         if group is None:
             return
         self.awaiting = [a for a in self.awaiting if a.group is not group]
-        self.choosing = [g for g in self.choosing if g is not group]
+        self.started = [g for g in self.started if g is not group]
         for seq in group.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -251,9 +230,8 @@ class LLMEngine:
         """One step: schedule, launch, then read back and apply what came back. With lookahead
         (`weft/engine/lookahead.py`) the step launched here may stay in flight until the next call,
         which then reads it back after launching its own."""
-        touched = self._admit_compiled_grammars()
-        if self.choosing:
-            touched += self._choose_exactly()
+        touched = self._admit_compiled_grammars() + self.started
+        self.started = []
         previous, self.in_flight = self.in_flight, None
         sched = self.scheduler.schedule()
         launched = None
@@ -261,23 +239,23 @@ class LLMEngine:
             launched = self._launch(sched, None if previous is None else previous.in_flight)
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             touched += self._fail_unschedulable()
-        if previous is not None:  # its tokens were counted as computed when it was left in flight
+        if previous is not None:  # its tokens were counted as computed when it was launched
             touched += self._resolve(previous)
-        if launched is not None and not (self.config.async_scheduling and can_stay_in_flight(launched)):
-            touched += self._resolve(launched, advance=True)
-            launched = None
+        stays = False
+        if launched is not None:
+            self.scheduler.advance(launched.sched)  # after `previous`: its tokens are on the host
+            stays = self.config.async_scheduling and can_stay_in_flight(launched)
+            if not stays:
+                touched += self._resolve(launched)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)
             if update is not NO_UPDATE:
                 self._apply(update)
         outputs = self._emit(groups)
-        if launched is not None:  # after the outputs, which so never show a pending token
-            self.scheduler.advance(launched.sched)
-            if commit(launched).rows:
-                self.in_flight = launched
-            else:  # every row finished meanwhile: nothing to wait for
-                self._resolve(launched)
+        if stays and launched is not None:  # after the outputs, which so never show a pending token
+            commit(launched)
+            self.in_flight = launched
         return outputs
 
     def _fail_unschedulable(self) -> list[SequenceGroup]:
@@ -336,26 +314,22 @@ class LLMEngine:
             )
         batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch, fill)
-        top = out.top_logprobs
-        blocks = (
-            []
-            if top is None
-            else [logprob_block(top.token_ids, top.logprobs, top.ranks, top.constraint_logmass)]
-        )
-        prompt = self._prompt_logprobs(step)
-        if prompt is not None:
-            blocks.append(prompt)
-        transfer = to_host(pack(out.token_ids, blocks))
+        transfer = StepTransfer.start(out.token_ids, out.top_logprobs, self._known_logprobs(step))
         return Launched(
-            sched, fanouts, seqs, out.token_ids, transfer, [(b.shape[0], b.shape[1]) for b in blocks],
-            () if top is None else top.rows, prompt is not None, out.errors, step.prompt_spans,
-        )  # fmt: skip
+            sched=sched,
+            fanouts=fanouts,
+            seqs=seqs,
+            tokens=out.token_ids,
+            transfer=transfer,
+            errors=out.errors,
+            spans=step.prompt_spans,
+        )
 
-    def _resolve(self, launched: Launched, advance: bool = False) -> list[SequenceGroup]:
-        """Read a launched step back and hand each sequence its token and logprobs, its tokens
-        counted as computed first (`advance`) unless they were when it was left in flight. Returns
-        the groups it touched."""
-        rows, prompt_items = _host_results(launched)
+    def _resolve(self, launched: Launched) -> list[SequenceGroup]:
+        """Read a launched step back (its tokens already counted as computed, `Scheduler.advance`)
+        and hand each sequence its token and logprobs: the one way a step's results reach the
+        sequences. Returns the groups it touched."""
+        rows, prompt_items = launched.results()
         offset = 0
         for span in launched.spans:
             items = prompt_items[offset : offset + span.count]
@@ -365,7 +339,7 @@ class LLMEngine:
                 span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
         self.num_sampled_tokens += len(launched.seqs) - len(rows.errors)
-        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts, advance)
+        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
         return [item.seq.group for item in launched.sched.scheduled if item.seq.group is not None]
 
     def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:
@@ -391,17 +365,16 @@ class LLMEngine:
                 room -= len(children)
         return fanouts
 
-    def _prompt_logprobs(self, step: StepLogits) -> torch.Tensor | None:
-        """The logprob block of this step's known tokens whose logprobs were asked for (prompt
-        tokens, forced tokens), or None."""
+    def _known_logprobs(self, step: StepLogits) -> KnownTokenLogprobs | None:
+        """The logprobs of this step's known tokens whose logprobs were asked for (prompt tokens,
+        forced tokens), or None."""
         if step.prompt_hidden is None or step.prompt_targets is None:
             return None
         num_top = max(span.num_top for span in step.prompt_spans)
         kernels = self.model.kernels
-        ids, values, ranks = prompt_logprobs(
+        return prompt_logprobs(
             step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits, kernels=kernels
         )
-        return logprob_block(ids, values, ranks)
 
     def _apply(self, update: GroupUpdate) -> None:
         """Forks first (they take their share of their parents' blocks), then the parked sequences
@@ -434,7 +407,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.kv.num_hit_tokens,
             prefix_cache_queried_tokens=self.kv.num_queried_tokens,
             num_running=len(running),
-            num_waiting=len(self.scheduler.waiting) + len(self.awaiting) + len(self.choosing),
+            num_waiting=len(self.scheduler.waiting) + len(self.awaiting),
             num_preemptions=self.scheduler.num_preemptions,
             extra={
                 "num_sampled_tokens": self.num_sampled_tokens,
@@ -447,36 +420,3 @@ class LLMEngine:
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
             },
         )
-
-
-def _validate_exact_choice(params: SamplingParams) -> None:
-    choices = params.choice or ()
-    if params.n > len(choices):
-        raise ValueError(
-            f"SamplingParams.n={params.n} asks for more options than the {len(choices)} choices given"
-        )
-    if params.best_of is not None and params.best_of > params.n:
-        raise ValueError("SamplingParams.best_of does not apply to choice_selection='exact'; use n")
-    if params.logprobs is not None:
-        raise ValueError(
-            "SamplingParams.logprobs is not available with choice_selection='exact'; each option's "
-            "total logprob is its cumulative_logprob (LLM.score gives each token's)"
-        )
-
-
-def _host_results(launched: Launched) -> tuple[SampledRows, list[LogprobRef]]:
-    """A launched step's results on the host, from its one transfer: the sampled tokens, their
-    logprobs and the prompt logprobs. A row with `INVALID_TOKEN` fails with a message."""
-    num_rows = len(launched.seqs)
-    token_ids, host_blocks = unpack(launched.transfer.wait(), num_rows, launched.shapes)
-    logprobs: list[LogprobRef | None] = [None] * num_rows
-    if launched.logprob_rows:
-        for row, ref in zip(launched.logprob_rows, row_refs(host_blocks[0]), strict=True):
-            logprobs[row] = ref
-    prompt_items = row_refs(host_blocks[-1]) if launched.has_prompt_block else []
-    errors = dict(launched.errors)
-    if INVALID_TOKEN in token_ids:
-        for row, token in enumerate(token_ids):
-            if token == INVALID_TOKEN:
-                errors.setdefault(row, NON_FINITE_ERROR)
-    return SampledRows(token_ids, logprobs, errors), prompt_items

@@ -2,8 +2,9 @@
 
 A policy decides, after each step, which sequences to fork and which to prune, and which sequences
 the request's output reports. The engine applies its decisions (`GroupUpdate`) through the
-scheduler; neither the scheduler nor the sampler knows about policies. Parallel sampling (`n`) is
-the first policy; best_of, beam search and choice scoring are further ones.
+scheduler, and asks the policy what it allows (`validate`, `allows_lookahead`); neither the
+scheduler nor the sampler knows about policies. Parallel sampling (`n`, `best_of`) is here; beam
+search (`weft.engine.beam`) and exact choice (`weft.engine.exact_choice`) are the others.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ NO_UPDATE = GroupUpdate()  # what most groups decide after most steps; read, nev
 
 
 class GroupPolicy(Protocol):
+    def validate(self, params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+        """Raise ValueError, naming the problem, for parameters this policy cannot serve."""
+        ...
+
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         """The group's first sequence is ready (its grammar compiled, or failed); create the rest."""
         ...
@@ -66,6 +71,21 @@ class GroupPolicy(Protocol):
         prompt's last token (they then share its blocks as they are); [] for none."""
         ...
 
+    def allows_lookahead(self) -> bool:
+        """Whether the next step may be launched before this step's tokens are on the host: only
+        when the policy decides nothing from them (`weft.engine.lookahead`)."""
+        ...
+
+
+def check_logprob_limits(params: SamplingParams, max_logprobs: int) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(
+                f"SamplingParams.{name}={value} is more than this engine's max_logprobs "
+                f"({max_logprobs}); ask for fewer, or raise max_logprobs"
+            )
+
 
 @dataclass(slots=True)
 class ParallelSampling:
@@ -80,6 +100,12 @@ class ParallelSampling:
     num_samples: int
     num_returned: int
     pending: list[Sequence] = field(default_factory=list)
+
+    def validate(self, params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+        check_logprob_limits(params, max_logprobs)
+
+    def allows_lookahead(self) -> bool:
+        return not self.pending  # the other samples wait to fork when the prompt is computed
 
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         self.pending = [spawner.fork(first, index) for index in range(1, self.num_samples)]
@@ -160,7 +186,7 @@ class SequenceGroup:
         first = self.sequences[0] if self.sequences else None
         if len(reported) == 1:  # most requests (a comprehension is a function call on 3.11)
             seq = reported[0]
-            tracked_only = seq.logprobs is not None and self.params.logprobs is None
+            tracked_only = seq.positions is not None and self.params.logprobs is None
             outputs = [self._completion(seq, kind) if tracked_only else seq.completion(kind)]
         else:
             outputs = [self._completion(s, kind) for s in reported]

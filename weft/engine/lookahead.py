@@ -20,38 +20,18 @@ known tokens' logprobs ride on the step (prompt logprobs, forced tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-
-from weft.engine.group import ParallelSampling
-from weft.engine.runner import InFlightTokens, PromptSpan
-from weft.engine.scheduler import Fanout, SchedulerOutput
-from weft.engine.sequence import Sequence
-from weft.sample.transfer import HostTransfer
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step on the device: what was scheduled, and its results on their way to the host."""
-
-    sched: SchedulerOutput
-    fanouts: list[Fanout]
-    seqs: list[Sequence]  # the sampling rows in order, fanout children last
-    tokens: torch.Tensor  # [S + F] int64, sampled, on the device
-    transfer: HostTransfer
-    shapes: list[tuple[int, int]]  # of the logprob blocks in the transfer (`unpack`)
-    logprob_rows: tuple[int, ...]  # the rows with a sampled-logprob block row, in its order
-    has_prompt_block: bool
-    errors: dict[int, str]
-    spans: list[PromptSpan]
-    in_flight: InFlightTokens | None = field(default=None)  # set when it stays in flight (`commit`)
+from weft.engine.launch import Launched
+from weft.engine.runner import InFlightTokens
+from weft.engine.sequence import FIRST_FINISHED
 
 
 def can_stay_in_flight(launched: Launched) -> bool:
-    """Whether the next step can be scheduled before this one's tokens are on the host."""
+    """Whether the next step can be scheduled before this one's tokens are on the host: no row needs
+    its token on the host first, and some row still runs (its sequence not finished by the step
+    read back before it)."""
     if launched.fanouts or launched.spans:
         return False
+    running = False
     for seq in launched.seqs:
         params = seq.params
         if (
@@ -63,15 +43,16 @@ def can_stay_in_flight(launched: Launched) -> bool:
             or params.logits_processors
         ):
             return False
-        policy = None if seq.group is None else seq.group.policy
-        if not isinstance(policy, ParallelSampling) or policy.pending:
+        if seq.group is None or not seq.group.policy.allows_lookahead():
             return False
-    return True
+        running = running or seq.status < FIRST_FINISHED
+    return running
 
 
 def commit(launched: Launched) -> InFlightTokens:
-    """Leave `launched` in flight (its tokens computed, see `Scheduler.advance`): every sampling
-    sequence still running holds a pending token, taken from `launched.tokens` by the next step."""
+    """Leave `launched` in flight (its tokens counted as computed, `Scheduler.advance`): every
+    sampling sequence still running holds a pending token, taken from `launched.tokens` by the next
+    step."""
     rows = {}
     for row, seq in enumerate(launched.seqs):
         if not seq.is_finished:

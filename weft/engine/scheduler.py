@@ -12,11 +12,11 @@ tokens appended without sampling (not yet computed).
   2. admit waiting sequences in order while the budget, `max_num_seqs` and the free blocks allow,
      a fork with the blocks it shares with its parent (taken when it was queued), any other
      sequence from its longest prefix-cache hit.
-`update()` advances the counters, registers newly full blocks for prefix caching, and hands each
-sampled token to its sequence (`Sequence.append`, where the decision to stop is taken). Whatever
-finished releases its blocks at once: `_release` is the one place that happens. (A sequence whose
-finish waits for the logprobs of tokens a grammar forced computes them without sampling, then
-finishes: `Sequence.pending_finish`.)
+When the step has run, `advance()` counts its tokens as computed and registers newly full blocks
+for prefix caching; `accept()` hands each sampled token to its sequence (`Sequence.append`, where
+the decision to stop is taken). Whatever finished releases its blocks at once: `_release` is the
+one place that happens. (A sequence whose finish waits for the logprobs of tokens a grammar forced
+computes them without sampling, then finishes: `Sequence.pending_finish`.)
 """
 
 from __future__ import annotations
@@ -204,7 +204,6 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def _preempt_waiting_holder(self) -> bool:
@@ -220,10 +219,6 @@ class Scheduler:
                 return True
         return False
 
-    def update(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
-        """One step, computed and sampled: `advance` and `accept` in one pass over its rows."""
-        return self.accept(output, sampled, fanouts, advance=True)
-
     def advance(self, output: SchedulerOutput) -> None:
         """The step's tokens are computed (their KV entries written, or being written by a step in
         flight): count them, and cache the blocks they filled."""
@@ -237,17 +232,10 @@ class Scheduler:
         if seq.num_computed_tokens % self.kv.block_size < item.num_new_tokens:  # a block filled up
             self.kv.cache_full_blocks(seq)
 
-    def accept(
-        self,
-        output: SchedulerOutput,
-        sampled: SampledRows,
-        fanouts: Sequence_[Fanout] = (),
-        advance: bool = False,
-    ) -> int:
-        """Hand each sampled token to its sequence (rows in `output.sampling` order, then the fanout
-        rows), first counting the step's tokens as computed when `advance` (see `advance`).
-        Sequences that finish release their blocks. Returns the number of tokens appended without
-        sampling (forced by a grammar)."""
+    def accept(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
+        """Hand each sampled token of a step already counted as computed (`advance`) to its sequence
+        (rows in `output.sampling` order, then the fanout rows). Sequences that finish release
+        their blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
         by_parent = {f.parent.seq_id: f for f in fanouts}
         token_ids, logprobs, errors = sampled.token_ids, sampled.logprobs, sampled.errors
         num_forced = 0
@@ -257,8 +245,6 @@ class Scheduler:
             row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
                 continue
-            if advance:
-                self._computed(item)
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
