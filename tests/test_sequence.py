@@ -222,3 +222,25 @@ def test_logprob_records_are_built_from_the_step_block_when_an_output_is_read():
     whole = seq.completion(OutputKind.CUMULATIVE)
     seq.append(43, LogprobRef.of([43, 7], [-2.0, -0.1], 3))
     assert len(whole.logprobs or []) == 3  # a snapshot: later positions are not in it
+
+
+def test_position_outputs_roll_back_to_what_they_were_before_the_tokens():
+    """Rolling back k output tokens leaves the records, flags, offsets and the cumulative sum exactly
+    as they were before those tokens were appended (speculation drops unconfirmed tokens)."""
+    seq = new_sequence(SamplingParams(max_tokens=20, logprobs=1), None)
+    for token, value in ((40, -1.25), (41, -0.5)):
+        seq.append(token, LogprobRef.of([token, 7], [value, -0.1], 2))
+    positions = seq.positions
+    assert positions is not None
+    before = positions.fork()
+    for token, value in ((42, -3.0), (43, -0.3)):
+        seq.append(token, LogprobRef.of([token, 7], [value, -0.1], 2))
+    positions.text_offsets.append(len(seq.text))  # a forced token still without its logprobs
+    positions.rollback(3)
+    assert positions.records == before.records and positions.forced == before.forced
+    assert positions.text_offsets == before.text_offsets
+    assert positions.constraint_logmass == before.constraint_logmass
+    assert positions.cumulative_logprob == before.cumulative_logprob == -1.75
+    logprobs, logmass, offsets, forced = positions.span(1, 2, 1, TOKENIZER.token_texts)
+    assert [list(p) for p in logprobs.build()] == [[41, 7]] and logmass == [0.0] and offsets == [1]
+    assert forced == [False]
