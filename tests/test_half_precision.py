@@ -351,6 +351,7 @@ import sys
 from pathlib import Path
 import torch
 import weft.native
+from weft.kernels import NATIVE_CPU_KERNELS
 from weft.model.loader import load_config, load_model
 
 def kib(field):
@@ -362,7 +363,9 @@ assert weft.native.kernels_available()
 path = Path(sys.argv[1])
 config = load_config(path)
 before = kib("VmRSS")
-model = load_model(path, config, torch.bfloat16, torch.device("cpu"), 256, show_progress=False)
+model = load_model(
+    path, config, torch.bfloat16, torch.device("cpu"), 256, show_progress=False, kernels=NATIVE_CPU_KERNELS
+)
 assert model.embed.from_panels and model.lm_head.weight.dtype == torch.bfloat16
 print(before, kib("VmHWM"))
 """

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import weft.native as native
+from weft import ops
 from weft.config import RopeConfig
-from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, kernels_for
+from weft.engine.factory import kernels_for
+from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS
 from weft.model.attention import PagedAttention
 from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout
-from weft.sample import ops
 
 NATIVE, TORCH = PagedAttention(NATIVE_CPU_KERNELS), PagedAttention(TORCH_KERNELS)
 
@@ -466,7 +467,7 @@ def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
         native = NATIVE_CPU_KERNELS.gumbel_argmax(logits, seeds, positions)
         assert torch.equal(native, ops.gumbel_sample(logits, seeds, positions)), (rows, vocab, scale)
         assert native[0] >= vocab // 2 and native[1] == 0
-    assert TORCH_KERNELS.gumbel_argmax(logits, seeds, positions) is None  # the sampler's tensor version
+    assert torch.equal(TORCH_KERNELS.gumbel_argmax(logits, seeds, positions), native)  # the tensor version
 
 
 def _top_p_reference(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -493,10 +494,9 @@ def test_top_p_filter_keeps_the_exact_nucleus(vocab):
     top_p[4] = 1.0
     filtered = NATIVE_CPU_KERNELS.top_p_filter(logits, top_p)
     torch.testing.assert_close(filtered, _top_p_reference(logits, top_p), equal_nan=True)
-    assert TORCH_KERNELS.top_p_filter(logits, top_p) is None  # the sampler's tensor version:
-    finite = ~logits.isnan().any(-1)
+    finite = ~logits.isnan().any(-1)  # the tensor version, the same rule:
     expected = _top_p_reference(logits, top_p)[finite]
-    torch.testing.assert_close(ops.apply_top_p(logits, top_p)[finite], expected)  # the same rule
+    torch.testing.assert_close(TORCH_KERNELS.top_p_filter(logits, top_p)[finite], expected)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weft.kernels import TORCH_KERNELS, TorchKernels, kernels_for
+from weft import ops
+from weft.engine.factory import kernels_for
+from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.params import SamplingParams
-from weft.sample import ops
 from weft.sample.sampler import Sampler, SamplingBatch
 
 VOCAB = 12

@@ -19,6 +19,8 @@ FORBIDDEN = {
     "sample": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
     "structured": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
     "engine": ["weft.llm", "weft.server", "weft.cli"],
+    "cuda": ["weft.model", "weft.engine", "weft.sample", "weft.structured", "weft.llm", "weft.server"],
+    "server": ["weft.cli"],
 }
 
 
@@ -51,10 +53,11 @@ CORE = [
     "tokenizer.py",
     "detokenize.py",
     "kernels.py",
+    "ops.py",
     "native/__init__.py",
 ]
 ABOVE_CORE = [
-    "arrays.py",
+    "weft.cuda",
     "weft.engine",
     "weft.model",
     "weft.sample",

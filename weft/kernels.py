@@ -1,7 +1,9 @@
 """The operations whose implementation depends on the device, chosen once per device.
 
-`kernels_for(device)` returns one object that the model's layers, its attention and the grammar
-mask call; nothing else asks which device or which build it runs on. Two sets exist:
+One object per device, chosen where the device is (`weft.engine.factory.kernels_for`), is what the
+model's layers, its attention, the sampler and the grammar mask call; nothing else asks which
+device or which build it runs on. Each set does its whole job (a faster set falls back to the
+plain one itself, never to its caller):
 
 - `TorchKernels`: plain torch operations, on any device and dtype. It is the reference the others
   are tested against (`tests/test_native.py`), and the fallback when weft's CPU kernels cannot be
@@ -25,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.config import ConfigError, KernelChoice, check_matmul_precision
-from weft.native import use_kernels
+from weft import ops
+from weft.config import ConfigError, check_matmul_precision
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +144,14 @@ class TorchKernels:
         block_table: torch.Tensor,  # [B, max_blocks] int64
         context_lens: torch.Tensor,  # [B] int64
         scale: float,
-    ) -> torch.Tensor | None:  # [B, H, D], or None: not available, use the gather + SDPA path
-        return None
+    ) -> torch.Tensor:  # [B, H, D]
+        """Attention of one query per sequence over its cached keys and values, read in place; only
+        where `reads_cache_in_place` says so (otherwise attention gathers the blocks for SDPA)."""
+        raise NotImplementedError(f"the {self.name} kernel set does not read the KV cache in place")
+
+    def reads_cache_in_place(self, head_dim: int) -> bool:
+        """Whether `paged_decode_attention` serves decode rows of this head size."""
+        return False
 
     def takes_ragged_batch(self, head_dim: int, block_size: int) -> bool:
         """Whether `ragged_paged_attention` attends every row of a step in one call for this head
@@ -212,16 +220,15 @@ class TorchKernels:
         logits: torch.Tensor,  # [B, V] float32
         seeds: torch.Tensor,  # [B] int64
         positions: torch.Tensor,  # [B] int64
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """[B] int64: one token per row from softmax(logits), by the Gumbel-max trick with noise
-        keyed by (seed, position, token id), as `ops.gumbel_sample` computes it in tensor
-        operations; None: not available, use those."""
-        return None
+        keyed by (seed, position, token id) (`ops.gumbel_sample`, in tensor operations)."""
+        return ops.gumbel_sample(logits, seeds, positions)
 
-    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """logits ([B, V] float32) with the tokens nucleus filtering removes (top_p [B] float32, 1 =
-        keep all) set to -inf, as a new tensor; None: not available, use `ops.apply_top_p`."""
-        return None
+        keep all) set to -inf, as a new tensor (`ops.apply_top_p`)."""
+        return ops.apply_top_p(logits, top_p)
 
     def row_logprobs(
         self,
@@ -350,10 +357,11 @@ class NativeCpuKernels(TorchKernels):
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor | None:
-        if q.shape[-1] > 256:  # head sizes above 256 take the torch path
-            return None
+    ) -> torch.Tensor:
         return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale)
+
+    def reads_cache_in_place(self, head_dim: int) -> bool:
+        return head_dim <= 256  # larger heads take the gather + SDPA path
 
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         return device.type == "cpu" and activations == torch.float32
@@ -400,7 +408,7 @@ class NativeCpuKernels(TorchKernels):
 
     def gumbel_argmax(
         self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """One pass per row: the same keyed noise, computed only for tokens within reach of the
         row's largest logit (32 x 49152: 28 ms in tensor operations, which write four [B, V] int64
         temporaries)."""
@@ -408,11 +416,11 @@ class NativeCpuKernels(TorchKernels):
             return super().gumbel_argmax(logits, seeds, positions)
         return torch.ops.weft.gumbel_argmax(logits, seeds.contiguous(), positions.contiguous())
 
-    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    def top_p_filter(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """No sort: the probabilities are bucketed by their float bits and only the bucket where
         the mass crosses top_p is sorted (32 x 49152: 69 ms for the sort-and-cumsum version)."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-            return None
+            return super().top_p_filter(logits, top_p)
         return torch.ops.weft.top_p_filter(logits, top_p.float().contiguous())
 
     def row_logprobs(
@@ -441,21 +449,6 @@ class NativeCpuKernels(TorchKernels):
 
 TORCH_KERNELS = TorchKernels()
 NATIVE_CPU_KERNELS = NativeCpuKernels()
-
-
-def kernels_for(device: torch.device) -> TorchKernels:
-    """The kernel set for `device` (on CPU this builds weft's kernels on first use)."""
-    choice = KernelChoice.from_env()
-    if choice.triton is True and device.type != "cuda" and not choice.interpreted:
-        raise ConfigError(
-            f"WEFT_KERNELS=triton on {device.type}: Triton compiles for CUDA GPUs only; set "
-            "TRITON_INTERPRET=1 to run its kernels in the interpreter (slow; for tests) or unset WEFT_KERNELS"
-        )
-    if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
-        from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
-
-        return TRITON_KERNELS
-    return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
 
 
 def cpu_isa_path() -> str:

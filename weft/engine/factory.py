@@ -23,6 +23,7 @@ from weft.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    KernelChoice,
     ModelConfig,
     SchedulerConfig,
     read_optional_json,
@@ -33,10 +34,11 @@ from weft.engine.engine import LLMEngine
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import settle_heap
 from weft.engine.runner import ModelRunner
-from weft.kernels import kernels_for
+from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.loader import load_config, load_model, open_source
 from weft.model.quantize import check_quantization
+from weft.native import use_kernels
 from weft.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -71,6 +73,22 @@ class EngineArgs:
     quantization: str | None = None
 
 
+def kernels_for(device: torch.device) -> TorchKernels:
+    """The kernel set for `device`, chosen here where the device is (on CPU this builds weft's
+    kernels on first use, so the first step does not)."""
+    choice = KernelChoice.from_env()
+    if choice.triton is True and device.type != "cuda" and not choice.interpreted:
+        raise ConfigError(
+            f"WEFT_KERNELS=triton on {device.type}: Triton compiles for CUDA GPUs only; set "
+            "TRITON_INTERPRET=1 to run its kernels in the interpreter (slow; for tests) or unset WEFT_KERNELS"
+        )
+    if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
+        from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
+
+        return TRITON_KERNELS
+    return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
 def build_engine(args: EngineArgs) -> LLMEngine:
     path = resolve_model_path(args.model)
     device = resolve_device(args.device)
@@ -90,7 +108,17 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
     tokenizer = _load_tokenizer(source, args.tokenizer)
     max_len = _max_model_len(args.max_model_len, model_config)
-    model = load_model(source, model_config, dtype, device, max_len, args.show_progress, matmul, quantization)
+    model = load_model(
+        source,
+        model_config,
+        dtype,
+        device,
+        max_len,
+        args.show_progress,
+        matmul,
+        quantization,
+        kernels=kernels,
+    )
     if args.show_progress:  # what runs the model, chosen once here
         info = kernels.describe(device, dtype, matmul)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)

@@ -271,10 +271,9 @@ def _attend(
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
-    if max_q == 1:  # decode rows: read the cache in place, where the kernel set can
+    if max_q == 1 and kernels.reads_cache_in_place(head_dim):  # decode rows: read the cache in place
         out = kernels.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
-        if out is not None:
-            return out.view(num_seqs, num_heads * head_dim)
+        return out.view(num_seqs, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]

@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from weft.config import ConfigError, ModelConfig, NativeConfig
-from weft.kernels import kernels_for
+from weft.kernels import TorchKernels
 from weft.model import safetensors_io
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
@@ -165,15 +165,16 @@ def load_model(
     show_progress: bool = True,
     matmul_dtype: torch.dtype | None = None,
     quantization: str | None = None,
+    *,
+    kernels: TorchKernels,
 ) -> LlamaForCausalLM:
-    """Steps: choose the device's kernel set (on CPU this builds weft's kernels, so the first step
-    does not), read the tensors, build the model on the meta device, load the converted weights,
+    """Steps, with the device's kernel set (`weft.engine.factory.kernels_for`): read the tensors,
+    build the model on the meta device, load the converted weights,
     move to the device and dtype, tie the embeddings, and put linear weights in the layout the
     kernel set streams fastest. `matmul_dtype` bfloat16 with bfloat16 panels: bfloat16 products
     (which never take the dense GEMM: it would multiply in float32, at half their rate).
     `quantization` ("q8_0", "q4_k"): float matrices become blocks of that type as they are read
     (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels."""
-    kernels = kernels_for(device)
     arch = resolve_architecture(config)
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS

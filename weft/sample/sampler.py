@@ -10,11 +10,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from weft import ops
 from weft.arrays import column, padded, to_device
 from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.outputs import LogprobsTensors, SamplerOutput
 from weft.params import LogitsProcessor, LogprobsMode, SamplingParams
-from weft.sample import ops
 
 # The token id reported for a row whose logits were not finite (a NaN, or every token at -inf).
 INVALID_TOKEN = -1
@@ -332,8 +332,7 @@ class Sampler:
         if batch.top_k is not None:
             logits = ops.apply_top_k(logits, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
-            filtered = self.kernels.top_p_filter(logits, batch.top_p)
-            logits = ops.apply_top_p(logits, batch.top_p) if filtered is None else filtered
+            logits = self.kernels.top_p_filter(logits, batch.top_p)
         if batch.min_p is not None:
             logits = ops.apply_min_p(logits, batch.min_p)
         return logits
@@ -346,8 +345,6 @@ class Sampler:
             chosen = greedy
         else:
             sampled = self.kernels.gumbel_argmax(logits, batch.seeds, batch.positions)
-            if sampled is None:
-                sampled = ops.gumbel_sample(logits, batch.seeds, batch.positions)
             chosen = torch.where(batch.is_greedy, greedy, sampled)
         return chosen.masked_fill(invalid, INVALID_TOKEN)
 
