@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import attrs
 import torch
 
 # A third-party logits processor: (token ids so far, logits [V]) -> logits [V].
@@ -53,8 +54,10 @@ def structured_spec(
     grammar: str | None = None,
     grammar_syntax: GrammarSyntax | str = GrammarSyntax.AUTO,
     choice: Sequence[str] | None = None,
+    owner: str = "SamplingParams",
 ) -> StructuredSpec | None:
-    """The one constraint among the given ones, or None. Raises ValueError when several are given."""
+    """The one constraint among the given ones, or None. Raises ValueError, naming `owner`'s field,
+    when several are given or one is malformed."""
     given = [
         name
         for name, value in (
@@ -67,27 +70,29 @@ def structured_spec(
         if value is not None
     ]
     if len(given) > 1:
-        raise ValueError(f"SamplingParams takes at most one output constraint, got {', '.join(given)}")
+        raise ValueError(f"{owner} takes at most one output constraint, got {', '.join(given)}")
     if json_schema is not None:
-        return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema_text(json_schema))
+        return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema_text(json_schema, owner))
     if json_object:
         return StructuredSpec(StructuredKind.JSON_SCHEMA, '{"type": "object"}')
     if regex is not None:
-        _check(_text(regex), "regex", regex, "must be a non-empty string of valid Unicode")
+        _check(_text(regex), owner, "regex", regex, "must be a non-empty string of valid Unicode")
         return StructuredSpec(StructuredKind.REGEX, regex)
     if grammar is not None:
         _check(
             _text(grammar) and grammar.strip() != "",
+            owner,
             "grammar",
             grammar,
             "must be a non-empty string",
         )
         return StructuredSpec(_grammar_kind(grammar, GrammarSyntax(grammar_syntax)), grammar)
     if choice is not None:
-        _check(isinstance(choice, list | tuple), "choice", choice, "must be a list of strings")
+        _check(isinstance(choice, list | tuple), owner, "choice", choice, "must be a list of strings")
         options = list(choice)
         _check(
             bool(options) and all(_text(c) for c in options),
+            owner,
             "choice",
             choice,
             "must be a non-empty list of non-empty strings",
@@ -102,7 +107,7 @@ def _grammar_kind(grammar: str, syntax: GrammarSyntax) -> StructuredKind:
     return StructuredKind.LARK
 
 
-def _schema_text(schema: Any) -> str:
+def _schema_text(schema: Any, owner: str) -> str:
     """A JSON Schema given as a dict, a JSON string or a Pydantic model class, as JSON text."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
@@ -110,9 +115,10 @@ def _schema_text(schema: Any) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"SamplingParams.json_schema is not valid JSON: {exc}") from None
+            raise ValueError(f"{owner}.json_schema is not valid JSON: {exc}") from None
     _check(
         isinstance(schema, dict | bool),
+        owner,
         "json_schema",
         type(schema).__name__,
         "must be a dict, a JSON string or a Pydantic model class",
@@ -120,7 +126,7 @@ def _schema_text(schema: Any) -> str:
     try:
         return json.dumps(schema)  # key order kept: it is the order of the generated properties
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"SamplingParams.json_schema cannot be written as JSON: {exc}") from None
+        raise ValueError(f"{owner}.json_schema cannot be written as JSON: {exc}") from None
 
 
 class LogprobsMode(StrEnum):
@@ -152,197 +158,14 @@ class ChoiceSelection(StrEnum):
     EXACT = "exact"
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to sample one request. Every field is checked here; a bad value raises `ValueError`
-    that names the field.
-
-    `temperature=0` is greedy decoding. `top_k=0` (or -1) and `top_p=1` disable those filters.
-    `seed` makes a request reproducible whatever else runs in the same batch. `best_of=m` samples
-    m completions sharing the prompt and returns the `n` with the highest cumulative logprob.
-    """
-
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: Sequence[str] | str | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW
-    prompt_logprobs: int | None = None
-    output_kind: OutputKind = OutputKind.CUMULATIVE
-    logits_processors: Sequence[LogitsProcessor] = field(default=())
-    json_schema: Any = None
-    json_object: bool = False
-    regex: str | None = None
-    grammar: str | None = None
-    grammar_syntax: GrammarSyntax = GrammarSyntax.AUTO
-    choice: Sequence[str] | None = None
-    choice_selection: ChoiceSelection = ChoiceSelection.GREEDY
-    fast_forward: bool = True
-    structured: StructuredSpec | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        self._check_numbers()
-        self._check_lengths()
-        self._normalize()
-
-    def _check_numbers(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
-        _check(
-            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
-            "best_of",
-            self.best_of,
-            f"must be None or an integer >= n ({self.n})",
-        )
-        _check(
-            _real(self.temperature) and self.temperature >= 0.0,
-            "temperature",
-            self.temperature,
-            "must be a finite number >= 0 (0 means greedy)",
-        )
-        _check(_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(
-            _is_int(self.top_k) and self.top_k >= -1,
-            "top_k",
-            self.top_k,
-            "must be -1 or 0 (disabled) or a positive count",
-        )
-        _check(_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(
-            _real(self.repetition_penalty) and self.repetition_penalty > 0.0,
-            "repetition_penalty",
-            self.repetition_penalty,
-            "must be a finite number > 0",
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_real(value) and -2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
-        _check(
-            self.seed is None
-            or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - self.num_samples),
-            "seed",
-            self.seed,
-            f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - best_of]",
-        )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(
-                value is None or (_is_int(value) and value >= 0),
-                name,
-                value,
-                "must be None or an integer >= 0",
-            )
-        for name in (
-            "ignore_eos",
-            "include_stop_str_in_output",
-            "skip_special_tokens",
-            "json_object",
-            "fast_forward",
-        ):
-            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be True or False")
-
-    def _check_lengths(self) -> None:
-        _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens",
-            self.max_tokens,
-            "must be None or an integer >= 1",
-        )
-        _check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
-            "min_tokens",
-            self.min_tokens,
-            "must be an integer >= 0",
-        )
-        _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            self.min_tokens,
-            f"must be <= max_tokens ({self.max_tokens})",
-        )
-
-    def _normalize(self) -> None:
-        for name in FLOAT_FIELDS:
-            object.__setattr__(self, name, float(getattr(self, name)))
-        object.__setattr__(self, "stop", _stop_strings(self.stop))
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
-        object.__setattr__(self, "logits_processors", _processors(self.logits_processors))
-        object.__setattr__(self, "logprobs_mode", _enum(LogprobsMode, self.logprobs_mode, "logprobs_mode"))
-        object.__setattr__(self, "output_kind", _enum(OutputKind, self.output_kind, "output_kind"))
-        object.__setattr__(
-            self, "grammar_syntax", _enum(GrammarSyntax, self.grammar_syntax, "grammar_syntax")
-        )
-        if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
-        spec = structured_spec(
-            self.json_schema, self.json_object, self.regex, self.grammar, self.grammar_syntax, self.choice
-        )
-        object.__setattr__(self, "structured", spec)
-        selection = _enum(ChoiceSelection, self.choice_selection, "choice_selection")
-        object.__setattr__(self, "choice_selection", selection)
-        _check(
-            selection == ChoiceSelection.GREEDY or self.choice is not None,
-            "choice_selection",
-            selection.value,
-            "'exact' needs a `choice` list to select from",
-        )
-
-    @property
-    def num_samples(self) -> int:
-        """How many sequences the request runs: `best_of`, or `n`."""
-        return self.best_of if self.best_of is not None else self.n
-
-    @property
-    def exact_choice(self) -> bool:
-        return self.choice_selection == ChoiceSelection.EXACT
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        assert isinstance(self.stop, tuple)
-        return self.stop
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def replace(self, **changes: Any) -> SamplingParams:
-        values = {name: getattr(self, name) for name, f in self.__dataclass_fields__.items() if f.init}
-        values.update(changes)
-        return SamplingParams(**values)
-
-
-FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are int64 (sample i of n uses seed + i)
 
 
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
+def _check(ok: bool, owner: str, name: str, value: object, rule: str) -> None:
     if not ok:
         shown = repr(value)
-        raise ValueError(f"SamplingParams.{name} {rule}, got {shown[:80]}{'...' if len(shown) > 80 else ''}")
+        where = f"{owner}.{name}" if owner else name
+        raise ValueError(f"{where} {rule}, got {shown[:80]}{'...' if len(shown) > 80 else ''}")
 
 
 def _is_int(value: object) -> bool:
@@ -370,36 +193,68 @@ def _text(value: object) -> bool:
     return True
 
 
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    if stop is None:
+# Validators: each checks one field's value after its converter ran and names the field and its class.
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _rule(ok: Callable[[Any], bool], rule: str) -> Validator:
+    def validate(owner: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        _check(ok(value), type(owner).__name__, attribute.name, value, rule)
+
+    return validate
+
+
+def _int_at_least(low: int, *, optional: bool = False) -> Validator:
+    rule = f"must be {'None or ' if optional else ''}an integer >= {low}"
+    return _rule(lambda v: (optional and v is None) or (_is_int(v) and v >= low), rule)
+
+
+def _number(ok: Callable[[float], bool], rule: str) -> Validator:
+    return _rule(lambda v: _real(v) and ok(v), rule)
+
+
+def _each(ok: Callable[[Any], bool], rule: str) -> Validator:
+    """For a tuple field: every entry passes `ok` (the first that does not is named)."""
+
+    def validate(owner: Any, attribute: attrs.Attribute[Any], values: tuple[Any, ...]) -> None:
+        for value in values:
+            _check(ok(value), type(owner).__name__, attribute.name, value, rule)
+
+    return validate
+
+
+_FLAG = _rule(lambda v: isinstance(v, bool), "must be True or False")
+
+# Converters: each turns what a user may pass into the type the field stores. A value of a wrong type
+# is passed on unchanged (or wrapped in a tuple) for the field's validator to name.
+
+
+def _float(value: float) -> float:
+    return float(value) if _real(value) else value
+
+
+def _top_k(value: int) -> int:
+    return 0 if _is_int(value) and value == -1 else value
+
+
+def _strings(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """None, one string, or a list of strings."""
+    if value is None:
         return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    _check(isinstance(stop, list | tuple), "stop", stop, "must be a string or a list of strings")
-    assert isinstance(stop, list | tuple)
-    for s in stop:
-        _check(_text(s), "stop", s, "entries must be non-empty strings of valid Unicode")
-    return tuple(stop)
+    items: Sequence[Any] = value if isinstance(value, list | tuple) else [value]
+    return tuple(items)
 
 
-def _token_ids(ids: object, name: str) -> tuple[int, ...]:
-    if ids is None:
+def _token_ids(value: Sequence[int] | None) -> tuple[int, ...]:
+    if value is None:
         return ()
-    _check(isinstance(ids, list | tuple), name, ids, "must be a list of token ids")
-    assert isinstance(ids, list | tuple)
-    for t in ids:
-        _check(_is_int(t) and 0 <= t <= SEED_MAX, name, t, "entries must be integers >= 0")
-    return tuple(ids)
+    _check(isinstance(value, list | tuple), "", "stop_token_ids", value, "must be a list of token ids")
+    return tuple(value)
 
 
-def _processors(fns: object) -> tuple[LogitsProcessor, ...]:
-    _check(isinstance(fns, list | tuple), "logits_processors", fns, "must be a list of callables")
-    assert isinstance(fns, list | tuple)
-    for fn in fns:
-        _check(
-            callable(fn), "logits_processors", fn, "entries must be callables (token_ids, logits) -> logits"
-        )
-    return tuple(fns)
+def _processors(value: Sequence[LogitsProcessor]) -> tuple[LogitsProcessor, ...]:
+    _check(isinstance(value, list | tuple), "", "logits_processors", value, "must be a list of callables")
+    return tuple(value)
 
 
 def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
@@ -407,11 +262,187 @@ def _enum(kind: type[StrEnum], value: object, name: str) -> Any:
         return kind(value) if isinstance(value, str) else kind[""]
     except (ValueError, KeyError):
         allowed = ", ".join(repr(k.value) for k in kind)
-        _check(False, name, value, f"must be one of {allowed}")
+        _check(False, "", name, value, f"must be one of {allowed}")
 
 
-@dataclass(frozen=True, slots=True)
-class BeamSearchParams:
+def _logprobs_mode(value: LogprobsMode | str) -> LogprobsMode:
+    return _enum(LogprobsMode, value, "logprobs_mode")
+
+
+def _output_kind(value: OutputKind | str) -> OutputKind:
+    return _enum(OutputKind, value, "output_kind")
+
+
+def _grammar_syntax(value: GrammarSyntax | str) -> GrammarSyntax:
+    return _enum(GrammarSyntax, value, "grammar_syntax")
+
+
+def _choice_selection(value: ChoiceSelection | str) -> ChoiceSelection:
+    return _enum(ChoiceSelection, value, "choice_selection")
+
+
+def _structured(rules: OutputRules) -> StructuredSpec | None:
+    return structured_spec(
+        rules.json_schema,
+        rules.json_object,
+        rules.regex,
+        rules.grammar,
+        rules.grammar_syntax,
+        rules.choice,
+        owner=type(rules).__name__,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class OutputRules:
+    """What ends a completion and what it may contain: the fields `SamplingParams` and
+    `BeamSearchParams` share. `structured` is the one output constraint, normalised."""
+
+    ignore_eos: bool = attrs.field(default=False, validator=_FLAG)
+    stop: tuple[str, ...] = attrs.field(
+        default=None,
+        converter=_strings,
+        validator=_each(_text, "entries must be non-empty strings of valid Unicode"),
+    )
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=None,
+        converter=_token_ids,
+        validator=_each(lambda t: _is_int(t) and 0 <= t <= SEED_MAX, "entries must be integers >= 0"),
+    )
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_FLAG)
+    skip_special_tokens: bool = attrs.field(default=True, validator=_FLAG)
+    json_schema: Any = None
+    json_object: bool = attrs.field(default=False, validator=_FLAG)
+    regex: str | None = None
+    grammar: str | None = None
+    grammar_syntax: GrammarSyntax = attrs.field(default=GrammarSyntax.AUTO, converter=_grammar_syntax)
+    choice: Sequence[str] | None = None
+    structured: StructuredSpec | None = attrs.field(
+        init=False, repr=False, default=attrs.Factory(_structured, takes_self=True)
+    )
+
+
+@attrs.frozen
+class SamplingParams(OutputRules):
+    """How to sample one request. Every field is checked here; a bad value raises `ValueError`
+    that names the field.
+
+    `temperature=0` is greedy decoding. `top_k=0` (or -1) and `top_p=1` disable those filters.
+    `seed` makes a request reproducible whatever else runs in the same batch. `best_of=m` samples
+    m completions sharing the prompt and returns the `n` with the highest cumulative logprob.
+    `stop` and `stop_token_ids` take one value or a list; they are stored as tuples.
+    """
+
+    n: int = attrs.field(default=1, validator=_int_at_least(1))
+    best_of: int | None = attrs.field(default=None, validator=_int_at_least(1, optional=True))
+    temperature: float = attrs.field(
+        default=1.0,
+        converter=_float,
+        validator=_number(lambda t: t >= 0.0, "must be a finite number >= 0 (0 means greedy)"),
+    )
+    top_p: float = attrs.field(
+        default=1.0, converter=_float, validator=_number(lambda p: 0.0 < p <= 1.0, "must be in (0, 1]")
+    )
+    top_k: int = attrs.field(
+        default=0,
+        converter=_top_k,
+        validator=_rule(lambda k: _is_int(k) and k >= 0, "must be -1 or 0 (disabled) or a positive count"),
+    )
+    min_p: float = attrs.field(
+        default=0.0, converter=_float, validator=_number(lambda p: 0.0 <= p <= 1.0, "must be in [0, 1]")
+    )
+    repetition_penalty: float = attrs.field(
+        default=1.0, converter=_float, validator=_number(lambda p: p > 0.0, "must be a finite number > 0")
+    )
+    presence_penalty: float = attrs.field(
+        default=0.0, converter=_float, validator=_number(lambda p: -2.0 <= p <= 2.0, "must be in [-2, 2]")
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0, converter=_float, validator=_number(lambda p: -2.0 <= p <= 2.0, "must be in [-2, 2]")
+    )
+    seed: int | None = None  # checked with best_of in __attrs_post_init__
+    max_tokens: int | None = attrs.field(default=16, validator=_int_at_least(1, optional=True))
+    min_tokens: int = attrs.field(default=0, validator=_int_at_least(0))
+    logprobs: int | None = attrs.field(default=None, validator=_int_at_least(0, optional=True))
+    logprobs_mode: LogprobsMode = attrs.field(default=LogprobsMode.RAW, converter=_logprobs_mode)
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_int_at_least(0, optional=True))
+    output_kind: OutputKind = attrs.field(default=OutputKind.CUMULATIVE, converter=_output_kind)
+    logits_processors: tuple[LogitsProcessor, ...] = attrs.field(
+        default=(),
+        converter=_processors,
+        validator=_each(callable, "entries must be callables (token_ids, logits) -> logits"),
+    )
+    choice_selection: ChoiceSelection = attrs.field(
+        default=ChoiceSelection.GREEDY, converter=_choice_selection
+    )
+    fast_forward: bool = attrs.field(default=True, validator=_FLAG)
+
+    def __attrs_post_init__(self) -> None:
+        """The rules that tie two fields together."""
+        owner = "SamplingParams"
+        _check(
+            self.best_of is None or self.best_of >= self.n,
+            owner,
+            "best_of",
+            self.best_of,
+            f"must be None or an integer >= n ({self.n})",
+        )
+        _check(
+            self.seed is None
+            or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX - self.num_samples),
+            owner,
+            "seed",
+            self.seed,
+            f"must be None or an integer in [{SEED_MIN}, {SEED_MAX} - best_of]",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            owner,
+            "min_tokens",
+            self.min_tokens,
+            f"must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.choice_selection == ChoiceSelection.GREEDY or self.choice is not None,
+            owner,
+            "choice_selection",
+            self.choice_selection.value,
+            "'exact' needs a `choice` list to select from",
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the request runs: `best_of`, or `n`."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def exact_choice(self) -> bool:
+        return self.choice_selection == ChoiceSelection.EXACT
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return attrs.evolve(self, **changes)
+
+
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@attrs.frozen
+class BeamSearchParams(OutputRules):
     """Beam search: keep the `beam_width` most probable partial sequences, extend each by its most
     probable tokens, and return the `beam_width` best finished ones, best first.
 
@@ -425,62 +456,27 @@ class BeamSearchParams:
     grammar state, forked from its parent's.
     """
 
-    beam_width: int
-    max_tokens: int = 16
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    ignore_eos: bool = False
-    stop: Sequence[str] | str | None = None
-    stop_token_ids: Sequence[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    json_schema: Any = None
-    json_object: bool = False
-    regex: str | None = None
-    grammar: str | None = None
-    grammar_syntax: GrammarSyntax = GrammarSyntax.AUTO
-    choice: Sequence[str] | None = None
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, value: object, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"BeamSearchParams.{name} {rule}, got {value!r}")
-
-        check(
-            _is_int(self.beam_width) and self.beam_width >= 1, "beam_width", self.beam_width, "must be >= 1"
-        )
-        check(_real(self.length_penalty), "length_penalty", self.length_penalty, "must be a finite number")
-        check(
-            self.early_stopping in (True, False, "never"),
-            "early_stopping",
-            self.early_stopping,
-            "must be True, False or 'never'",
-        )
-        try:
-            self.sampling_params(2)
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("SamplingParams.", "BeamSearchParams.", 1)) from None
+    beam_width: int = attrs.field(validator=_int_at_least(1))
+    max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
+    length_penalty: float = attrs.field(
+        default=1.0, converter=_float, validator=_number(lambda _: True, "must be a finite number")
+    )
+    early_stopping: bool | str = attrs.field(
+        default=False,
+        validator=_rule(lambda v: v in (True, False, "never"), "must be True, False or 'never'"),
+    )
 
     def sampling_params(self, num_candidates: int) -> SamplingParams:
         """The parameters of each beam: greedy, with the top `num_candidates` logprobs of the tokens
         it may take (MASKED: the model's logprobs where the constraint allows), every token sampled
         (no fast-forward: a forced token's logprob counts in the score too)."""
+        shared = {a.name: getattr(self, a.name) for a in attrs.fields(OutputRules) if a.init}
         return SamplingParams(
+            **shared,
             temperature=0.0,
             max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
             logprobs=num_candidates,
             logprobs_mode=LogprobsMode.MASKED,
             output_kind=OutputKind.FINAL_ONLY,
-            json_schema=self.json_schema,
-            json_object=self.json_object,
-            regex=self.regex,
-            grammar=self.grammar,
-            grammar_syntax=self.grammar_syntax,
-            choice=self.choice,
             fast_forward=False,
         )

@@ -141,7 +141,7 @@ class BeamSearch:
 
     def _ends(self, beam: Sequence, token: int) -> bool:
         params = self.params
-        if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return True
         return self.num_generated + 1 >= params.max_tokens or beam.num_tokens + 1 >= self.max_model_len
 

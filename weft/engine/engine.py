@@ -195,7 +195,7 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
                 f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"

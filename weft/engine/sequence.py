@@ -128,7 +128,7 @@ class Sequence:
         seed: int,
         tokenizer: Tokenizer,
     ) -> Sequence:
-        stop_ids = frozenset(params.stop_token_ids or ()) | (
+        stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else limits.eos_token_ids
         )
         max_num_tokens = limits.max_model_len
@@ -375,7 +375,7 @@ class Sequence:
             num_output = num_tokens - len(self.prompt_token_ids)
             if num_output >= self.params.min_tokens:
                 stop_tokens = self.params.stop_token_ids
-                return self.finish(FinishReason.STOP, stop_reason=last if last in stop_tokens else None)  # type: ignore[operator]
+                return self.finish(FinishReason.STOP, stop_reason=last if last in stop_tokens else None)
         if num_tokens >= self.max_num_tokens:
             return self.finish(FinishReason.LENGTH)
         if grammar_done:

@@ -37,7 +37,7 @@ class TextState:
     ) -> TextState:
         return cls(
             new_detokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
-            StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
 
     def fork(self) -> TextState:

@@ -234,9 +234,7 @@ def _banned_until_min_tokens(
     for i in candidates:
         r = requests[i]
         if r.num_output_tokens < r.params.min_tokens:
-            stop_ids = set(r.params.stop_token_ids or ()) | (
-                set() if r.params.ignore_eos else r.eos_token_ids
-            )
+            stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else r.eos_token_ids)
             rows.extend([i] * len(stop_ids))
             tokens.extend(stop_ids)
     if not rows:
