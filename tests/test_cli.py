@@ -213,3 +213,49 @@ def test_bench_sampling_compares_both_kernel_sets(tmp_path):
     results = json.loads(out.read_text())
     assert len(results) == 2 * 7 and all(r["same_tokens"] for r in results)
     assert all(r["tensor_ops_ms"] > 0 and r["kernel_set_ms"] > 0 for r in results)
+
+
+def _subcommand(parser, name):
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    return commands.choices[name]
+
+
+def test_every_engine_option_is_a_command_line_option_of_serve_generate_and_score():
+    """The engine's options are said once (EngineArgs); serve, generate and score read them back
+    into the same EngineArgs, field by field."""
+    from dataclasses import fields
+
+    from weft.engine.args import EngineArgs, engine_options
+
+    parser = build_parser()
+    argv = [
+        "--model", "m", "--dtype", "bfloat16", "--max-num-seqs", "3", "--kv-cache-memory-gb", "0.5",
+        "--no-enable-prefix-caching", "--async-scheduling", "--matmul-precision", "float32",
+    ]  # fmt: skip
+    expected = {
+        "model": "m", "dtype": "bfloat16", "max_num_seqs": 3, "kv_cache_memory_gb": 0.5,
+        "enable_prefix_caching": False, "async_scheduling": True, "matmul_precision": "float32",
+    }  # fmt: skip
+    commands = (("serve", [], ()), ("generate", ["p"], ("seed",)), ("score", ["p"], ("seed",)))
+    for command, head, exclude in commands:
+        tail = ["--option", "x"] if command == "score" else []
+        args = parser.parse_args([command, *head, *argv, *tail])
+        options = engine_options(args, exclude)
+        cli_names = {f.name for f in fields(EngineArgs) if "help" in f.metadata} - set(exclude)
+        assert set(options) == cli_names
+        for name, value in expected.items():
+            assert options[name] == value, (command, name)
+        defaults = EngineArgs(**{n: v for n, v in options.items() if n not in expected})
+        assert defaults == EngineArgs()  # every other option keeps EngineArgs' default
+        help_text = _subcommand(parser, command).format_help()
+        for name in cli_names:
+            assert "--" + name.replace("_", "-") in help_text
+
+
+def test_llm_rejects_an_unknown_engine_option_and_lists_the_known_ones():
+    import pytest
+
+    from weft import LLM
+
+    with pytest.raises(TypeError, match=r"gpu_memory_utilization.*max_num_seqs"):
+        LLM(gpu_memory_utilization=0.9)

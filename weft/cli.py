@@ -124,9 +124,6 @@ def _add_bench(commands: Any) -> None:
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory or model id (default: the bundled model)"
-    )
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
@@ -178,36 +175,27 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     constraint.add_argument(
         "--no-fast-forward", action="store_true", help="sample every token, even those the grammar forces"
     )
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
-    _add_matmul_precision(p)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    _add_engine_options(p)
+
+
+# `--seed` of generate and score is the request's; the engine's stays at its default
+NOT_ENGINE_OPTIONS = ("seed",)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    from weft.engine.args import add_engine_arguments
+
+    add_engine_arguments(
+        p.add_argument_group("engine options (the keyword arguments of LLM)"), exclude=NOT_ENGINE_OPTIONS
+    )
 
 
 def _load_llm(args: argparse.Namespace) -> LLM:
-    """The LLM of a command's --model, --dtype, --device, --matmul-precision and --quantization."""
+    """The LLM of a command's engine options."""
     from weft import LLM
+    from weft.engine.args import engine_options
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        matmul_precision=args.matmul_precision,
-        quantization=args.quantization,
-    )
-
-
-def _add_matmul_precision(p: argparse.ArgumentParser) -> None:
-    """--matmul-precision and --quantization: how the linear layers run."""
-    from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
-    from weft.model.quantize import QUANTIZATIONS
-
-    p.add_argument("--matmul-precision", default=None, choices=MATMUL_PRECISIONS, help=MATMUL_PRECISION_HELP)
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATIONS,
-        help="CPU: quantize a float checkpoint's matrices as it loads (q8_0: llama.cpp's Q8_0 blocks)",
-    )
+    return LLM(**engine_options(args, exclude=NOT_ENGINE_OPTIONS))
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
@@ -243,10 +231,7 @@ def run_quantize(args: argparse.Namespace) -> int:
 def _add_score(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("--option", action="append", required=True, help="an option to score (repeatable)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
-    _add_matmul_precision(p)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    _add_engine_options(p)
 
 
 def run_score(args: argparse.Namespace) -> int:

@@ -6,12 +6,14 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from weft.engine.args import EngineArgs
 from weft.engine.beam import beam_score
-from weft.engine.factory import EngineArgs, build_engine, default_model_path
+from weft.engine.factory import build_engine, default_model_path
 from weft.model.prefill_gemm import NEVER
 from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, RequestOutput
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
@@ -60,50 +62,11 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        tokenizer: str | Path | None = None,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        enable_prefix_caching: bool = True,
-        max_logprobs: int = 20,
-        seed: int = 0,
-        show_progress: bool = True,
-        enforce_eager: bool = False,
-        async_scheduling: bool | None = None,
-        matmul_precision: str | None = None,
-        quantization: str | None = None,
-    ) -> None:
-        self.engine = build_engine(
-            EngineArgs(
-                model=model,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-                enable_prefix_caching=enable_prefix_caching,
-                max_logprobs=max_logprobs,
-                seed=seed,
-                show_progress=show_progress,
-                enforce_eager=enforce_eager,
-                async_scheduling=async_scheduling,
-                matmul_precision=matmul_precision,
-                quantization=quantization,
-            )
-        )
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        """`model`: a checkpoint directory, a GGUF file or a Hugging Face model id (None: the
+        bundled model). `options`: the fields of `EngineArgs` (weft/engine/args.py), e.g. `dtype`,
+        `device`, `max_model_len`, `max_num_seqs`, `kv_cache_memory_gb`, `matmul_precision`."""
+        self.engine = build_engine(EngineArgs.of(model, options))
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self.router = OutputRouter()

@@ -197,7 +197,7 @@ def _healthy(port: int) -> bool:
 
 def _start_server(path: str, port: int, max_seqs: int, budget: int | None) -> subprocess.Popen:
     command = [sys.executable, "-m", "weft", "serve", "--model", path, "--port", str(port)]
-    command += ["--max-num-seqs", str(max_seqs), "--no-prefix-caching", "--log-level", "warning"]
+    command += ["--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching", "--log-level", "warning"]
     if budget is not None:
         command += ["--max-num-batched-tokens", str(budget)]
     env = {k: v for k, v in os.environ.items() if k != "WEFT_API_KEY"}

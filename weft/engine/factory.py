@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,7 @@ from weft.config import (
     resolve_device,
     resolve_dtype,
 )
+from weft.engine.args import EngineArgs
 from weft.engine.engine import LLMEngine
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import settle_heap
@@ -43,34 +44,6 @@ from weft.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineArgs:
-    """The user-facing options of an engine (the keyword arguments of `LLM`)."""
-
-    model: str | Path | None = None  # None: the bundled model; a directory, a .gguf file or a model id
-    tokenizer: str | Path | None = None  # a tokenizer directory; None: the model's own
-    dtype: str | torch.dtype | None = None  # "auto": the checkpoint's, where the device runs it fast
-    device: str | torch.device | None = None
-    max_model_len: int | None = None  # the model's maximum, capped at DEFAULT_MAX_MODEL_LEN
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None  # 2 GiB on CPU, half the free memory on CUDA
-    enable_prefix_caching: bool = True
-    max_logprobs: int = 20
-    seed: int = 0
-    show_progress: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs, every step eager
-    async_scheduling: bool | None = None  # None: on CUDA only (weft/engine/lookahead.py)
-    # "auto", "float32", "bfloat16" or "int8": what the linear layers' products multiply in on CPU
-    # (`TorchKernels.matmul_dtype`; "auto": int8 for a GGUF file's quantized matrices, bfloat16 for
-    # bfloat16 weights where the CPU has AVX512_BF16)
-    matmul_precision: str | None = None
-    # "q8_0" or "q4_k": quantize a float checkpoint's matrices as it loads (CPU; weft/model/quantize.py)
-    quantization: str | None = None
 
 
 def kernels_for(device: torch.device) -> TorchKernels:
