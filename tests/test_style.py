@@ -73,6 +73,43 @@ def test_core_modules_import_no_package_above_them(module):
         assert not imported.startswith(tuple(ABOVE_CORE)), f"weft/{module} imports {imported}"
 
 
+def module_graph() -> dict[str, set[str]]:
+    """weft's modules -> the weft modules each imports (anywhere in it, TYPE_CHECKING blocks and
+    imports inside functions included)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+    modules = {name.removesuffix(".__init__"): path for name, path in paths.items()}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:  # `from weft.engine import group` imports weft.engine.group
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = module_graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = path[path.index(module) :] + [module]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
 MAX_FUNCTION_LINES = 60
 
 

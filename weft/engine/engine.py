@@ -244,7 +244,7 @@ class LLMEngine:
         stays = False
         if launched is not None:
             self.scheduler.advance(launched.sched)  # after `previous`: its tokens are on the host
-            stays = self.config.async_scheduling and can_stay_in_flight(launched)
+            stays = self.config.async_scheduling and can_stay_in_flight(launched, self.groups)
             if not stays:
                 touched += self._resolve(launched)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
@@ -258,6 +258,10 @@ class LLMEngine:
             self.in_flight = launched
         return outputs
 
+    def _group_of(self, seq: Sequence) -> SequenceGroup | None:
+        """The group of a request's sequence (None: not a request's, or its request is gone)."""
+        return None if seq.request_id is None else self.groups.get(seq.request_id)
+
     def _fail_unschedulable(self) -> list[SequenceGroup]:
         """Nothing runs and the next waiting sequence still gets no blocks: the rest of the cache
         is held by sequences that wait themselves (beams parked for their siblings, forks), so no
@@ -268,7 +272,7 @@ class LLMEngine:
             for i, g in enumerate(self.groups.values())
         ]
         most = max(parked, default=(0, 0, None), key=lambda item: item[:2])
-        group = most[2] if most[0] > 0 else self.scheduler.waiting[0].group
+        group = most[2] if most[0] > 0 else self._group_of(self.scheduler.waiting[0])
         if group is None:  # not a request's sequence: nothing to fail it with
             return []
         message = (
@@ -340,7 +344,8 @@ class LLMEngine:
             offset += span.count
         self.num_sampled_tokens += len(launched.seqs) - len(rows.errors)
         self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
-        return [item.seq.group for item in launched.sched.scheduled if item.seq.group is not None]
+        groups = (self._group_of(item.seq) for item in launched.sched.scheduled)
+        return [g for g in groups if g is not None]
 
     def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:
         """Sequences that draw their first token from a row of this step (see `Fanout`), within
@@ -356,9 +361,10 @@ class LLMEngine:
             seq, parent_row = item.seq, row
             row += 1
             ends_prompt = seq.num_computed_tokens + item.num_new_tokens == len(seq.prompt_token_ids)
-            if not ends_prompt or room <= 0 or seq.group is None:
+            group = self._group_of(seq) if ends_prompt and room > 0 else None
+            if group is None:
                 continue
-            children = seq.group.policy.take_fanout(seq, room)
+            children = group.policy.take_fanout(seq, room)
             if children:
                 fanouts.append(Fanout(seq, parent_row, children, next_row))
                 next_row += len(children)

@@ -160,7 +160,7 @@ class SequenceGroup:
 
     def add(self, sequences: list[Sequence]) -> None:
         for seq in sequences:
-            seq.group = self
+            seq.request_id = self.request_id
         self.sequences.extend(sequences)
 
     def remove(self, seq: Sequence) -> None:

@@ -20,12 +20,15 @@ known tokens' logprobs ride on the step (prompt logprobs, forced tokens).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from weft.engine.group import SequenceGroup
 from weft.engine.launch import Launched
 from weft.engine.runner import InFlightTokens
 from weft.engine.sequence import FIRST_FINISHED
 
 
-def can_stay_in_flight(launched: Launched) -> bool:
+def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) -> bool:
     """Whether the next step can be scheduled before this one's tokens are on the host: no row needs
     its token on the host first, and some row still runs (its sequence not finished by the step
     read back before it)."""
@@ -43,7 +46,8 @@ def can_stay_in_flight(launched: Launched) -> bool:
             or params.logits_processors
         ):
             return False
-        if seq.group is None or not seq.group.policy.allows_lookahead():
+        group = groups.get(seq.request_id) if seq.request_id is not None else None
+        if group is None or not group.policy.allows_lookahead():
             return False
         running = running or seq.status < FIRST_FINISHED
     return running

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
-from typing import TYPE_CHECKING
 
 from weft.engine.positions import PositionOutputs
 from weft.engine.text_state import TextState
@@ -21,9 +20,6 @@ from weft.outputs import CompletionOutput, PositionLogprobs
 from weft.params import OutputKind, SamplingParams
 from weft.structured.grammar import GrammarMatcher
 from weft.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from weft.engine.group import SequenceGroup
 
 
 class FinishReason(StrEnum):
@@ -88,7 +84,7 @@ class Sequence:
     seed: int  # the request's seed (+ index), or one drawn for it: randomness is keyed by (seed, position)
     text_state: TextState
     token_ids: list[int]
-    group: SequenceGroup | None = None
+    request_id: str | None = None  # its request's id (its group's, weft/engine/group.py); None: none
     matcher: GrammarMatcher | None = None
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
