@@ -12,7 +12,7 @@ from weft import ops
 from weft.engine.factory import kernels_for
 from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.params import SamplingParams
-from weft.sample.sampler import Sampler, SamplingBatch
+from weft.sample.sampler import Sampler, SamplingBatch, SamplingColumns
 
 VOCAB = 12
 NUM_DRAWS = 20000
@@ -267,8 +267,13 @@ def test_only_the_rows_that_ask_get_logprobs():
 
 
 def _assert_same_batch(a: SamplingBatch, b: SamplingBatch) -> None:
+    for name in SamplingColumns.__dataclass_fields__:
+        x, y = getattr(a.columns, name), getattr(b.columns, name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
     for name in SamplingBatch.__dataclass_fields__:
         x, y = getattr(a, name), getattr(b, name)
+        if name == "columns":
+            continue
         if isinstance(x, torch.Tensor):
             assert torch.equal(x, y), name
         elif name == "penalties" and x is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -57,8 +57,9 @@ class Penalties:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingBatch:
-    """Per-row sampling parameters of one step, as tensors, with flags for the fast paths."""
+class SamplingColumns:
+    """The per-row sampling parameters of a batch as tensors, with flags for the fast paths: what
+    stays the same while the same sequences run in the same order."""
 
     temperature: torch.Tensor  # [B] float32, 1 for greedy rows (they take the argmax)
     is_greedy: torch.Tensor  # [B] bool
@@ -67,10 +68,6 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [B] float32; None when no row uses it
     min_p: torch.Tensor | None  # [B] float32; None when no row uses it
     seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64, index of the token being sampled
-    penalties: Penalties | None
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (row idx, token id) [N] int64 each: min_tokens
-    processors: list[tuple[int, Sequence[LogitsProcessor], list[int]]]  # (row, fns, output token ids)
     all_greedy: bool
     scales: bool  # some sampled row has a temperature other than 1
     num_top_logprobs: int | None  # max top-n over rows; None when no row wants logprobs
@@ -78,6 +75,52 @@ class SamplingBatch:
     logprob_index: torch.Tensor | None  # [R] int64 of those rows; None when R == B
     processed_rows: torch.Tensor | None  # [R] bool, which of them want PROCESSED logprobs
     masked_rows: torch.Tensor | None  # [R] bool, which of them want MASKED logprobs
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], seeds: list[int], vocab_size: int, device: torch.device
+    ) -> SamplingColumns:
+        greedy = [p.is_greedy for p in params]
+
+        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+            return _column(values, dtype, device)
+
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
+        processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
+        masked = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.MASKED for p in params]
+        return cls(
+            temperature=column([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+            is_greedy=column(greedy, torch.bool),
+            top_k=column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
+            max_top_k=min(vocab_size, max(k if k > 0 else vocab_size for k in top_k)) if top_k else 0,
+            top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            min_p=column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
+            seeds=column(seeds, torch.int64),
+            all_greedy=all(greedy),
+            scales=any(not p.is_greedy and p.temperature != 1.0 for p in params),
+            num_top_logprobs=max(wanted) if wanted else None,
+            logprob_rows=logprob_rows,
+            logprob_index=column(logprob_rows, torch.int64) if 0 < len(logprob_rows) < len(params) else None,
+            processed_rows=column([processed[i] for i in logprob_rows], torch.bool)
+            if any(processed)
+            else None,
+            masked_rows=column([masked[i] for i in logprob_rows], torch.bool) if any(masked) else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """One step's sampling parameters: the per-row columns and what changes every step."""
+
+    columns: SamplingColumns
+    positions: torch.Tensor  # [B] int64, index of the token being sampled
+    penalties: Penalties | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (row idx, token id) [N] int64 each: min_tokens
+    processors: list[tuple[int, Sequence[LogitsProcessor], list[int]]]  # (row, fns, output token ids)
 
     @classmethod
     def build(
@@ -91,7 +134,7 @@ class SamplingBatch:
         that do not change while the same sequences run."""
         static = static or StaticColumns.build(requests, vocab_size, device)
         return cls(
-            **static.columns,
+            columns=static.columns,
             positions=_column([r.num_tokens for r in requests], torch.int64, device),
             penalties=_penalties(requests, static, vocab_size, device),
             banned=_banned_until_min_tokens(requests, static.min_tokens_rows, device),
@@ -104,10 +147,10 @@ class SamplingBatch:
 
 @dataclass(frozen=True, slots=True)
 class StaticColumns:
-    """The per-row parameter tensors and flags of a batch that stay the same while the same
-    sequences run in the same order (the steady decoding state)."""
+    """What a batch keeps while the same sequences run in the same order (the steady decoding
+    state): the columns, and what the per-step parts are built from."""
 
-    columns: dict[str, Any]  # SamplingBatch fields
+    columns: SamplingColumns
     min_tokens_rows: tuple[int, ...]  # the rows with a min_tokens (EOS and stop tokens banned below it)
     processor_rows: tuple[int, ...]  # the rows with logits processors
     prompt_ids: torch.Tensor | None  # [B, Lp] int64 padded with V, for the penalties; None if unused
@@ -116,40 +159,7 @@ class StaticColumns:
     @classmethod
     def build(cls, requests: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> StaticColumns:
         params = [r.params for r in requests]
-        greedy = [p.is_greedy for p in params]
-
-        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return _column(values, dtype, device)
-
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
-        processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
-        masked = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.MASKED for p in params]
-        columns = {
-            "temperature": column(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)], torch.float32
-            ),
-            "is_greedy": column(greedy, torch.bool),
-            "top_k": column(top_k, torch.int64) if any(k > 0 for k in top_k) else None,
-            "max_top_k": min(vocab_size, max(k if k > 0 else vocab_size for k in top_k)) if top_k else 0,
-            "top_p": column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            "min_p": column(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            "seeds": column([r.seed for r in requests], torch.int64),
-            "all_greedy": all(greedy),
-            "scales": any(not g and p.temperature != 1.0 for g, p in zip(greedy, params, strict=True)),
-            "num_top_logprobs": max(wanted) if wanted else None,
-            "logprob_rows": logprob_rows,
-            "logprob_index": column(logprob_rows, torch.int64)
-            if 0 < len(logprob_rows) < len(params)
-            else None,
-            "processed_rows": column([processed[i] for i in logprob_rows], torch.bool)
-            if any(processed)
-            else None,
-            "masked_rows": column([masked[i] for i in logprob_rows], torch.bool) if any(masked) else None,
-        }
+        columns = SamplingColumns.build(params, [r.seed for r in requests], vocab_size, device)
         min_tokens_rows = tuple(i for i, p in enumerate(params) if p.min_tokens > 0)
         processor_rows = tuple(i for i, p in enumerate(params) if p.logits_processors)
         return cls(columns, min_tokens_rows, processor_rows, *_penalty_statics(requests, vocab_size, device))
@@ -164,11 +174,11 @@ def _penalty_statics(
     prompt = _pad(
         [r.prompt_token_ids if a else [] for r, a in zip(requests, active, strict=True)], vocab_size, device
     )
-    scales = tuple(
+    repetition, presence, frequency = (
         _column([getattr(r.params, name) for r in requests], torch.float32, device)
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
     )
-    return prompt, scales  # type: ignore[return-value]
+    return prompt, (repetition, presence, frequency)
 
 
 class SamplingBatchBuilder:
@@ -276,7 +286,7 @@ class Sampler:
         if mask is not None:
             mask.apply(logits)
             if raw is not None:
-                allowed = _rows(logits, batch.logprob_index) > float("-inf")  # [R, V]
+                allowed = _rows(logits, batch.columns.logprob_index) > float("-inf")  # [R, V]
                 on_allowed = torch.logsumexp(raw.masked_fill(~allowed, float("-inf")), dim=-1)
                 logmass = on_allowed - torch.logsumexp(raw, dim=-1)
         if batch.banned is not None:
@@ -285,8 +295,8 @@ class Sampler:
         if batch.penalties is not None:
             p = batch.penalties
             ops.apply_penalties(logits, p.prompt_ids, p.output_ids, p.repetition, p.presence, p.frequency)
-        if batch.scales:
-            logits = logits / batch.temperature[:, None]
+        if batch.columns.scales:
+            logits = logits / batch.columns.temperature[:, None]
         logits = self._filter(logits, batch)
         token_ids = self._sample(logits, batch)
         out = self._gather(logits, raw, token_ids, batch, logmass)
@@ -298,10 +308,10 @@ class Sampler:
     ) -> torch.Tensor | None:
         """[R, V] the logits of the rows that want logprobs as the model gave them, or None. The
         steps that change logits in place (mask, banned tokens, processors, penalties) get a copy."""
-        if batch.num_top_logprobs is None:
+        if batch.columns.num_top_logprobs is None:
             return None
-        if batch.logprob_index is not None:
-            return logits.index_select(0, batch.logprob_index)  # a copy already
+        if batch.columns.logprob_index is not None:
+            return logits.index_select(0, batch.columns.logprob_index)  # a copy already
         in_place = (
             mask is not None or batch.banned is not None or batch.processors or batch.penalties is not None
         )
@@ -327,23 +337,23 @@ class Sampler:
         return errors
 
     def _filter(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.top_k is not None:
-            logits = ops.apply_top_k(logits, batch.top_k, batch.max_top_k)
-        if batch.top_p is not None:
-            logits = self.kernels.top_p_filter(logits, batch.top_p)
-        if batch.min_p is not None:
-            logits = ops.apply_min_p(logits, batch.min_p)
+        if batch.columns.top_k is not None:
+            logits = ops.apply_top_k(logits, batch.columns.top_k, batch.columns.max_top_k)
+        if batch.columns.top_p is not None:
+            logits = self.kernels.top_p_filter(logits, batch.columns.top_p)
+        if batch.columns.min_p is not None:
+            logits = ops.apply_min_p(logits, batch.columns.min_p)
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V] -> [B] int64, `INVALID_TOKEN` on rows that are not finite."""
         maxima, greedy = logits.max(dim=-1)  # [B] each; a NaN row's maximum is NaN
         invalid = maxima.isnan() | (maxima == float("-inf"))  # [B] bool
-        if batch.all_greedy:
+        if batch.columns.all_greedy:
             chosen = greedy
         else:
-            sampled = self.kernels.gumbel_argmax(logits, batch.seeds, batch.positions)
-            chosen = torch.where(batch.is_greedy, greedy, sampled)
+            sampled = self.kernels.gumbel_argmax(logits, batch.columns.seeds, batch.positions)
+            chosen = torch.where(batch.columns.is_greedy, greedy, sampled)
         return chosen.masked_fill(invalid, INVALID_TOKEN)
 
     def _gather(
@@ -354,13 +364,15 @@ class Sampler:
         batch: SamplingBatch,
         logmass: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        if batch.num_top_logprobs is None or raw is None:
+        if batch.columns.num_top_logprobs is None or raw is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-        valid_ids = _rows(token_ids, batch.logprob_index).clamp(min=0)  # an invalid row is never read
+        valid_ids = _rows(token_ids, batch.columns.logprob_index).clamp(min=0)  # an invalid row is never read
         source, norm = raw, None  # [R, V] and [R]: logprobs are source - norm (None: its log-softmax)
-        if batch.processed_rows is not None or batch.masked_rows is not None:
+        if batch.columns.processed_rows is not None or batch.columns.masked_rows is not None:
             source, norm = self._mixed_modes(logits, raw, batch)
-        ids, values, ranks = self.kernels.row_logprobs(source, valid_ids, batch.num_top_logprobs, norm)
+        ids, values, ranks = self.kernels.row_logprobs(
+            source, valid_ids, batch.columns.num_top_logprobs, norm
+        )
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=values[:, 0],
@@ -368,7 +380,7 @@ class Sampler:
                 token_ids=ids,
                 logprobs=values,
                 ranks=ranks,
-                rows=batch.logprob_rows,
+                rows=batch.columns.logprob_rows,
                 constraint_logmass=logmass,
             ),
         )
@@ -380,15 +392,15 @@ class Sampler:
         """Per row, the logits whose logprobs are reported and their log-normalizer: raw rows the
         model's own; PROCESSED rows the distribution sampled from (after every step above); MASKED
         rows the raw logprobs with -inf for the tokens that could not be sampled (not renormalized)."""
-        final = _rows(logits, batch.logprob_index)  # [R, V]
+        final = _rows(logits, batch.columns.logprob_index)  # [R, V]
         source, norm = raw, torch.logsumexp(raw, dim=-1)  # [R, V], [R]
-        if batch.processed_rows is not None:
-            processed = batch.processed_rows
+        if batch.columns.processed_rows is not None:
+            processed = batch.columns.processed_rows
             source = torch.where(processed[:, None], final, source)
             norm = torch.where(processed, torch.logsumexp(final, dim=-1), norm)
-        if batch.masked_rows is not None:
+        if batch.columns.masked_rows is not None:
             masked = raw.masked_fill(final == float("-inf"), float("-inf"))
-            source = torch.where(batch.masked_rows[:, None], masked, source)
+            source = torch.where(batch.columns.masked_rows[:, None], masked, source)
         return source, norm
 
 
