@@ -132,10 +132,18 @@ def _prefer_token(token: int):
 
 
 def test_max_model_len_finishes_with_length(tiny_llama):
+    """Without max_tokens a request generates until the context is full; a max_tokens that does
+    not fit beside the prompt is an error naming both numbers (as vLLM), not a silent cut."""
     llm = LLM(str(tiny_llama), show_progress=False, max_model_len=32)
-    out = llm.generate([list(range(5, 25))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    prompt = [list(range(5, 25))]
+    out = llm.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].finish_reason == "length"
     assert len(out[0].prompt_token_ids) + len(out[0].outputs[0].token_ids) == 32
+    fits = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(fits[0].outputs[0].token_ids) == 12
+    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) plus max_tokens \(13\).*at most 12"):
+        llm.generate(prompt, SamplingParams(max_tokens=13, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_stream_deltas_add_up_to_generate(llm):

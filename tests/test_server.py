@@ -4,6 +4,7 @@ responses checked against the OpenAI OpenAPI spec."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -22,6 +23,7 @@ import openai
 import pytest
 import yaml
 from conftest import shared_data
+from pydantic import BaseModel, Field
 
 from weft import LLM, SamplingParams
 
@@ -529,7 +531,7 @@ def test_metrics_expose_engine_state_and_latency(server, client):
 
 
 def test_disconnect_mid_stream_frees_blocks_at_once(server):
-    body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with server.streaming("/v1/completions", body) as response:
         lines = response.iter_lines()
         next(lines)
@@ -588,3 +590,100 @@ def test_logit_bias_and_vllm_extras_reach_the_sampler(client, offline):
     params = SamplingParams(max_tokens=6, top_k=1, min_tokens=6, ignore_eos=True, repetition_penalty=1.2)
     (expected,) = offline.generate("ROMEO:", params)
     assert extras.choices[0].text == expected.outputs[0].text and extras.usage.completion_tokens == 6
+
+
+# ---- the contract at its edges: closed objects, strict mode, context limits ---------------------
+
+
+class PlainUser(BaseModel):  # no extra="forbid": objects left open by JSON Schema, closed by weft
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=99)
+    nick: str | None = Field(default=None, max_length=6)
+
+
+@pytest.mark.parametrize("strict", [None, True])
+def test_a_plain_pydantic_model_gives_no_extra_keys_and_strict_gives_every_key(client, strict):
+    json_schema: dict = {"name": "user", "schema": PlainUser.model_json_schema()}
+    if strict is not None:
+        json_schema["strict"] = strict
+    for seed in range(3):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A user, please."}],
+            max_tokens=120,
+            seed=seed,
+            temperature=1.0,
+            response_format={"type": "json_schema", "json_schema": json_schema},
+        )
+        document = json.loads(response.choices[0].message.content)
+        closed = {**PlainUser.model_json_schema(), "additionalProperties": False}
+        jsonschema.validate(document, closed)
+        PlainUser.model_validate(document)
+        if strict:
+            assert set(document) == {"name", "age", "nick"}
+
+
+def test_a_strict_tool_gets_every_argument(client):
+    tool = {
+        "type": "function",
+        "function": {"name": "make_user", "parameters": PlainUser.model_json_schema(), "strict": True},
+    }
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Make a user."}],
+        max_tokens=120,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "make_user"}},
+    )
+    (call,) = response.choices[0].message.tool_calls
+    assert set(json.loads(call.function.arguments)) == {"name", "age", "nick"}
+
+
+def test_the_server_option_keeps_json_schemas_open_meaning_unless_strict():
+    from weft.schema_objects import JsonSchemaMode
+    from weft.server.chat import _constraint
+    from weft.server.cli import add_arguments
+    from weft.server.protocol import ChatCompletionRequest
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).json_schema_mode == "closed"
+    assert parser.parse_args(["--json-schema-mode", "open"]).json_schema_mode == "open"
+    schema = PlainUser.model_json_schema()
+    for strict, mode, expected in [
+        (False, JsonSchemaMode.OPEN, JsonSchemaMode.OPEN),
+        (None, JsonSchemaMode.CLOSED, JsonSchemaMode.CLOSED),
+        (True, JsonSchemaMode.OPEN, JsonSchemaMode.STRICT),
+    ]:
+        spec = {"name": "u", "schema": schema, **({} if strict is None else {"strict": strict})}
+        body = ChatCompletionRequest(
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": spec},
+        )
+        constraint, _ = _constraint(body, mode)
+        assert constraint["json_schema_mode"] == expected
+        params = body.sampling_params(100, constraint)
+        assert ('"additionalProperties": false' in params.structured.value) == (expected != "open")
+
+
+def test_empty_messages_and_a_prompt_that_leaves_no_room_are_400_naming_the_field(server):
+    response = server.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    prompt = "x " * 470  # 940 tokens (more in a chat) of the bundled model's 1,024
+    for path, body, field in [
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 100}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 100},
+         "max_tokens"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": prompt}], "max_completion_tokens": 100},
+         "max_completion_tokens"),
+    ]:  # fmt: skip
+        response = server.post(path, {"model": MODEL, **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field
+        assert f"plus {field} (100)" in error["message"] and "max_model_len 1024" in error["message"]
+    unset = server.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    )
+    assert unset.status_code == 200 and unset.json()["choices"][0]["finish_reason"] == "length"

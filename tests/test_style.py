@@ -48,6 +48,7 @@ CORE = [
     "arrays.py",
     "config.py",
     "params.py",
+    "schema_objects.py",
     "outputs.py",
     "fields.py",
     "tokenizer.py",

@@ -12,6 +12,8 @@ from typing import Any
 import attrs
 import torch
 
+from weft.schema_objects import JsonSchemaMode, apply_mode
+
 # A third-party logits processor: (token ids so far, logits [V]) -> logits [V].
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
@@ -55,6 +57,7 @@ def structured_spec(
     grammar_syntax: GrammarSyntax | str = GrammarSyntax.AUTO,
     choice: Sequence[str] | None = None,
     owner: str = "SamplingParams",
+    json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
 ) -> StructuredSpec | None:
     """The one constraint among the given ones, or None. Raises ValueError, naming `owner`'s field,
     when several are given or one is malformed."""
@@ -72,7 +75,7 @@ def structured_spec(
     if len(given) > 1:
         raise ValueError(f"{owner} takes at most one output constraint, got {', '.join(given)}")
     if json_schema is not None:
-        return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema_text(json_schema, owner))
+        return StructuredSpec(StructuredKind.JSON_SCHEMA, _schema_text(json_schema, owner, json_schema_mode))
     if json_object:
         return StructuredSpec(StructuredKind.JSON_SCHEMA, '{"type": "object"}')
     if regex is not None:
@@ -107,8 +110,9 @@ def _grammar_kind(grammar: str, syntax: GrammarSyntax) -> StructuredKind:
     return StructuredKind.LARK
 
 
-def _schema_text(schema: Any, owner: str) -> str:
-    """A JSON Schema given as a dict, a JSON string or a Pydantic model class, as JSON text."""
+def _schema_text(schema: Any, owner: str, mode: JsonSchemaMode) -> str:
+    """A JSON Schema given as a dict, a JSON string or a Pydantic model class, as JSON text, its
+    objects closed as `mode` says (weft/schema_objects.py)."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     if isinstance(schema, str):
@@ -124,7 +128,8 @@ def _schema_text(schema: Any, owner: str) -> str:
         "must be a dict, a JSON string or a Pydantic model class",
     )
     try:
-        return json.dumps(schema)  # key order kept: it is the order of the generated properties
+        # key order kept: it is the order of the generated properties
+        return json.dumps(apply_mode(schema, mode))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{owner}.json_schema cannot be written as JSON: {exc}") from None
 
@@ -281,6 +286,10 @@ def _choice_selection(value: ChoiceSelection | str) -> ChoiceSelection:
     return _enum(ChoiceSelection, value, "choice_selection")
 
 
+def _json_schema_mode(value: JsonSchemaMode | str) -> JsonSchemaMode:
+    return _enum(JsonSchemaMode, value, "json_schema_mode")
+
+
 def _structured(rules: OutputRules) -> StructuredSpec | None:
     return structured_spec(
         rules.json_schema,
@@ -290,13 +299,18 @@ def _structured(rules: OutputRules) -> StructuredSpec | None:
         rules.grammar_syntax,
         rules.choice,
         owner=type(rules).__name__,
+        json_schema_mode=rules.json_schema_mode,
     )
 
 
 @attrs.frozen(kw_only=True)
 class OutputRules:
     """What ends a completion and what it may contain: the fields `SamplingParams` and
-    `BeamSearchParams` share. `structured` is the one output constraint, normalised."""
+    `BeamSearchParams` share. `structured` is the one output constraint, normalised.
+
+    `json_schema_mode`: "closed" (default) closes the objects of `json_schema` that do not say
+    `additionalProperties` (no keys beyond their `properties`), "strict" is OpenAI's strict mode
+    (every object closed, every property required), "open" keeps JSON Schema's meaning."""
 
     ignore_eos: bool = attrs.field(default=False, validator=_FLAG)
     stop: tuple[str, ...] = attrs.field(
@@ -317,6 +331,8 @@ class OutputRules:
     grammar: str | None = None
     grammar_syntax: GrammarSyntax = attrs.field(default=GrammarSyntax.AUTO, converter=_grammar_syntax)
     choice: Sequence[str] | None = None
+    # what a json_schema's objects may hold beyond their properties (weft/schema_objects.py)
+    json_schema_mode: JsonSchemaMode = attrs.field(default=JsonSchemaMode.CLOSED, converter=_json_schema_mode)
     structured: StructuredSpec | None = attrs.field(
         init=False, repr=False, default=attrs.Factory(_structured, takes_self=True)
     )

@@ -60,6 +60,25 @@ class AwaitingGrammar:
     grammar: Future[CompiledGrammar]
 
 
+class ContextOverflow(ValueError):
+    """A request's prompt and `max_tokens` do not fit in the model's context (as vLLM, an error
+    rather than a completion cut short without a word)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+        super().__init__(self.describe("max_tokens"))
+
+    def describe(self, field: str) -> str:
+        """The message, naming the request's own field for max_tokens."""
+        total = self.prompt_tokens + self.max_tokens
+        room = self.max_model_len - self.prompt_tokens
+        return (
+            f"the prompt ({self.prompt_tokens} tokens) plus {field} ({self.max_tokens}) is {total} tokens, "
+            f"more than the model's context (max_model_len {self.max_model_len}): shorten the prompt, "
+            f"set {field} to at most {room}, or leave it unset to generate until the context is full"
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
         self.config = config
@@ -192,6 +211,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; "
                 "shorten the prompt or raise max_model_len"
             )
+        max_tokens = None if params.exact_choice else params.max_tokens  # exact choice only scores
+        if max_tokens is not None and len(prompt_ids) + max_tokens > max_len:
+            raise ContextOverflow(len(prompt_ids), max_tokens, max_len)
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")

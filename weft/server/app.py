@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weft.engine.engine import LLMEngine
+from weft.schema_objects import JsonSchemaMode
 from weft.server.chat import Chat
 from weft.server.completions import Completions
 from weft.server.engine_loop import EngineLoop, QueueFull, now
@@ -38,12 +39,15 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_pending: int = 1024
     max_n: int = 128  # sequences per request (n, best_of)
+    # objects of a request's JSON Schema without `additionalProperties`: closed, or open (JSON
+    # Schema's meaning); a request's `strict: true` is OpenAI's strict mode either way
+    json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED
     engine_thread: bool = True  # False: the caller runs `app.state.engine_loop.run()` itself
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     loop = EngineLoop(engine, config.max_pending)
-    service = Service(loop, config.model_name, config.max_n)
+    service = Service(loop, config.model_name, config.max_n, config.json_schema_mode)
     completions, chat = Completions(service), Chat(service)
 
     @asynccontextmanager

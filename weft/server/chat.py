@@ -20,6 +20,7 @@ import jinja2
 
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
+from weft.schema_objects import JsonSchemaMode, apply_mode
 from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, Tool
 from weft.server.responses import ChunkWriter, chat_logprobs, finish_reason, sse, usage
@@ -40,14 +41,17 @@ class Chat:
     async def start(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ToolMode | None, str]:
         service = self.service
         service.check_model(body.model)
-        constraint, tool_mode = _constraint(body)
+        if not body.messages:
+            raise RequestError("messages is empty: give at least one message", "messages")
+        constraint, tool_mode = _constraint(body, service.json_schema_mode)
         params = body.sampling_params(service.vocab_size, constraint)
         params = params.replace(output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         service.check_limits(params)
         await service.validate_constraint(params)
         prompt = self._render(body, tool_mode)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        (handle,) = await service.add_all(request_id, [prompt], params)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        (handle,) = await service.add_all(request_id, [prompt], params, field)
         return handle, tool_mode, request_id
 
     def _render(self, body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[int]:
@@ -165,9 +169,11 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
     return message
 
 
-def _constraint(body: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode | None]:
+def _constraint(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict[str, Any], ToolMode | None]:
     """The output constraint from response_format, a forced tool call or structured_outputs /
-    guided_* (at most one of them), and how a tool call is read from the output."""
+    guided_* (at most one of them), and how a tool call is read from the output. A JSON Schema's
+    objects are closed as `mode` says (the server's), or in OpenAI's strict mode where the request
+    says `strict: true`."""
     found: list[tuple[str, dict[str, Any], ToolMode | None]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -178,13 +184,14 @@ def _constraint(body: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode |
             raise RequestError(
                 "response_format.json_schema.schema must be a JSON Schema object", "response_format"
             )
-        found.append(("response_format", {"json_schema": spec["schema"]}, None))
-    forced = _forced_tool(body)
+        strict = JsonSchemaMode.STRICT if spec.get("strict") is True else mode
+        found.append(("response_format", {"json_schema": spec["schema"], "json_schema_mode": strict}, None))
+    forced = _forced_tool(body, mode)
     if forced is not None:
         found.append(("tool_choice", *forced))
     other = body.constraint()
     if other:
-        found.append(("structured_outputs", other, None))
+        found.append(("structured_outputs", {**other, "json_schema_mode": mode}, None))
     if len(found) > 1:
         raise RequestError(
             f"at most one output constraint, got {', '.join(n for n, _, _ in found)}", found[1][0]
@@ -192,7 +199,7 @@ def _constraint(body: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode |
     return (found[0][1], found[0][2]) if found else ({}, None)
 
 
-def _forced_tool(body: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode] | None:
+def _forced_tool(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict[str, Any], ToolMode] | None:
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
@@ -204,23 +211,27 @@ def _forced_tool(body: ChatCompletionRequest) -> tuple[dict[str, Any], ToolMode]
         tool = next((t for t in tools if t.function.name == name), None)
         if tool is None:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return {"json_schema": _parameters(tool)}, ToolMode(tool.function.name)
+        return {"json_schema": _parameters(tool, mode), "json_schema_mode": JsonSchemaMode.OPEN}, ToolMode(
+            tool.function.name
+        )
     schema = {
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t, mode)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
             for t in tools
         ]
     }
-    return {"json_schema": schema}, ToolMode(None)
+    return {"json_schema": schema, "json_schema_mode": JsonSchemaMode.OPEN}, ToolMode(None)
 
 
-def _parameters(tool: Tool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+def _parameters(tool: Tool, mode: JsonSchemaMode) -> dict[str, Any]:
+    """The tool's arguments schema, its objects closed as its own `strict` or the server says."""
+    schema = tool.function.parameters or {"type": "object", "properties": {}}
+    return apply_mode(schema, JsonSchemaMode.STRICT if tool.function.strict else mode)
 
 
 def _message_out(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.engine.args import EngineArgs, add_engine_arguments, engine_options
+from weft.schema_objects import JsonSchemaMode
 from weft.server.engine_loop import EngineLoop
 
 
@@ -28,6 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)"
     )
+    p.add_argument(
+        "--json-schema-mode",
+        choices=["closed", "open"],
+        default="closed",
+        help="objects of a request's JSON Schema that do not say additionalProperties: closed (no keys "
+        "beyond their properties, as vLLM) or open (JSON Schema's meaning); a request's strict: true "
+        "is OpenAI's strict mode either way (default: closed)",
+    )
     add_engine_arguments(p.add_argument_group("engine options (the keyword arguments of LLM)"))
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
@@ -45,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("WEFT_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         max_pending=args.max_pending,
+        json_schema_mode=JsonSchemaMode(args.json_schema_mode),
         engine_thread=False,  # the engine steps in the main thread: see serve_forever
     )
     app = build_app(engine, config)

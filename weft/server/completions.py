@@ -29,7 +29,7 @@ class Completions:
         """Validate and queue every prompt (all or none); raises for a bad request."""
         service = self.service
         service.check_model(body.model)
-        params = body.sampling_params(service.vocab_size)
+        params = body.sampling_params(service.vocab_size, service.json_schema_mode)
         kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
         if body.stream and params.num_samples > params.n:
             raise ValueError("best_of > n cannot be streamed (the best are known only at the end)")

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weft.params import LogitsProcessor, SamplingParams
+from weft.schema_objects import JsonSchemaMode
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # guided_* fields of other servers that choose how, not what: accepted and ignored
@@ -156,7 +157,9 @@ class CompletionRequest(_Common):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
+    def sampling_params(
+        self, vocab_size: int, json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED
+    ) -> SamplingParams:
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         prompt_logprobs = self.prompt_logprobs
@@ -167,6 +170,7 @@ class CompletionRequest(_Common):
             best_of=self.best_of,
             logprobs=self.logprobs,
             prompt_logprobs=prompt_logprobs,
+            json_schema_mode=json_schema_mode,
             **self.constraint(),
         )
 
@@ -180,6 +184,7 @@ class FunctionDef(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # OpenAI's strict mode for the arguments (weft/schema_objects.py)
 
 
 class Tool(BaseModel):

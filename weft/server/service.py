@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from weft.engine.engine import ContextOverflow
 from weft.params import SamplingParams
+from weft.schema_objects import JsonSchemaMode
 from weft.server.engine_loop import EngineLoop, RequestHandle
 from weft.server.metrics import LatencyTracker, Metrics
 from weft.server.protocol import RequestError
@@ -31,10 +33,17 @@ class GenerationFailed(Exception):
 
 
 class Service:
-    def __init__(self, loop: EngineLoop, model_name: str, max_n: int = 128) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        model_name: str,
+        max_n: int = 128,
+        json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
+    ) -> None:
         self.loop = loop
         self.model_name = model_name
         self.max_n = max_n
+        self.json_schema_mode = json_schema_mode  # for schemas whose request does not say strict
         engine = loop.engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
@@ -65,16 +74,23 @@ class Service:
             )
 
     async def add_all(
-        self, request_id: str, prompts: Sequence[str | list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        max_tokens_field: str = "max_tokens",
     ) -> list[RequestHandle]:
-        """Queue one engine request per prompt, all or none."""
+        """Queue one engine request per prompt, all or none. `max_tokens_field`: the request's
+        name for max_tokens, which a prompt too long for it is reported under."""
         handles: list[RequestHandle] = []
         try:
             for i, prompt in enumerate(prompts):
                 handles.append(await self.loop.add(f"{request_id}-{i}", prompt, params))
-        except BaseException:
+        except BaseException as exc:
             for handle in handles:
                 handle.close()
+            if isinstance(exc, ContextOverflow):
+                raise RequestError(exc.describe(max_tokens_field), max_tokens_field) from None
             raise
         return handles
 
