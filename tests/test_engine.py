@@ -181,8 +181,19 @@ def test_chat_uses_the_template(llm):
         "<|im_start|>user\nSpeak<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
     )
     assert out.prompt_token_ids == expected_ids
+    assert out.prompt == "<|im_start|>user\nSpeak<|im_end|>\n<|im_start|>assistant\n"  # the rendered chat
     two = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], use_tqdm=False)
-    assert len(two) == 2
+    assert len(two) == 2 and "a<|im_end|>" in two[0].prompt and "b<|im_end|>" in two[1].prompt
+
+
+def test_show_progress_false_also_quiets_generates_bar(llm, capsys):
+    """`LLM(show_progress=False)` (as `llm` here): no bar unless a call asks for one."""
+    params = SamplingParams(max_tokens=2)
+    llm.generate(["a", "b", "c"], params)
+    llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], params)
+    assert "it/s" not in capsys.readouterr().err
+    llm.generate(["a", "b", "c"], params, use_tqdm=True)
+    assert "3/3" in capsys.readouterr().err
 
 
 def test_stats_report_the_cache(llm):

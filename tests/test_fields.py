@@ -55,7 +55,27 @@ def test_without_logprobs_or_json_is_a_clear_error():
     with pytest.raises(ValueError, match="logprobs"):
         field_logprobs(CompletionOutput(0, '{"a": 1}', [1, 2]))
     with pytest.raises(ValueError, match="not valid JSON"):
-        field_logprobs(completion_from_pieces([('{"a": ', -1.0), ("tru", -1.0)]))
+        field_logprobs(completion_from_pieces([('{"a": ', -1.0), ("1 x", -1.0)]))
+    whole = field_logprobs(completion_from_pieces([('{"a": ', -1.0), ("1}", -1.0)]))
+    assert not whole.partial
+
+
+@pytest.mark.parametrize(
+    "last", ["tru", ", ", ', "c', ', "c": ', ', "c": "unfin', ', "c": [', ', "c": [1, ', ', "c": [1']
+)
+def test_a_truncated_json_text_gives_the_leaves_written_whole_and_says_it_is_partial(last):
+    """A completion cut by max_tokens: what can be attributed is, and `partial` says the rest is
+    missing."""
+    pieces = [('{"a": ', -0.5), ("12", -1.0), (', "b": ', -0.25), ('"xy"', -0.5)]
+    if last == "tru":
+        pieces[-1] = ("tru", -0.5)
+    else:
+        pieces.append((last, -2.0))
+    fields = field_logprobs(completion_from_pieces(pieces))
+    assert fields.partial
+    assert fields["$.a"].value == 12 and fields["$.a"].logprob == pytest.approx(-1.0)
+    assert ("$.b" in fields) == (last != "tru")
+    assert set(fields) <= {"$.a", "$.b", "$.c[0]"}
 
 
 def test_field_logprobs_of_a_generated_json_object(tiny_llama):

@@ -5,7 +5,7 @@ llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
 print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
 """
 
-from weft.fields import FieldLogprobs, field_logprobs
+from weft.fields import FieldLogprobs, Fields, field_logprobs
 from weft.llm import LLM, default_model_path
 from weft.outputs import (
     BeamSearchOutput,
@@ -26,6 +26,7 @@ __all__ = [
     "ChoiceSelection",
     "CompletionOutput",
     "FieldLogprobs",
+    "Fields",
     "Logprob",
     "LogprobsMode",
     "OutputKind",

@@ -29,9 +29,20 @@ class FieldLogprobs:
     num_tokens: int
 
 
-def field_logprobs(completion: CompletionOutput) -> dict[str, FieldLogprobs]:
-    """Every JSON leaf of `completion.text` by path, with the logprobs of the tokens that wrote it.
-    Raises ValueError when the completion has no logprobs or its text is not one JSON value."""
+class Fields(dict[str, FieldLogprobs]):
+    """`field_logprobs`' answer: path -> FieldLogprobs. `partial` is True when the text ends before
+    its JSON value does (a completion cut short by `max_tokens`): then only the leaves written
+    whole are here."""
+
+    def __init__(self, partial: bool = False) -> None:
+        super().__init__()
+        self.partial = partial
+
+
+def field_logprobs(completion: CompletionOutput) -> Fields:
+    """Every JSON leaf of `completion.text` by path, with the logprobs of the tokens that wrote it
+    (of a truncated JSON text, the leaves written whole, and `partial` set). Raises ValueError when
+    the completion has no logprobs or its text is not JSON (nor the start of a JSON value)."""
     if completion.logprobs is None or completion.text_offsets is None:
         raise ValueError("field_logprobs needs a completion generated with SamplingParams(logprobs=k)")
     text = completion.text
@@ -39,8 +50,9 @@ def field_logprobs(completion: CompletionOutput) -> dict[str, FieldLogprobs]:
     chosen = [position[token].logprob for token, position in pairs]
     starts = completion.text_offsets
     ends = [*starts[1:], len(text)]
-    fields = {}
-    for path, (value, start, end) in json_leaf_spans(text).items():
+    leaves, partial = _leaf_spans(text)
+    fields = Fields(partial)
+    for path, (value, start, end) in leaves.items():
         overlapping = [lp for lp, s, e in zip(chosen, starts, ends, strict=False) if s < end and e > start]
         if overlapping:
             fields[path] = FieldLogprobs(
@@ -51,12 +63,28 @@ def field_logprobs(completion: CompletionOutput) -> dict[str, FieldLogprobs]:
 
 def json_leaf_spans(text: str) -> dict[str, tuple[Any, int, int]]:
     """path -> (value, start, end) for every leaf of the JSON value in `text`."""
+    leaves, partial = _leaf_spans(text)
+    if partial:
+        raise ValueError("completion text is not valid JSON: it ends before its value does")
+    return leaves
+
+
+def _leaf_spans(text: str) -> tuple[dict[str, tuple[Any, int, int]], bool]:
+    """The leaves of the JSON value in `text`, and whether the text ends before the value does
+    (then: the leaves written whole)."""
     parser = _SpanParser(text)
-    parser.value("$")
+    try:
+        parser.value("$")
+    except _Truncated:
+        return parser.leaves, True
     parser.skip_space()
     if parser.pos != len(text):
         raise ValueError(f"completion text is not one JSON value: extra text at {parser.pos}")
-    return parser.leaves
+    return parser.leaves, False
+
+
+class _Truncated(ValueError):
+    """The text ends where the JSON value needs more."""
 
 
 class _SpanParser:
@@ -71,7 +99,8 @@ class _SpanParser:
             self.pos += 1
 
     def fail(self, what: str) -> ValueError:
-        return ValueError(f"completion text is not valid JSON: expected {what} at character {self.pos}")
+        message = f"completion text is not valid JSON: expected {what} at character {self.pos}"
+        return _Truncated(message) if self.pos >= len(self.text) else ValueError(message)
 
     def value(self, path: str) -> None:
         self.skip_space()
@@ -96,6 +125,9 @@ class _SpanParser:
                 return
         match = _NUMBER.match(self.text, self.pos)
         if match is None:
+            rest = self.text[self.pos :]
+            if rest and any(word.startswith(rest) for word in _LITERALS):
+                self.pos = len(self.text)  # "tru": the text ends inside a literal
             raise self.fail("a value")
         self.leaves[path] = (json.loads(match.group()), match.start(), match.end())
         self.pos = match.end()
@@ -146,9 +178,7 @@ class _SpanParser:
         """After an item: True at ',' (another item follows), False at the closing bracket."""
         self.skip_space()
         char = self.text[self.pos : self.pos + 1]
+        if char not in (",", closing) or not char:
+            raise self.fail(f"',' or '{closing}'")
         self.pos += 1
-        if char == ",":
-            return True
-        if char == closing:
-            return False
-        raise self.fail(f"',' or '{closing}'")
+        return char == ","

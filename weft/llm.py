@@ -66,7 +66,9 @@ class LLM:
         """`model`: a checkpoint directory, a GGUF file or a Hugging Face model id (None: the
         bundled model). `options`: the fields of `EngineArgs` (weft/engine/args.py), e.g. `dtype`,
         `device`, `max_model_len`, `max_num_seqs`, `kv_cache_memory_gb`, `matmul_precision`."""
-        self.engine = build_engine(EngineArgs.of(model, options))
+        args = EngineArgs.of(model, options)
+        self.engine = build_engine(args)
+        self.show_progress = args.show_progress  # progress bars: loading, and generate's by default
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self.router = OutputRouter()
@@ -99,16 +101,17 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids) and return the outputs in
-        prompt order. Requests run batched; a list of params gives each prompt its own."""
+        prompt order. Requests run batched; a list of params gives each prompt its own.
+        `use_tqdm`: a progress bar over the prompts (default: as `LLM(show_progress=...)`)."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
         request_ids = self._add_all(
             prompt_list, [p.replace(output_kind=OutputKind.FINAL_ONLY) for p in param_list]
         )
-        return self._run_to_completion(request_ids, use_tqdm and len(prompt_list) > 1)
+        return self._run_to_completion(request_ids, self._bar(use_tqdm, len(prompt_list)))
 
     def chat(
         self,
@@ -117,30 +120,41 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the checkpoint's chat template."""
+        """Generate replies to one conversation or a list of them, with the checkpoint's chat
+        template; each output's `prompt` is the rendered conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        texts = [self.render_chat_text(c, add_generation_prompt, chat_template) for c in conversations]  # type: ignore[arg-type]
+        # The template writes the special tokens (BOS included) itself.
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
 
     def render_chat(
         self, messages: list[Message], add_generation_prompt: bool = True, chat_template: str | None = None
     ) -> list[int]:
+        """The conversation's prompt token ids."""
+        text = self.render_chat_text(messages, add_generation_prompt, chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat_text(
+        self, messages: list[Message], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> str:
+        """The conversation rendered by the chat template (the checkpoint's, or `chat_template`)."""
         from weft.tokenizer import render_chat_template
 
         if chat_template is None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        else:
-            text = render_chat_template(
-                chat_template,
-                messages,
-                add_generation_prompt,
-                bos_token=self.tokenizer.bos_token or "",
-                eos_token=self.tokenizer.eos_token or "",
-            )
-        # The template writes the special tokens (BOS included) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return render_chat_template(
+            chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "",
+            eos_token=self.tokenizer.eos_token or "",
+        )
 
     def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield `RequestOutput`s carrying only what is new (text and tokens) as they are produced.
@@ -165,19 +179,23 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, all batched together (and with any other request): one
         `BeamSearchOutput` per prompt, its finished beams sorted by score, best first."""
         prompt_list = _as_prompt_list(prompts)
         request_ids = self._add_all(prompt_list, [params] * len(prompt_list))
-        outputs = self._run_to_completion(request_ids, use_tqdm and len(prompt_list) > 1)
+        outputs = self._run_to_completion(request_ids, self._bar(use_tqdm, len(prompt_list)))
         return [_beam_output(out, params.length_penalty) for out in outputs]
 
     def score(self, prompt: PromptInput, options: Sequence[str]) -> list[ChoiceScore]:
         """The total logprob of each option after `prompt` (and each token's), computed exactly in
         one batched pass that runs the prompt and every prefix the options share once."""
         return self.engine.score(prompt, options)  # type: ignore[arg-type]
+
+    def _bar(self, use_tqdm: bool | None, num_prompts: int) -> bool:
+        """Whether a call shows a progress bar: asked (default: `show_progress`), over several prompts."""
+        return (self.show_progress if use_tqdm is None else use_tqdm) and num_prompts > 1
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats().as_dict()
