@@ -660,7 +660,8 @@ def test_the_server_option_keeps_json_schemas_open_meaning_unless_strict():
             messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": spec},
         )
-        constraint, _ = _constraint(body, mode)
+        constraint, _, field = _constraint(body, mode)
+        assert field == "response_format"
         assert constraint["json_schema_mode"] == expected
         params = body.sampling_params(100, constraint)
         assert ('"additionalProperties": false' in params.structured.value) == (expected != "open")
@@ -687,3 +688,38 @@ def test_empty_messages_and_a_prompt_that_leaves_no_room_are_400_naming_the_fiel
         "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
     )
     assert unset.status_code == 200 and unset.json()["choices"][0]["finish_reason"] == "length"
+
+
+NONSENSE = {"type": "nonsense"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "start"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be"),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p", "top_p must be"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": ""}, "guided_regex", "guided_regex must be"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "("}, "guided_regex", "invalid regex: "),
+        ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens",
+         "max_completion_tokens must be"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs must"),
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": NONSENSE}}},
+         "response_format", "invalid json_schema: "),
+    ],
+)  # fmt: skip
+def test_errors_name_the_requests_own_field(server, path, body, param, start):
+    if path == "/v1/chat/completions":
+        body = {"messages": [{"role": "user", "content": "x"}], **body}
+    error = server.post(path, {"model": MODEL, **body}).json()["error"]
+    assert error["param"] == param and error["message"].startswith(start), error
+    assert "SamplingParams" not in error["message"]
+    assert not error["message"][len(start) :].startswith(start)  # said once, not "invalid x: invalid x:"
+
+
+def test_a_malformed_body_is_not_blamed_on_a_field(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "x", ', headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] is None and error["message"].startswith("the body is not valid JSON")

@@ -157,6 +157,10 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            offset = first.get("loc", ("body", "?"))[-1]
+            message = f"the body is not valid JSON: {first.get('msg', '')} (at character {offset})"
+            return counted(400, message, "invalid_request_error")
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
         return counted(400, message, "invalid_request_error", where or None)

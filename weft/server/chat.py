@@ -43,11 +43,11 @@ class Chat:
         service.check_model(body.model)
         if not body.messages:
             raise RequestError("messages is empty: give at least one message", "messages")
-        constraint, tool_mode = _constraint(body, service.json_schema_mode)
-        params = body.sampling_params(service.vocab_size, constraint)
+        constraint, tool_mode, field = _constraint(body, service.json_schema_mode)
+        params = body.sampling_params(service.vocab_size, constraint, field)
         params = params.replace(output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         service.check_limits(params)
-        await service.validate_constraint(params)
+        await service.validate_constraint(params, field)
         prompt = self._render(body, tool_mode)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -169,9 +169,12 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
     return message
 
 
-def _constraint(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict[str, Any], ToolMode | None]:
+def _constraint(
+    body: ChatCompletionRequest, mode: JsonSchemaMode
+) -> tuple[dict[str, Any], ToolMode | None, str | None]:
     """The output constraint from response_format, a forced tool call or structured_outputs /
-    guided_* (at most one of them), and how a tool call is read from the output. A JSON Schema's
+    guided_* (at most one of them), how a tool call is read from the output, and the request's
+    field that gave the constraint. A JSON Schema's
     objects are closed as `mode` says (the server's), or in OpenAI's strict mode where the request
     says `strict: true`."""
     found: list[tuple[str, dict[str, Any], ToolMode | None]] = []
@@ -191,12 +194,13 @@ def _constraint(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict
         found.append(("tool_choice", *forced))
     other = body.constraint()
     if other:
-        found.append(("structured_outputs", {**other, "json_schema_mode": mode}, None))
+        source = body.constraint_field() or "structured_outputs"
+        found.append((source, {**other, "json_schema_mode": mode}, None))
     if len(found) > 1:
         raise RequestError(
             f"at most one output constraint, got {', '.join(n for n, _, _ in found)}", found[1][0]
         )
-    return (found[0][1], found[0][2]) if found else ({}, None)
+    return (found[0][1], found[0][2], found[0][0]) if found else ({}, None, None)
 
 
 def _forced_tool(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict[str, Any], ToolMode] | None:

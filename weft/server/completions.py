@@ -35,7 +35,7 @@ class Completions:
             raise ValueError("best_of > n cannot be streamed (the best are known only at the end)")
         params = params.replace(output_kind=kind)
         service.check_limits(params)
-        await service.validate_constraint(params)
+        await service.validate_constraint(params, body.constraint_field())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         handles = await service.add_all(request_id, body.prompts(), params)
         return body, handles, request_id

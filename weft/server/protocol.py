@@ -12,6 +12,8 @@ unconstrained output. So is any unknown key inside `structured_outputs`.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -91,6 +93,17 @@ class _Common(BaseModel):
     def constraint(self) -> dict[str, Any]:
         """The one output constraint of the request, as SamplingParams fields."""
         found: dict[str, Any] = {}
+        for field, value, _ in self._given_constraints():
+            found[field] = json.loads(value) if field == "json_schema" and isinstance(value, str) else value
+        return found
+
+    def constraint_field(self) -> str | None:
+        """The request's name for its constraint (`guided_json`, `structured_outputs.regex`, ...)."""
+        given = self._given_constraints()
+        return given[0][2] if given else None
+
+    def _given_constraints(self) -> list[tuple[str, Any, str]]:
+        """(SamplingParams field, value, the request's name) of each constraint given: at most one."""
         so = self.structured_outputs
         candidates = [
             ("json_schema", self.guided_json, "guided_json"),
@@ -110,9 +123,7 @@ class _Common(BaseModel):
             raise RequestError(
                 f"at most one output constraint, got {', '.join(n for _, _, n in given)}", given[1][2]
             )
-        for field, value, _ in given:
-            found[field] = json.loads(value) if field == "json_schema" and isinstance(value, str) else value
-        return found
+        return given
 
     def sampling_fields(self, max_tokens: int | None, vocab_size: int) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -165,13 +176,17 @@ class CompletionRequest(_Common):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return SamplingParams(
-            **self.sampling_fields(self.max_tokens, vocab_size),
-            best_of=self.best_of,
-            logprobs=self.logprobs,
-            prompt_logprobs=prompt_logprobs,
-            json_schema_mode=json_schema_mode,
-            **self.constraint(),
+        constraint = self.constraint()
+        return checked_params(
+            lambda: SamplingParams(
+                **self.sampling_fields(self.max_tokens, vocab_size),
+                best_of=self.best_of,
+                logprobs=self.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                json_schema_mode=json_schema_mode,
+                **constraint,
+            ),
+            _constraint_names(constraint, self.constraint_field()),
         )
 
 
@@ -208,15 +223,51 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
 
-    def sampling_params(self, vocab_size: int, constraint: dict[str, Any]) -> SamplingParams:
+    def sampling_params(
+        self, vocab_size: int, constraint: dict[str, Any], constraint_field: str | None = None
+    ) -> SamplingParams:
+        """`constraint_field`: the request's name for the constraint (`response_format`, ...)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        return SamplingParams(
-            **self.sampling_fields(max_tokens, vocab_size),
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            **constraint,
+        renames = _constraint_names(constraint, constraint_field)
+        renames["logprobs"] = "top_logprobs"
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return checked_params(
+            lambda: SamplingParams(
+                **self.sampling_fields(max_tokens, vocab_size),
+                logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                **constraint,
+            ),
+            renames,
         )
+
+
+_INTERNAL_NAME = re.compile(r"(?:SamplingParams\.)?([a-z_]+)(?= )")
+_CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "grammar_syntax")
+
+
+def _constraint_names(constraint: dict[str, Any], field: str | None) -> dict[str, str]:
+    """SamplingParams' constraint fields -> the request's name for the constraint."""
+    return {name: field for name in _CONSTRAINT_FIELDS if name in constraint} if field else {}
+
+
+def checked_params(make: Callable[[], SamplingParams], renames: dict[str, str]) -> SamplingParams:
+    """`make()`, with a ValueError that names a SamplingParams field (`SamplingParams.max_tokens
+    must be ...`) turned into a RequestError naming the request's own field, in `param` and in the
+    message (`renames`: SamplingParams' name -> the request's, where they differ)."""
+    try:
+        return make()
+    except RequestError:
+        raise
+    except ValueError as exc:
+        message = str(exc)
+        match = _INTERNAL_NAME.match(message)
+        if match is None or not hasattr(SamplingParams, match[1]):
+            raise RequestError(message) from None
+        field = renames.get(match[1], match[1])
+        raise RequestError(field + message[match.end() :], field) from None
 
 
 def logit_bias_processor(bias: dict[str, float], vocab_size: int) -> LogitsProcessor:

@@ -55,17 +55,18 @@ class Service:
         if model is not None and model != self.model_name:
             raise UnknownModel(f"the model {model!r} does not exist; this server serves {self.model_name!r}")
 
-    async def validate_constraint(self, params: SamplingParams) -> None:
+    async def validate_constraint(self, params: SamplingParams, field: str | None = None) -> None:
         """Compile the request's grammar now (cached, off the event loop): an invalid schema,
-        regex or grammar is a 400, not a request that fails later."""
+        regex or grammar is a 400 naming the request's `field`, not a request that fails later."""
         if params.structured is None or params.exact_choice:
             return
         grammars = self.loop.engine.grammars
         try:
             await asyncio.to_thread(grammars.validate, params.structured)
-        except GrammarError as exc:
-            label = _LABELS.get(params.structured.kind.value, params.structured.kind.value)
-            raise RequestError(f"invalid {label}: {exc}") from None
+        except GrammarError as exc:  # "invalid lark: ..." -> "invalid grammar: ..."
+            kind = params.structured.kind.value
+            message = str(exc).removeprefix(f"invalid {kind}: ")
+            raise RequestError(f"invalid {_LABELS.get(kind, kind)}: {message}", field) from None
 
     def check_limits(self, params: SamplingParams) -> None:
         if params.num_samples > self.max_n:
