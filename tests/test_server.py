@@ -90,12 +90,19 @@ class Server:
             yield r
 
     def metrics(self) -> dict[str, float]:
+        """Every sample, parsed by prometheus_client's own text parser: `name{label="value"}`
+        (the model_name label, on every vllm: sample, checked and left out of the key)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = dict(sample.labels)
+                if sample.name.startswith("vllm:"):
+                    assert labels.pop("model_name") == MODEL, sample
+                shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                values[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
         return values
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
@@ -103,8 +110,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = m["weft_kv_blocks_used"] == 0 and m["weft_num_requests_running"] == 0
-            if (idle and m["weft_num_requests_waiting"] == 0) or time.monotonic() > deadline:
+            idle = m["weft_kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
+            if (idle and m["vllm:num_requests_waiting"] == 0) or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
 
@@ -502,9 +509,10 @@ def test_64_concurrent_mixed_requests_finish_or_cancel_cleanly(server):
     results = asyncio.run(run_all())
     assert results.count("cancelled") == sum(1 for i in range(64) if i % 6 == 4)
     m = server.wait_idle()
-    assert m["weft_kv_blocks_used"] == 0 and m["weft_num_requests_running"] == 0
-    assert m["weft_num_requests_waiting"] == 0
+    assert m["weft_kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0
+    assert m["vllm:num_requests_waiting"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     assert m['weft_requests_total{status="ok"}'] >= 64 - results.count("cancelled")
+    assert m['vllm:request_success_total{finished_reason="abort"}'] >= results.count("cancelled")
 
 
 def test_metrics_expose_engine_state_and_latency(server, client):
@@ -517,17 +525,49 @@ def test_metrics_expose_engine_state_and_latency(server, client):
     for name in (
         "weft_kv_blocks_total",
         "weft_kv_blocks_used",
-        "weft_prefix_cache_hit_rate",
-        "weft_num_requests_running",
-        "weft_num_requests_waiting",
-        "weft_prompt_tokens_total",
-        "weft_generation_tokens_total",
-        "weft_time_to_first_token_seconds_count",
-        "weft_inter_token_latency_seconds_count",
+        "weft_num_sequences_running",
+        "weft_num_sequences_waiting",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
     ):
         assert name in m, name
-    assert m["weft_kv_blocks_total"] > 0 and m["weft_time_to_first_token_seconds_count"] >= 1
-    assert m["weft_inter_token_latency_seconds_count"] >= 4
+    assert m["weft_kv_blocks_total"] > 0 and m["vllm:time_to_first_token_seconds_count"] >= 1
+    assert m["vllm:inter_token_latency_seconds_count"] >= 4
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 2
+    assert m['vllm:request_success_total{finished_reason="length"}'] >= 2
+    assert m["vllm:prefix_cache_queries_total"] >= m["vllm:prefix_cache_hits_total"] > 0
+    assert not any(k.startswith("weft_") and k.split("{")[0].removeprefix("weft_") in VLLM_NAMED for k in m)
+
+
+# what vLLM names, which weft publishes only under vLLM's name
+VLLM_NAMED = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_to_first_token_seconds_count",
+    "prefix_cache_hit_rate",
+)
+
+
+def test_num_requests_running_counts_requests_not_sequences(server):
+    """During one n=4 request, vllm:num_requests_running reads 1 (its four sequences run)."""
+    body = {"model": MODEL, "prompt": "ROMEO:", "n": 4, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with server.streaming("/v1/completions", body) as response:
+        lines = response.iter_lines()
+        for _ in range(12):
+            next(lines)
+        m = server.metrics()
+        assert m["vllm:num_requests_running"] == 1 and m["weft_num_sequences_running"] == 4
+    server.wait_idle(timeout=5)
 
 
 def test_disconnect_mid_stream_frees_blocks_at_once(server):

@@ -159,9 +159,11 @@ class EngineStats:
     kv_blocks_used: int
     prefix_cache_hit_tokens: int
     prefix_cache_queried_tokens: int
-    num_running: int
+    num_running: int  # sequences
     num_waiting: int
     num_preemptions: int
+    num_requests_running: int = 0  # requests with a sequence in the running batch
+    num_requests_waiting: int = 0  # the other requests in the engine
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
@@ -173,5 +175,7 @@ class EngineStats:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_preemptions": self.num_preemptions,
+            "num_requests_running": self.num_requests_running,
+            "num_requests_waiting": self.num_requests_waiting,
             **self.extra,
         }

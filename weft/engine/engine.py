@@ -429,6 +429,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         running = self.scheduler.running
+        running_requests = len({s.request_id for s in running if s.request_id is not None})
         return EngineStats(
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_used_blocks,
@@ -437,6 +438,8 @@ class LLMEngine:
             num_running=len(running),
             num_waiting=len(self.scheduler.waiting) + len(self.awaiting),
             num_preemptions=self.scheduler.num_preemptions,
+            num_requests_running=running_requests,
+            num_requests_waiting=len(self.groups) - running_requests,
             extra={
                 "num_sampled_tokens": self.num_sampled_tokens,
                 "num_forced_tokens": self.num_forced_tokens,

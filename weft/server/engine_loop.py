@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -41,7 +41,9 @@ class _Add:
 @dataclass(slots=True)
 class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    finished: bool = False  # its last output was read
+    arrival: float = field(default_factory=time.perf_counter)
+    reported: bool = False  # `on_finish` was called for it
 
 
 class EngineLoop:
@@ -56,6 +58,9 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        # called on the event loop as each request finishes (its last output; None: aborted), with
+        # the seconds since it arrived: the server's metrics
+        self.on_finish: Callable[[RequestOutput | None, float], None] | None = None
 
     # ---- life cycle (event loop) ---------------------------------------------------------------
 
@@ -104,8 +109,9 @@ class EngineLoop:
         self._wake.set()
         try:
             await asyncio.wrap_future(done)
-        except BaseException:
-            self._close(request_id)
+        except BaseException:  # refused, or this waiter cancelled (then the abort follows the add)
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
             raise
         return RequestHandle(self, request_id, stream)
 
@@ -113,6 +119,12 @@ class EngineLoop:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self.abort(request_id)
+            self._finished(None, stream)
+
+    def _finished(self, output: RequestOutput | None, stream: _Stream) -> None:
+        if self.on_finish is not None and not stream.reported:
+            stream.reported = True
+            self.on_finish(output, time.perf_counter() - stream.arrival)
 
     def abort(self, request_id: str) -> None:
         self._commands.append(request_id)
@@ -123,6 +135,8 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.queue.put_nowait(output)
+                if output.finished:
+                    self._finished(output, stream)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

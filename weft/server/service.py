@@ -48,7 +48,8 @@ class Service:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.config.scheduler.max_model_len
-        self.metrics = Metrics(lambda: loop.stats)
+        self.metrics = Metrics(lambda: loop.stats, model_name)
+        loop.on_finish = self.metrics.request_finished
         engine.grammars  # noqa: B018  # build the grammar manager now, not on a request's path
 
     def check_model(self, model: str | None) -> None:
@@ -96,8 +97,7 @@ class Service:
         return handles
 
     def count(self, prompt_tokens: int, completion_tokens: int) -> None:
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.generation_tokens.inc(completion_tokens)
+        self.metrics.count_tokens(prompt_tokens, completion_tokens)
 
     def tracker(self) -> LatencyTracker:
         return LatencyTracker(self.metrics)
