@@ -94,7 +94,7 @@ class Server:
         (the model_name label, on every vllm: sample, checked and left out of the key)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        text = httpx.get(f"{self.url}/metrics").text
         values = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -429,8 +429,21 @@ def test_error_classes_through_the_client(server, client):
         )
     assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}).status_code == 401
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_metrics_and_the_api_documents_answer_without_the_key_and_a_405_says_allow(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = httpx.get(f"{server.url}/metrics")  # a Prometheus scraper has no key
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert any(f.name == "vllm:num_requests_running" for f in text_string_to_metric_families(metrics.text))
+    assert httpx.get(f"{server.url}/openapi.json").status_code == 200
+    assert httpx.get(f"{server.url}/docs").status_code == 200
+    wrong = httpx.get(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
 
 
 def test_body_limit_and_queue_limit():
@@ -763,3 +776,20 @@ def test_a_malformed_body_is_not_blamed_on_a_field(server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] is None and error["message"].startswith("the body is not valid JSON")
+
+
+def test_the_openapi_document_describes_the_errors_the_server_sends(server):
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    assert "HTTPValidationError" not in json.dumps(document)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = document["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "400", "401", "404", "413", "503"} <= set(responses)
+        error = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert error.endswith("/ErrorResponse")
+    metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    body = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    schema = {"$ref": "#/components/schemas/ErrorResponse", "components": document["components"]}
+    jsonschema.validate(body.json(), schema)  # the body the server sent, as the document says
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"error": {"type": "x"}}, schema)  # (the check can fail)

@@ -18,7 +18,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,7 +28,7 @@ from weft.schema_objects import JsonSchemaMode
 from weft.server.chat import Chat
 from weft.server.completions import Completions
 from weft.server.engine_loop import EngineLoop, QueueFull, now
-from weft.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from weft.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, RequestError
 from weft.server.responses import error_body, sse
 from weft.server.service import GenerationFailed, Service, UnknownModel
 
@@ -68,30 +69,58 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: ERRORS[401]})
     async def models() -> dict[str, Any]:
         card = {"id": service.model_name, "object": "model", "created": now(), "owned_by": "weft"}
         return {"object": "list", "data": [{**card, "max_model_len": service.max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         body, handles, request_id = await completions.start(body)
         if body.stream:
             return _stream(service, completions.stream(body, handles, request_id))
         return await _until_disconnect(request, service, completions.respond(body, handles, request_id))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         handle, tool_mode, request_id = await chat.start(body)
         if body.stream:
             return _stream(service, chat.stream(body, handle, tool_mode, request_id))
         return await _until_disconnect(request, service, chat.respond(body, handle, tool_mode, request_id))
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# what the /v1/ routes answer besides 200, each with OpenAI's error body
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "invalid parameters, schema, grammar or prompt (`param` names the field)"),
+        (401, "a missing or wrong API key"),
+        (404, "an unknown model"),
+        (413, "a body over --max-body-bytes"),
+        (503, "--max-pending requests already in flight"),
+    )
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 it adds to every route with a body: weft answers a body
+    that does not validate with a 400 (documented)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _until_disconnect(request: Request, service: Service, work: Awaitable[dict]) -> Response:
@@ -188,11 +217,16 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return counted(exc.status_code, str(exc.detail), kind)
+        response = counted(exc.status_code, str(exc.detail), kind)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
+
+
+PROTECTED = "/v1/"  # what the API key guards, as vLLM: /health, /metrics and the docs stay open
 
 
 class _Guard:
-    """ASGI middleware: the API key (every route but /health) and the body size limit."""
+    """ASGI middleware: the API key (the /v1/ routes) and the body size limit."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -203,7 +237,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api_key is not None and scope["path"].startswith(PROTECTED):
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 body = error_body(

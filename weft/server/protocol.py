@@ -35,6 +35,19 @@ class RequestError(ValueError):
         self.param = param
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as OpenAI's: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
 class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
