@@ -793,3 +793,28 @@ def test_the_openapi_document_describes_the_errors_the_server_sends(server):
     jsonschema.validate(body.json(), schema)  # the body the server sent, as the document says
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"error": {"type": "x"}}, schema)  # (the check can fail)
+
+
+def test_the_load_generator_measures_a_server_at_a_base_url(server, tmp_path):
+    """`weft bench serve --base-url URL --model NAME`: the workload against a running server (here
+    weft's own), every request answered and every token counted."""
+    from weft.bench import serve as bench
+
+    config = Path(__file__).resolve().parents[1] / "weft" / "default_model" / "config.json"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "load.json"
+    args = parser.parse_args(
+        ["--base-url", f"{server.url}/v1", "--model", MODEL, "--api-key", API_KEY, "--config", str(config),
+         "--concurrency", "1,3", "--requests-per-client", "2", "--prompt-len", "8", "--output-len", "6",
+         "--ramp", "0", "--json", str(out)]
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    jobs = bench._jobs(json.loads(config.read_text())["vocab_size"], 6, args)
+    for row, level in zip(rows, (1, 3), strict=True):
+        assert row["concurrency"] == level and row["requests"] == 2 * level
+        assert row["output_tokens"] == sum(job.output_len for job in jobs[: 2 * level])
+        assert row["output_tps"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+    with pytest.raises(SystemExit, match="http://"):
+        bench.Target.of("127.0.0.1:8000", None, None)
