@@ -71,14 +71,48 @@ class Server:
         raise RuntimeError("weft serve did not come up in 120 s")
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+        http = httpx.Client(timeout=60, event_hooks={"response": [self._check_sync]})
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, http_client=http)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
+        http = httpx.AsyncClient(timeout=60, event_hooks={"response": [self._check_async]})
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, http_client=http)
 
     def post(self, path: str, body: dict, key: str = API_KEY, **options) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"}
-        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=60, **options)
+        response = httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=60, **options)
+        self.check(response)
+        return response
+
+    # ---- every JSON body the tests receive is checked against the server's own /openapi.json ----
+
+    checked = 0  # bodies checked so far (test_every_body_received_matched_the_document reads it)
+    _document: dict | None = None
+
+    def check(self, response: httpx.Response) -> None:
+        if "application/json" not in response.headers.get("content-type", ""):
+            return  # streams (text/event-stream), /metrics
+        if self._document is None:
+            self._document = httpx.get(f"{self.url}/openapi.json").json()
+        path, method = response.request.url.path, response.request.method.lower()
+        operation = self._document["paths"].get(path, {}).get(method)
+        if operation is None:
+            return  # an unknown route (its 404 is checked where it is asked)
+        listed = operation["responses"].get(str(response.status_code))
+        assert listed is not None, f"{method} {path} answered {response.status_code}, not in its document"
+        schema = listed["content"]["application/json"]["schema"]
+        jsonschema.validate(response.json(), {**schema, "components": self._document["components"]})
+        Server.checked += 1
+
+    def _check_sync(self, response: httpx.Response) -> None:
+        if "application/json" in response.headers.get("content-type", ""):  # never a stream's body
+            response.read()
+            self.check(response)
+
+    async def _check_async(self, response: httpx.Response) -> None:
+        if "application/json" in response.headers.get("content-type", ""):
+            await response.aread()
+            self.check(response)
 
     @contextmanager
     def streaming(self, path: str, body: dict):
@@ -818,3 +852,9 @@ def test_the_load_generator_measures_a_server_at_a_base_url(server, tmp_path):
         assert row["output_tps"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
     with pytest.raises(SystemExit, match="http://"):
         bench.Target.of("127.0.0.1:8000", None, None)
+
+
+def test_every_body_received_matched_the_document(server):
+    """(Runs last: the bodies of this module's requests, through the openai clients and `post`,
+    were each validated against /openapi.json as they arrived.)"""
+    assert Server.checked >= 40, Server.checked

@@ -27,6 +27,7 @@ from weft.engine.engine import LLMEngine
 from weft.schema_objects import JsonSchemaMode
 from weft.server.chat import Chat
 from weft.server.completions import Completions
+from weft.server.documents import ChatCompletionResponse, CompletionResponse, Health, ModelList, ok
 from weft.server.engine_loop import EngineLoop, QueueFull, now
 from weft.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, RequestError
 from weft.server.responses import error_body, sse
@@ -65,11 +66,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app, service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: ok(Health)})
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models", responses={401: ERRORS[401]})
+    @app.get("/v1/models", responses={200: ok(ModelList), 401: ERRORS[401]})
     async def models() -> dict[str, Any]:
         card = {"id": service.model_name, "object": "model", "created": now(), "owned_by": "weft"}
         return {"object": "list", "data": [{**card, "max_model_len": service.max_model_len}]}
@@ -78,14 +79,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", responses=ERRORS)
+    @app.post("/v1/completions", responses={200: ok(CompletionResponse, stream=True), **ERRORS})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         body, handles, request_id = await completions.start(body)
         if body.stream:
             return _stream(service, completions.stream(body, handles, request_id))
         return await _until_disconnect(request, service, completions.respond(body, handles, request_id))
 
-    @app.post("/v1/chat/completions", responses=ERRORS)
+    @app.post("/v1/chat/completions", responses={200: ok(ChatCompletionResponse, stream=True), **ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         handle, tool_mode, request_id = await chat.start(body)
         if body.stream:
