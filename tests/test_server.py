@@ -858,3 +858,44 @@ def test_every_body_received_matched_the_document(server):
     """(Runs last: the bodies of this module's requests, through the openai clients and `post`,
     were each validated against /openapi.json as they arrived.)"""
     assert Server.checked >= 40, Server.checked
+
+
+# ---- schemathesis: requests generated from the document itself, bounded and seeded -------------
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """A server whose requests stay short whatever the generator asks (64-token context)."""
+    s = Server("--max-model-len", "64", "--max-num-seqs", "32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def api_document(small_server):
+    import schemathesis
+
+    return schemathesis.openapi.from_url(f"{small_server.url}/openapi.json")
+
+
+def _contract_test():
+    import schemathesis
+    from hypothesis import HealthCheck, settings
+
+    @schemathesis.pytest.from_fixture("api_document").parametrize()
+    @settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    def test_the_server_keeps_the_contract_its_document_states(case):
+        """Every operation of /openapi.json with generated bodies, valid and not: no 5xx, and each
+        status, content type and body as the document states. (Not checked: that every body the
+        document allows is accepted. JSON Schema cannot state what the server also requires: a
+        regex, grammar or schema that compiles, token ids inside the vocabulary, a prompt and
+        max_tokens inside the context, min_tokens <= max_tokens.)"""
+        case.call_and_validate(
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            excluded_checks=[schemathesis.checks.positive_data_acceptance],
+        )
+
+    return test_the_server_keeps_the_contract_its_document_states
+
+
+test_the_server_keeps_the_contract_its_document_states = _contract_test()

@@ -226,7 +226,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
