@@ -57,6 +57,9 @@ def _run(llm: LLM, requests, abort: dict[str, int] | None = None) -> tuple[list,
     """Every request at once, stepped to the end; `abort`: request id -> the step that aborts it.
     Returns the final outputs and the number of steps that left one in flight."""
     engine = llm.engine
+    for _, params in requests:  # compiled (cached) before the first step: its rows start at once
+        if params.structured is not None:  # whatever the machine's load, the steps are the same
+            engine.grammars.validate(params.structured)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, params.replace(output_kind=OutputKind.FINAL_ONLY))
     finished, looked_ahead, step = [], 0, 0
