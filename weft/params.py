@@ -119,7 +119,7 @@ def _schema_text(schema: Any, owner: str, mode: JsonSchemaMode) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{owner}.json_schema is not valid JSON: {exc}") from None
+            raise ParamError(owner, "json_schema", f"is not valid JSON: {exc}") from None
     _check(
         isinstance(schema, dict | bool),
         owner,
@@ -131,7 +131,7 @@ def _schema_text(schema: Any, owner: str, mode: JsonSchemaMode) -> str:
         # key order kept: it is the order of the generated properties
         return json.dumps(apply_mode(schema, mode))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{owner}.json_schema cannot be written as JSON: {exc}") from None
+        raise ParamError(owner, "json_schema", f"cannot be written as JSON: {exc}") from None
 
 
 class LogprobsMode(StrEnum):
@@ -166,11 +166,19 @@ class ChoiceSelection(StrEnum):
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are int64 (sample i of n uses seed + i)
 
 
+class ParamError(ValueError):
+    """A bad parameter: `field` (of `owner`, "" where a converter cannot tell) and what is wrong
+    with it. The server names its own field in its place (weft/server/protocol.py)."""
+
+    def __init__(self, owner: str, field: str, detail: str) -> None:
+        super().__init__(f"{owner}.{field} {detail}" if owner else f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+
 def _check(ok: bool, owner: str, name: str, value: object, rule: str) -> None:
     if not ok:
         shown = repr(value)
-        where = f"{owner}.{name}" if owner else name
-        raise ValueError(f"{where} {rule}, got {shown[:80]}{'...' if len(shown) > 80 else ''}")
+        raise ParamError(owner, name, f"{rule}, got {shown[:80]}{'...' if len(shown) > 80 else ''}")
 
 
 def _is_int(value: object) -> bool:

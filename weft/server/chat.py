@@ -41,8 +41,6 @@ class Chat:
     async def start(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ToolMode | None, str]:
         service = self.service
         service.check_model(body.model)
-        if not body.messages:
-            raise RequestError("messages is empty: give at least one message", "messages")
         constraint, tool_mode, field = _constraint(body, service.json_schema_mode)
         params = body.sampling_params(service.vocab_size, constraint, field)
         params = params.replace(output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
@@ -50,8 +48,8 @@ class Chat:
         await service.validate_constraint(params, field)
         prompt = self._render(body, tool_mode)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        (handle,) = await service.add_all(request_id, [prompt], params, field)
+        length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        (handle,) = await service.add_all(request_id, [prompt], params, length_field)
         return handle, tool_mode, request_id
 
     def _render(self, body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[int]:

@@ -12,14 +12,13 @@ unconstrained output. So is any unknown key inside `structured_outputs`.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from weft.params import LogitsProcessor, SamplingParams
+from weft.params import LogitsProcessor, ParamError, SamplingParams
 from weft.schema_objects import JsonSchemaMode
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -257,7 +256,6 @@ class ChatCompletionRequest(_Common):
         )
 
 
-_INTERNAL_NAME = re.compile(r"(?:SamplingParams\.)?([a-z_]+)(?= )")
 _CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "grammar_syntax")
 
 
@@ -267,20 +265,18 @@ def _constraint_names(constraint: dict[str, Any], field: str | None) -> dict[str
 
 
 def checked_params(make: Callable[[], SamplingParams], renames: dict[str, str]) -> SamplingParams:
-    """`make()`, with a ValueError that names a SamplingParams field (`SamplingParams.max_tokens
-    must be ...`) turned into a RequestError naming the request's own field, in `param` and in the
-    message (`renames`: SamplingParams' name -> the request's, where they differ)."""
+    """`make()`, with a SamplingParams field's error (`SamplingParams.max_tokens must be ...`)
+    turned into a RequestError naming the request's own field, in `param` and in the message
+    (`renames`: SamplingParams' name -> the request's, where they differ)."""
     try:
         return make()
-    except RequestError:
+    except RequestError:  # the request's own fields, checked on the way (logit_bias, ...)
         raise
-    except ValueError as exc:
-        message = str(exc)
-        match = _INTERNAL_NAME.match(message)
-        if match is None or not hasattr(SamplingParams, match[1]):
-            raise RequestError(message) from None
-        field = renames.get(match[1], match[1])
-        raise RequestError(field + message[match.end() :], field) from None
+    except ParamError as exc:
+        field = renames.get(exc.field, exc.field)
+        raise RequestError(f"{field} {exc.detail}", field) from None
+    except ValueError as exc:  # not one field's: several constraints given
+        raise RequestError(str(exc)) from None
 
 
 def logit_bias_processor(bias: dict[str, float], vocab_size: int) -> LogitsProcessor:
