@@ -43,6 +43,17 @@ def test_rms_norm_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(dtype):
+    weight = torch.randn(96).to(dtype)
+    x, delta = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
+    native_x, torch_x = x.clone(), x.clone()
+    native_out = NATIVE_CPU_KERNELS.add_rms_norm_(native_x, delta, weight, 1e-6)
+    expected = TORCH_KERNELS.add_rms_norm_(torch_x, delta, weight, 1e-6)
+    assert torch.equal(native_x, torch_x)  # the residual stream, updated in place
+    torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_matches_torch(dtype):
     positions = torch.tensor([0, 1, 5, 200, 511, 3])
     qkv = torch.randn(6, 9, 64).to(dtype)  # q: 4 heads, k: 2 heads, v: 3 heads, untouched
@@ -122,6 +133,67 @@ def test_short_multi_token_rows_attend_token_by_token():
     # with the kernel: 1 + 3 + 8 + 1 tokens in one single-query group, the 20-token chunk apart
     assert [g.num_seqs for g in native_meta.groups] == [13, 1]
     assert [g.num_seqs for g in torch_meta.groups] == [2, 3]
+
+
+def _prefill_step(backend: PagedAttention, query_lens, context_lens, heads, head_dim, block_size, scale=0.3):
+    """A step of multi-token rows (fresh prompts and chunks after a cached prefix) through `backend`,
+    the step's keys and values written to the cache first; its output and the step's groups."""
+    gen = torch.Generator().manual_seed(sum(context_lens) + head_dim)
+    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
+    num_heads, num_kv_heads = heads
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    kv_new = torch.randn(sum(query_lens), 2, num_kv_heads, head_dim, generator=gen)
+    meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
+    return backend(q, kv_new, kv_cache, meta, scale), meta.groups
+
+
+PREFILL_STEPS = [  # (query_lens, context_lens): chunks of 32 queries and blocks of 32 keys cut unevenly
+    ([100, 9, 33, 64], [100, 40, 80, 64]),
+    ([70, 12], [250, 12]),
+]
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1), (4, 4)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_attention_matches_gather_and_sdpa(head_dim, heads, block_size):
+    """Multi-token rows attend through the in-place kernel (no gathered blocks, no mask) and match
+    SDPA over the gathered blocks with the causal mask."""
+    native_backend = PagedAttention(NATIVE_CPU_KERNELS, head_dim)
+    for query_lens, context_lens in PREFILL_STEPS:
+        out, groups = _prefill_step(native_backend, query_lens, context_lens, heads, head_dim, block_size)
+        expected, _ = _prefill_step(TORCH, query_lens, context_lens, heads, head_dim, block_size)
+        assert all(g.query_start is not None for g in groups)  # the kernel did attend
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_softmax_is_exact_for_extreme_scores():
+    """Large score gaps within and across blocks of keys: the running softmax stays exact."""
+    native_backend = PagedAttention(NATIVE_CPU_KERNELS, 32)
+    for scale in (8.0, 40.0):
+        out, _ = _prefill_step(native_backend, [70], [90], (4, 2), 32, 16, scale)
+        expected, _ = _prefill_step(TORCH, [70], [90], (4, 2), 32, 16, scale)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_attention_rejects_bad_input():
+    q, cache = torch.randn(10, 4, 16), torch.randn(6, 4, 2, 2, 16)
+    table, lens, starts = torch.tensor([[0, 1, 2]]), torch.tensor([12]), torch.tensor([0, 10])
+    attend = torch.ops.weft.paged_prefill_attention
+    assert attend(q, cache, table, lens, starts, 1.0).shape == (10, 4, 16)
+    with pytest.raises(RuntimeError, match="block id is outside the cache"):
+        attend(q, cache, torch.tensor([[0, 1, 6]]), lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="queries exceed its context"):
+        attend(q, cache, table, torch.tensor([9]), starts, 1.0)
+    with pytest.raises(RuntimeError, match="context its blocks"):
+        attend(q, cache, table, torch.tensor([13]), starts, 1.0)
+    with pytest.raises(RuntimeError, match="run from 0 to the number of query tokens"):
+        attend(q, cache, table, lens, torch.tensor([0, 9]), 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be 16, 32, 64 or 128"):
+        attend(torch.randn(10, 4, 24), torch.randn(6, 4, 2, 2, 24), table, lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="kv_cache must be contiguous float32"):
+        attend(q, cache.double(), table, lens, starts, 1.0)
 
 
 def test_decode_attention_softmax_is_exact_for_extreme_scores():
@@ -241,6 +313,8 @@ def test_kernels_reject_bad_input():
         )
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.weft.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="x and delta must be contiguous"):
+        torch.ops.weft.add_rms_norm_(torch.randn(2, 8), torch.randn(2, 4), torch.ones(8), 1e-6)
     panels = torch.ops.weft.pack_linear_weight(torch.randn(64, 24))
     with pytest.raises(RuntimeError, match="differ in input features"):
         torch.ops.weft.packed_linear(torch.randn(2, 16), panels, None, 64)
@@ -294,6 +368,8 @@ def test_kernels_at_many_threads():
         test_kernels_reject_out_of_range_indices()
         test_decode_attention_matches_gather_and_sdpa(torch.float32, (8, 2))
         test_short_multi_token_rows_attend_token_by_token()
+        test_prefill_attention_matches_gather_and_sdpa(64, (8, 2), 16)
+        test_prefill_attention_rejects_bad_input()
         for rows in (1, 13, 40):
             test_packed_linear_matches_f_linear(rows, 21, True)
         test_bitmask_kernel_matches_torch(True)

@@ -153,6 +153,24 @@ class TorchKernels:
         """Whether `paged_decode_attention` serves decode rows of this head size."""
         return False
 
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,  # [T, H, D], each sequence's queries in a run
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+        block_table: torch.Tensor,  # [B, max_blocks] int64
+        context_lens: torch.Tensor,  # [B] int64
+        query_start: torch.Tensor,  # [B + 1] int64: sequence b's are q[query_start[b] : query_start[b + 1]]
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Causal attention of several queries per sequence (the last ones of its context) over its
+        cached keys and values, read in place; only where `prefills_in_place` says so (otherwise
+        multi-token rows gather their blocks for SDPA)."""
+        raise NotImplementedError(f"the {self.name} kernel set does not attend prefills in place")
+
+    def prefills_in_place(self, head_dim: int) -> bool:
+        """Whether `paged_prefill_attention` serves multi-token rows of this head size."""
+        return False
+
     def takes_ragged_batch(self, head_dim: int, block_size: int) -> bool:
         """Whether `ragged_paged_attention` attends every row of a step in one call for this head
         size and cache block size (then the step's metadata is a `RaggedBatch`)."""
@@ -337,6 +355,13 @@ class NativeCpuKernels(TorchKernels):
             return torch.ops.weft.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
+    def add_rms_norm_(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+            return torch.ops.weft.add_rms_norm_(x, delta, weight, eps)  # one pass over each row
+        return super().add_rms_norm_(x, delta, weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype == torch.float32:
             return torch.ops.weft.silu_mul(gate_up)
@@ -362,6 +387,21 @@ class NativeCpuKernels(TorchKernels):
 
     def reads_cache_in_place(self, head_dim: int) -> bool:
         return head_dim <= 256  # larger heads take the gather + SDPA path
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        query_start: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        attend = torch.ops.weft.paged_prefill_attention
+        return attend(q, kv_cache, block_table, context_lens, query_start, scale)
+
+    def prefills_in_place(self, head_dim: int) -> bool:
+        return head_dim in (16, 32, 64, 128)  # the sizes weft/native/prefill_attention.cpp is built for
 
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         return device.type == "cpu" and activations == torch.float32

@@ -10,7 +10,10 @@ attend in separate calls, so decode rows are never padded to a prompt chunk's le
 Decode rows (one query each) take the kernel set's `paged_decode_attention` when it has one (on CPU,
 weft's native kernel, which reads each sequence's keys and values in place through its block table
 instead of gathering them first). Rows with a few new tokens (fast-forwarded grammar tokens) then
-join them token by token: token i of a row is a one-query row whose context ends at itself.
+join them token by token: token i of a row is a one-query row whose context ends at itself. Longer
+rows (prompts, prompt chunks) take the kernel set's `paged_prefill_attention` where it has one (on
+CPU, weft's native kernel: causal over each sequence's blocks read in place, no mask, no padding,
+and no work on keys a query cannot see); elsewhere SDPA over the gathered blocks with a mask.
 
 A kernel set that attends every row of a step in one call (`takes_ragged_batch`: Triton on CUDA)
 gets the step as a `RaggedBatch` instead (block table, sequence lengths, query offsets), and no
@@ -46,6 +49,9 @@ class AttentionGroup:
     max_query_len: int
     kv_len: int  # keys gathered per sequence (the group's longest context)
     is_causal: bool = False  # equal fresh prompts: plain causal attention, no mask, no padding
+    # [Bg + 1] int64, where each sequence's tokens start among the group's: set when the kernel set
+    # attends multi-token rows in place (`paged_prefill_attention`), which needs no mask
+    query_start: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +85,7 @@ class _StepShape:
     seq_idx: np.ndarray  # [T] int64, the row of each token
     table: np.ndarray  # [B, max_blocks] int64, padded with block 0
     block_size: int
+    prefill_in_place: bool = False  # multi-token rows attend through `paged_prefill_attention`
 
 
 def build_attention_metadata(
@@ -89,6 +96,7 @@ def build_attention_metadata(
     device: torch.device,
     max_tokenwise_query_len: int = 1,
     ragged: bool = False,
+    prefill_in_place: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -96,8 +104,10 @@ def build_attention_metadata(
     `query_lens[i]` of them. `block_tables` are lists of block ids, or already an array
     [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
     `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
-    set's choice). With `ragged`, the step is one `RaggedBatch` instead of groups. Arrays are built
-    on the host with numpy and moved to the device once each; nothing is read back from a device.
+    set's choice); with `prefill_in_place`, longer rows attend through the kernel set's
+    `paged_prefill_attention`. With `ragged`, the step is one `RaggedBatch` instead of groups.
+    Arrays are built on the host with numpy and moved to the device once each; nothing is read back
+    from a device.
     """
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
@@ -115,7 +125,9 @@ def build_attention_metadata(
     if ragged:
         batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
         return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
-    shape = _StepShape(query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size)
+    shape = _StepShape(
+        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place
+    )
     groups: tuple[AttentionGroup, ...]
     if num_tokens == num_seqs:  # decode only: every row is one query already
         groups = (_group(shape, None, None, device),)
@@ -215,6 +227,8 @@ def _group(
         q_lens, ctx_lens, table = q_lens[index], ctx_lens[index], table[index]
     max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
+    if max_q > 1 and shape.prefill_in_place:
+        return _in_place_group(shape, token_idx, q_lens, ctx_lens, table[:, :num_blocks], device)
     is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
     scatter_idx, mask = None, None
     if max_q > 1 and not is_causal:
@@ -235,6 +249,30 @@ def _group(
         max_query_len=max_q,
         kv_len=kv_len,
         is_causal=is_causal,
+    )
+
+
+def _in_place_group(
+    shape: _StepShape,
+    token_idx: np.ndarray | None,
+    q_lens: np.ndarray,  # [Bg] int64
+    ctx_lens: np.ndarray,  # [Bg] int64
+    table: np.ndarray,  # [Bg, num_blocks] int64
+    device: torch.device,
+) -> AttentionGroup:
+    """A group of multi-token rows for `paged_prefill_attention`: each sequence's tokens are a run
+    of the group's, and the kernel reads the cache in place (no mask, no padding)."""
+    query_start = np.zeros(len(q_lens) + 1, dtype=np.int64)  # [Bg + 1]
+    np.cumsum(q_lens, out=query_start[1:])
+    return AttentionGroup(
+        token_idx=None if token_idx is None else to_device(token_idx, device),
+        block_table=to_device(table, device),
+        context_lens=to_device(ctx_lens, device),
+        query_scatter_idx=None,
+        attn_mask=None,
+        max_query_len=int(q_lens.max()),
+        kv_len=int(ctx_lens.max()),
+        query_start=to_device(query_start, device),
     )
 
 
@@ -274,6 +312,11 @@ def _attend(
     if max_q == 1 and kernels.reads_cache_in_place(head_dim):  # decode rows: read the cache in place
         out = kernels.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
         return out.view(num_seqs, num_heads * head_dim)
+    if group.query_start is not None:  # multi-token rows, read in place too
+        out = kernels.paged_prefill_attention(
+            q, kv_cache, group.block_table, group.context_lens, group.query_start, scale
+        )  # [Tg, H, D]
+        return out.view(-1, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
@@ -323,8 +366,9 @@ class PagedAttention:
         """See `build_attention_metadata`."""
         max_tokenwise = self.kernels.max_tokenwise_query_len
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
+        in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
         return build_attention_metadata(
-            query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged
+            query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place
         )
 
     @staticmethod

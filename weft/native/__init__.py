@@ -1,7 +1,7 @@
 """weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16,
 float16 and exact quantized panels, `quant.cpp` packing quantized weights, `qdot.cpp` their int8
-products; `decoder.cpp`, a whole decoder stack for single-token rows), compiled on first use and
-cached.
+products; `decoder.cpp`, a whole decoder stack for single-token rows; `prefill_attention.cpp`,
+attention of multi-token rows over the paged cache), compiled on first use and cached.
 
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
@@ -30,9 +30,9 @@ from weft.config import NativeConfig
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp")
+    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp", "prefill_attention.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h", "vmath.h")]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):

@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vmath.h"
+
 namespace {
 
 // Every check runs before any memory is touched; messages are plain literals (nothing formatted).
@@ -33,58 +35,13 @@ inline bool on_cpu(std::initializer_list<at::Tensor> tensors) {
 }
 
 
-// exp(x) for x <= 0 (the softmax, the sigmoid): Cephes' range reduction and polynomial, within 2
-// ulp of std::exp. exp16 below is the same computation on 16 lanes; GCC did not vectorize the
-// loops over this scalar form.
-__attribute__((always_inline)) inline float exp_approx(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-}
-
+using weft::vmath::exp_approx;
 #if defined(__AVX512F__)
-// exp_approx on 16 lanes, step for step.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
-}
+using weft::vmath::exp16;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same on 8 lanes (AVX2 machines), step for step.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
-}
+using weft::vmath::exp8;
 
 inline float reduce_add8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -108,24 +65,26 @@ inline float dot(const T* a, const float* b, int64_t n) {
   return sum;
 }
 
+// dst = row / rms(row) * weight for one row of `hidden` values.
+template <typename T>
+inline void rms_norm_row(const T* row, const T* wp, T* dst, int64_t hidden, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) {
+    // as the reference implementations: normalise in float32, round to the storage dtype, scale
+    const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * inv));
+    dst[i] = static_cast<T>(normed * static_cast<float>(wp[i]));
+  }
+}
+
 // out[t] = x[t] / rms(x[t]) * weight, per row of a [T, H] tensor (rows may be strided).
 template <typename T>
 void rms_norm_kernel(const T* xp, int64_t row_stride, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* row = xp + t * row_stride;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-      T* dst = op + t * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) {
-        // as the reference implementations: normalise in float32, round to the storage dtype, scale
-        const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * inv));
-        dst[i] = static_cast<T>(normed * static_cast<float>(wp[i]));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(xp + t * row_stride, wp, op + t * hidden, hidden, eps);
   });
 }
 
@@ -139,6 +98,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_rms_norm", [&] {
     rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
                               out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x[t] += delta[t] in place, then out[t] = rms_norm(x[t]): the residual add and the next norm in one
+// pass over each row (what x.add_(delta) followed by rms_norm computes).
+template <typename T>
+void add_rms_norm_kernel(T* xp, const T* dp, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * hidden;
+      const T* delta = dp + t * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(delta[i]));
+      rms_norm_row(row, wp, op + t * hidden, hidden, eps);
+    }
+  });
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(on_cpu({x, delta, weight}), "add_rms_norm_: x, delta and weight must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
+                  delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: x and delta must be contiguous [T, H] of one dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: weight must be [H] of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_add_rms_norm_", [&] {
+    add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                  out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
 }
@@ -1163,6 +1153,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY(weft, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
@@ -1176,6 +1167,7 @@ TORCH_LIBRARY(weft, m) {
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);

@@ -1,0 +1,356 @@
+// Attention of a step's multi-token rows (prompts, prompt chunks after a cached prefix) over the
+// paged KV cache [num_blocks, block_size, 2, KVH, D], read in place through the block table: no
+// gathered copy of the cache, no mask tensor, and no work on the keys a query cannot see.
+//
+// Sequence b's queries are q[query_start[b] .. query_start[b + 1]), the last ones of its
+// context_lens[b] tokens; a query at position p attends keys 0 .. p. A work item is one sequence,
+// one KV head and up to kChunk of its queries: the rows of the item are those queries times the
+// KV head's query heads (row = query * group + head), so every row of an item shares its keys. An
+// item walks its keys in blocks of kKeys (a flash-attention loop): it copies the block's keys into
+// a transposed tile Kt [D][kKeys], then for each tile of kRows rows computes the scores
+// S = Q Kt (the linear layers' register tile: kRows x kKeys accumulators, one key vector load per
+// head dimension shared by the rows), updates each row's running softmax (max m, sum l), and adds
+// P V to the rows' outputs, reading each value row in place from the cache. A tile skips the key
+// blocks entirely past its last query. Everything is float32, q already multiplied by the scale.
+//
+// Items go to threads in contiguous runs; the chunks of one sequence and head are ordered first,
+// last, second, second to last ... so that a run of items holds cheap and costly ones alike.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "tiles.h"
+#include "vmath.h"
+
+namespace {
+
+using weft::tiles::kLanes;
+using weft::tiles::vecf;
+using weft::tiles::vecfu;
+
+typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
+
+constexpr int64_t kKeys = 32;             // keys per block of scores
+constexpr int kKeyVecs = kKeys / kLanes;  // vectors per row of a score tile
+constexpr int64_t kChunk = 32;            // queries per work item
+#if defined(__AVX512F__)
+constexpr int kRows = 12;     // score tile: 12 rows x 2 key vectors = 24 accumulators (of 32 registers)
+constexpr int kAccRegs = 24;  // accumulators of the P V tile
+#else
+constexpr int kRows = 3;  // 3 x 4 (of 16 registers)
+constexpr int kAccRegs = 12;
+#endif
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+struct PrefillShape {
+  int64_t num_heads, num_kv_heads, group, block_size, token_stride, block_stride, max_blocks;
+  int64_t q_token_stride, q_head_stride;
+  float scale;
+};
+
+struct Item {
+  int64_t seq, kv_head, first, count;  // the sequence's queries first .. first + count - 1
+};
+
+inline vecf vexp(vecf x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vecf>(weft::vmath::exp16(reinterpret_cast<__m512>(x)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return reinterpret_cast<vecf>(weft::vmath::exp8(reinterpret_cast<__m256>(x)));
+#else
+  vecf e;
+  for (int c = 0; c < kLanes; ++c) e[c] = weft::vmath::exp_approx(x[c]);
+  return e;
+#endif
+}
+
+inline float lane_max(vecf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  float m = v[0];
+  for (int c = 1; c < kLanes; ++c) m = std::max(m, v[c]);
+  return m;
+#endif
+}
+
+inline float lane_sum(vecf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int c = 0; c < kLanes; ++c) s += v[c];
+  return s;
+#endif
+}
+
+// One item's buffers: its rows' scaled queries, outputs and running softmax, one transposed key
+// block, a score tile's probabilities and the block's value rows.
+template <int kD>
+struct Scratch {
+  static constexpr int kDVecs = kD / kLanes;
+  std::vector<vecf> q, o;       // [rows, kDVecs] each
+  std::vector<float> m, l;      // [rows]
+  std::vector<vecf> kt;         // [kD, kKeyVecs]: Kt[d][key]
+  std::vector<vecf> p;          // [kRows, kKeyVecs]
+  float alpha[kRows];           // how much each row of the tile rescales its output
+  const float* values[kKeys];   // the block's value rows, in the cache
+  explicit Scratch(int64_t rows)
+      : q(rows * kDVecs), o(rows * kDVecs), m(rows), l(rows), kt(kD * kKeyVecs), p(kRows * kKeyVecs) {}
+};
+
+// S[i][key] = q_i . k_key for the kRows rows of a tile (q rows kD floats apart).
+template <int kD>
+__attribute__((always_inline)) inline void score_tile(const float* q, const vecf* kt, vecf (&acc)[kRows][kKeyVecs]) {
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKeyVecs; ++j) acc[i][j] = vecf{};
+  for (int d = 0; d < kD; ++d) {
+    vecf w[kKeyVecs];
+    for (int j = 0; j < kKeyVecs; ++j) w[j] = kt[d * kKeyVecs + j];
+    for (int i = 0; i < kRows; ++i) {
+      const float x = q[i * kD + d];
+      for (int j = 0; j < kKeyVecs; ++j) acc[i][j] += x * w[j];
+    }
+  }
+}
+
+// The running softmax of a row after one block of scores, keys kb0 .. kb0 + kKeys - 1 of which
+// those after `limit` are masked: the row's probabilities into p, its rescale into *alpha.
+inline void softmax_row(const vecf (&s)[kKeyVecs], int64_t kb0, int64_t limit, float& m, float& l, vecf* p,
+                        float* alpha) {
+  vecf scores[kKeyVecs];
+  veci visible[kKeyVecs];
+  const bool all_visible = kb0 + kKeys - 1 <= limit;
+  for (int j = 0; j < kKeyVecs; ++j) {
+    if (all_visible) {
+      scores[j] = s[j];
+      continue;
+    }
+    veci key;
+    for (int c = 0; c < kLanes; ++c) key[c] = static_cast<int32_t>(kb0 + j * kLanes + c);
+    visible[j] = key <= static_cast<int32_t>(limit);
+    scores[j] = visible[j] ? s[j] : vecf{} + kMinusInf;
+  }
+  vecf top = scores[0];
+  for (int j = 1; j < kKeyVecs; ++j) top = top > scores[j] ? top : scores[j];
+  const float new_max = std::max(m, lane_max(top));
+  *alpha = m == kMinusInf ? 0.f : weft::vmath::exp_approx(m - new_max);
+  vecf sum{};
+  for (int j = 0; j < kKeyVecs; ++j) {
+    p[j] = vexp(scores[j] - new_max);
+    if (!all_visible) p[j] = visible[j] ? p[j] : vecf{};
+    sum += p[j];
+  }
+  m = new_max;
+  l = l * *alpha + lane_sum(sum);
+}
+
+// o[i] = o[i] * alpha[i] + sum over the block's keys of p[i][key] * v_key, kPvRows rows at a time.
+template <int kD>
+void add_values(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
+  constexpr int kDVecs = Scratch<kD>::kDVecs;
+  constexpr int kPvRows = std::min(kRows, std::max(1, kAccRegs / kDVecs));
+  static_assert(kRows % kPvRows == 0);
+  const float* p = reinterpret_cast<const float*>(s.p.data());
+  for (int i0 = 0; i0 < kRows; i0 += kPvRows) {
+    vecf acc[kPvRows][kDVecs];
+    vecf* o = s.o.data() + (tile_row + i0) * kDVecs;
+    for (int i = 0; i < kPvRows; ++i)
+      for (int v = 0; v < kDVecs; ++v) acc[i][v] = o[i * kDVecs + v] * s.alpha[i0 + i];
+    for (int64_t key = 0; key < num_keys; ++key) {
+      vecf value[kDVecs];
+      for (int v = 0; v < kDVecs; ++v) value[v] = *reinterpret_cast<const vecfu*>(s.values[key] + v * kLanes);
+      for (int i = 0; i < kPvRows; ++i) {
+        const float pk = p[(i0 + i) * kKeys + key];
+        for (int v = 0; v < kDVecs; ++v) acc[i][v] += pk * value[v];
+      }
+    }
+    for (int i = 0; i < kPvRows; ++i)
+      for (int v = 0; v < kDVecs; ++v) o[i * kDVecs + v] = acc[i][v];
+  }
+}
+
+// Keys kb0 .. kb0 + num_keys - 1 of the item's head: transposed into s.kt (zero past num_keys), and
+// their value rows' addresses.
+template <int kD>
+void load_key_block(const float* cache, const int64_t* blocks, int64_t kv_head, int64_t kb0, int64_t num_keys,
+                    const PrefillShape& sh, Scratch<kD>& s) {
+  float* kt = reinterpret_cast<float*>(s.kt.data());
+  for (int64_t key = 0; key < kKeys; ++key) {
+    if (key >= num_keys) {
+      for (int d = 0; d < kD; ++d) kt[d * kKeys + key] = 0.f;
+      continue;
+    }
+    const int64_t token = kb0 + key;
+    const float* k = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
+                     kv_head * kD;
+    s.values[key] = k + sh.num_kv_heads * kD;
+    for (int d = 0; d < kD; ++d) kt[d * kKeys + key] = k[d];
+  }
+}
+
+template <int kD>
+void attend_item(const Item& it, const float* q, const float* cache, const int64_t* table, int64_t context_len,
+                 int64_t query_start, int64_t query_len, const PrefillShape& sh, Scratch<kD>& s, float* out) {
+  constexpr int kDVecs = Scratch<kD>::kDVecs;
+  const int64_t rows = it.count * sh.group;
+  const int64_t first_pos = context_len - query_len + it.first;  // the position of the item's first query
+  const int64_t* blocks = table + it.seq * sh.max_blocks;
+  float* qs = reinterpret_cast<float*>(s.q.data());
+  std::fill(qs, qs + static_cast<int64_t>(s.q.size()) * kLanes, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + (query_start + it.first + r / sh.group) * sh.q_token_stride +
+                       (it.kv_head * sh.group + r % sh.group) * sh.q_head_stride;
+    for (int d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sh.scale;
+  }
+  std::fill(s.o.begin(), s.o.end(), vecf{});
+  std::fill(s.m.begin(), s.m.end(), kMinusInf);
+  std::fill(s.l.begin(), s.l.end(), 0.f);
+  const int64_t last_key = first_pos + it.count - 1;
+  for (int64_t kb0 = 0; kb0 <= last_key; kb0 += kKeys) {
+    const int64_t num_keys = std::min(kKeys, last_key + 1 - kb0);
+    load_key_block<kD>(cache, blocks, it.kv_head, kb0, num_keys, sh, s);
+    for (int64_t t0 = 0; t0 < rows; t0 += kRows) {
+      if (first_pos + (std::min(t0 + kRows, rows) - 1) / sh.group < kb0) continue;  // all past the tile
+      vecf acc[kRows][kKeyVecs];
+      score_tile<kD>(qs + t0 * kD, s.kt.data(), acc);
+      for (int i = 0; i < kRows; ++i) {
+        const int64_t r = t0 + i, limit = first_pos + r / sh.group;
+        if (r >= rows || limit < kb0) {  // padding, or a row that sees none of the block
+          std::fill(s.p.begin() + i * kKeyVecs, s.p.begin() + (i + 1) * kKeyVecs, vecf{});
+          s.alpha[i] = 1.f;
+          continue;
+        }
+        softmax_row(acc[i], kb0, limit, s.m[r], s.l[r], s.p.data() + i * kKeyVecs, &s.alpha[i]);
+      }
+      add_values<kD>(s, t0, num_keys);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + ((query_start + it.first + r / sh.group) * sh.num_heads + it.kv_head * sh.group + r % sh.group) * kD;
+    const vecf inv = vecf{} + 1.f / s.l[r];
+    for (int v = 0; v < kDVecs; ++v) *reinterpret_cast<vecfu*>(dst + v * kLanes) = s.o[r * kDVecs + v] * inv;
+  }
+}
+
+// The work items, each sequence's chunks ordered first, last, second, second to last, ...
+std::vector<Item> work_items(const int64_t* starts, int64_t num_seqs, int64_t num_kv_heads) {
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t len = starts[b + 1] - starts[b], chunks = (len + kChunk - 1) / kChunk;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      for (int64_t i = 0; i < chunks; ++i) {
+        const int64_t c = i % 2 == 0 ? i / 2 : chunks - 1 - i / 2;
+        items.push_back({b, g, c * kChunk, std::min(kChunk, len - c * kChunk)});
+      }
+    }
+  }
+  return items;
+}
+
+template <int kD>
+void prefill_kernel(const float* q, const float* cache, const int64_t* table, const int64_t* lens,
+                    const int64_t* starts, int64_t num_seqs, const PrefillShape& sh, float* out) {
+  const std::vector<Item> items = work_items(starts, num_seqs, sh.num_kv_heads);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch<kD> scratch(((kChunk * sh.group + kRows - 1) / kRows) * kRows);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      attend_item<kD>(it, q, cache, table, lens[it.seq], starts[it.seq], starts[it.seq + 1] - starts[it.seq], sh,
+                      scratch, out);
+    }
+  });
+}
+
+void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                          const at::Tensor& context_lens, const at::Tensor& query_start) {
+  for (const auto& t : {q, kv_cache, block_table, context_lens, query_start}) {
+    TORCH_CHECK(t.device().is_cpu(), "paged_prefill_attention: every tensor must be on the CPU");
+  }
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kFloat,
+              "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.size(2) == 2 && kv_cache.size(4) == q.size(2),
+              "paged_prefill_attention: kv_cache must be contiguous float32 [blocks, block_size, 2, KVH, D]");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128,
+              "paged_prefill_attention: head_dim must be 16, 32, 64 or 128 (others take SDPA)");
+  TORCH_CHECK(kv_cache.size(3) > 0 && q.size(1) % kv_cache.size(3) == 0,
+              "paged_prefill_attention: the query heads must be a multiple of the KV heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous(),
+              "paged_prefill_attention: block_table must be contiguous [B, max_blocks] int64");
+  const int64_t num_seqs = block_table.size(0);
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == num_seqs,
+              "paged_prefill_attention: context_lens must be [B] int64");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && query_start.is_contiguous() &&
+                  query_start.numel() == num_seqs + 1,
+              "paged_prefill_attention: query_start must be [B + 1] int64");
+}
+
+// Every sequence's queries inside q and its context, its context inside its blocks, every block
+// inside the cache.
+void check_prefill_lengths(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                           const int64_t* lens, const int64_t* starts) {
+  const int64_t num_seqs = block_table.size(0), max_blocks = block_table.size(1), block_size = kv_cache.size(1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0),
+              "paged_prefill_attention: query_start must run from 0 to the number of query tokens");
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t len = starts[b + 1] - starts[b];
+    TORCH_CHECK(len >= 0 && len <= lens[b] && lens[b] <= max_blocks * block_size,
+                "paged_prefill_attention: a sequence's queries exceed its context, or its context its blocks");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < kv_cache.size(0),
+                  "paged_prefill_attention: a block id is outside the cache");
+    }
+  }
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& context_lens, const at::Tensor& query_start, double scale) {
+  check_prefill_inputs(q, kv_cache, block_table, context_lens, query_start);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  check_prefill_lengths(q, kv_cache, block_table, lens, starts);
+  PrefillShape sh{};
+  sh.num_heads = q.size(1);
+  sh.num_kv_heads = kv_cache.size(3);
+  sh.group = sh.num_heads / sh.num_kv_heads;
+  sh.block_size = kv_cache.size(1);
+  sh.token_stride = 2 * sh.num_kv_heads * q.size(2);
+  sh.block_stride = sh.block_size * sh.token_stride;
+  sh.max_blocks = block_table.size(1);
+  sh.q_token_stride = q.stride(0);
+  sh.q_head_stride = q.stride(1);
+  sh.scale = static_cast<float>(scale);
+  auto out = at::empty({q.size(0), sh.num_heads, q.size(2)}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* cache = kv_cache.data_ptr<float>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t num_seqs = block_table.size(0);
+  switch (q.size(2)) {
+    case 16: prefill_kernel<16>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    case 32: prefill_kernel<32>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    case 64: prefill_kernel<64>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    default: prefill_kernel<128>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(weft, m) {
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
+      "Tensor query_start, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
