@@ -47,6 +47,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "ops.h"
 #include "panels.h"
@@ -509,16 +510,40 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
-// x rounded to bfloat16 (to nearest even, torch's vectorized conversion) as pairs of features in
-// 32-bit words, feature 2i in the low half, laid out tile by tile: [tiles, K / 2, rows], pair kk of
-// the tile's row i at [kk, i] (the last tile zero-padded to `rows`).
+// f rounded to bfloat16, to nearest even (as torch rounds it), in the low 16 bits.
+inline uint32_t bfloat16_bits(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  return f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// x rounded to bfloat16 as pairs of features in 32-bit words, feature 2i in the low half, laid out
+// tile by tile: [tiles, K / 2, rows], pair kk of the tile's row i at [kk, i] (the last tile
+// zero-padded to `rows`). One pass, tiles split between threads: each row is rounded into a run of
+// words, then written down its column of the tile (which stays in L1 meanwhile).
 at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2, tiles = (m + rows - 1) / rows;
-  auto rounded = at::empty({tiles * rows, 2 * pairs}, x.options().dtype(at::kBFloat16));
-  rounded.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
-  if (k % 2 != 0) rounded.narrow(0, 0, m).narrow(1, k, 1).zero_();
-  if (tiles * rows > m) rounded.narrow(0, m, tiles * rows - m).zero_();
-  return rounded.view(at::kInt).view({tiles, rows, pairs}).transpose(1, 2).contiguous();
+  auto out = at::empty({tiles, pairs, rows}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> words(pairs);
+    for (int64_t t = begin; t < end; ++t) {
+      uint32_t* tile = op + t * pairs * rows;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* row = xp + (t * rows + i) * stride;
+        if (t * rows + i >= m) {
+          std::fill(words.begin(), words.end(), 0u);
+        } else {
+#pragma omp simd
+          for (int64_t kk = 0; kk < k / 2; ++kk) words[kk] = bfloat16_bits(row[2 * kk]) | bfloat16_bits(row[2 * kk + 1]) << 16;
+          if (k % 2 != 0) words[pairs - 1] = bfloat16_bits(row[k - 1]);
+        }
+        for (int64_t kk = 0; kk < pairs; ++kk) tile[kk * rows + i] = words[kk];
+      }
+    }
+  });
+  return out;
 }
 
 template <typename Tiles, typename Storage>
