@@ -135,15 +135,20 @@ def test_short_multi_token_rows_attend_token_by_token():
     assert [g.num_seqs for g in torch_meta.groups] == [2, 3]
 
 
-def _prefill_step(backend: PagedAttention, query_lens, context_lens, heads, head_dim, block_size, scale=0.3):
+def _prefill_step(
+    backend: PagedAttention, query_lens, context_lens, heads, head_dim, block_size, scale=0.3, bfloat16=False
+):
     """A step of multi-token rows (fresh prompts and chunks after a cached prefix) through `backend`,
-    the step's keys and values written to the cache first; its output and the step's groups."""
+    the step's keys and values written to the cache first; its output and the step's groups.
+    `bfloat16`: q, k and v drawn as bfloat16 values (rounding them again changes nothing)."""
     gen = torch.Generator().manual_seed(sum(context_lens) + head_dim)
     tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
     num_heads, num_kv_heads = heads
     kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     kv_new = torch.randn(sum(query_lens), 2, num_kv_heads, head_dim, generator=gen)
+    if bfloat16:
+        kv_cache, q, kv_new = (t.bfloat16().float() for t in (kv_cache, q, kv_new))
     meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
     return backend(q, kv_new, kv_cache, meta, scale), meta.groups
 
@@ -166,6 +171,26 @@ def test_prefill_attention_matches_gather_and_sdpa(head_dim, heads, block_size):
         expected, _ = _prefill_step(TORCH, query_lens, context_lens, heads, head_dim, block_size)
         assert all(g.query_start is not None for g in groups)  # the kernel did attend
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_prefill_attention_with_bfloat16_products(head_dim):
+    """bf16_dot rounds q * scale, k, the probabilities and v to bfloat16: on inputs that are bfloat16
+    values already (and a power-of-two scale) only the probabilities round, so the output is within
+    their rounding (2^-9 relative) of exact attention; on float32 inputs, within bfloat16 rounding."""
+    dot_backend = PagedAttention(NATIVE_CPU_KERNELS, head_dim)
+    dot_backend.bf16_dot = True
+    for query_lens, context_lens in PREFILL_STEPS:
+        step = (query_lens, context_lens, (8, 2), head_dim, 16, 0.25)
+        out, _ = _prefill_step(dot_backend, *step, bfloat16=True)
+        expected, _ = _prefill_step(TORCH, *step, bfloat16=True)
+        assert (out - expected).abs().max() <= 6e-3 and (
+            out - expected
+        ).abs().mean() <= 5e-4  # 3.7e-3, 2.5e-4
+        out, _ = _prefill_step(dot_backend, *step)
+        expected, _ = _prefill_step(TORCH, *step)
+        error = (out - expected).abs()
+        assert error.max() <= 5e-2 and 1e-5 <= error.mean() <= 3e-3  # measured up to 3.1e-2, 1.7e-3: rounded
 
 
 def test_prefill_attention_softmax_is_exact_for_extreme_scores():
@@ -369,6 +394,7 @@ def test_kernels_at_many_threads():
         test_decode_attention_matches_gather_and_sdpa(torch.float32, (8, 2))
         test_short_multi_token_rows_attend_token_by_token()
         test_prefill_attention_matches_gather_and_sdpa(64, (8, 2), 16)
+        test_prefill_attention_with_bfloat16_products(64)
         test_prefill_attention_rejects_bad_input()
         for rows in (1, 13, 40):
             test_packed_linear_matches_f_linear(rows, 21, True)

@@ -161,10 +161,12 @@ class TorchKernels:
         context_lens: torch.Tensor,  # [B] int64
         query_start: torch.Tensor,  # [B + 1] int64: sequence b's are q[query_start[b] : query_start[b + 1]]
         scale: float,
+        bf16_dot: bool = False,
     ) -> torch.Tensor:  # [T, H, D]
         """Causal attention of several queries per sequence (the last ones of its context) over its
         cached keys and values, read in place; only where `prefills_in_place` says so (otherwise
-        multi-token rows gather their blocks for SDPA)."""
+        multi-token rows gather their blocks for SDPA). `bf16_dot`: q, k, the probabilities and v
+        rounded to bfloat16 for the two products, float32 accumulation and softmax."""
         raise NotImplementedError(f"the {self.name} kernel set does not attend prefills in place")
 
     def prefills_in_place(self, head_dim: int) -> bool:
@@ -396,9 +398,10 @@ class NativeCpuKernels(TorchKernels):
         context_lens: torch.Tensor,
         query_start: torch.Tensor,
         scale: float,
+        bf16_dot: bool = False,
     ) -> torch.Tensor:
         attend = torch.ops.weft.paged_prefill_attention
-        return attend(q, kv_cache, block_table, context_lens, query_start, scale)
+        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot)
 
     def prefills_in_place(self, head_dim: int) -> bool:
         return head_dim in (16, 32, 64, 128)  # the sizes weft/native/prefill_attention.cpp is built for

@@ -283,7 +283,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels: TorchKernels = TORCH_KERNELS,
+    bf16_dot: bool = False,
 ) -> torch.Tensor:  # [T, H * D]
+    """Write the step's keys and values into the cache, then attend. `bf16_dot`: multi-token rows
+    attending in place round their products' inputs to bfloat16 (as the linear layers' `bf16_dot`)."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, _, num_kv_heads, _ = kv_cache.shape
     kv_cache.view(num_blocks * block_size, 2, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
@@ -291,11 +294,11 @@ def paged_attention(
         out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale)  # [T, H, D]
         return out.view(num_tokens, num_heads * head_dim)
     if len(meta.groups) == 1:
-        return _attend(q, kv_cache, meta.groups[0], scale, kernels)
+        return _attend(q, kv_cache, meta.groups[0], scale, kernels, bf16_dot)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         assert group.token_idx is not None
-        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels)
+        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels, bf16_dot)
     return out
 
 
@@ -305,6 +308,7 @@ def _attend(
     group: AttentionGroup,
     scale: float,
     kernels: TorchKernels,
+    bf16_dot: bool = False,
 ) -> torch.Tensor:  # [Tg, H * D]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -314,7 +318,7 @@ def _attend(
         return out.view(num_seqs, num_heads * head_dim)
     if group.query_start is not None:  # multi-token rows, read in place too
         out = kernels.paged_prefill_attention(
-            q, kv_cache, group.block_table, group.context_lens, group.query_start, scale
+            q, kv_cache, group.block_table, group.context_lens, group.query_start, scale, bf16_dot
         )  # [Tg, H, D]
         return out.view(-1, num_heads * head_dim)
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
@@ -349,6 +353,7 @@ class PagedAttention:
     def __init__(self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None) -> None:
         self.kernels = kernels
         self.head_dim = head_dim  # None: unknown, no ragged batches
+        self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -386,4 +391,4 @@ class PagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H * D]
-        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels)
+        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels, self.bf16_dot)

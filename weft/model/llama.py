@@ -186,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         """Every matrix in bfloat16 panels multiplies with bfloat16 products, or none does (others,
         such as Q8_0 panels, keep theirs)."""
         self.bf16_dot = bf16_dot
+        self.attention.bf16_dot = bf16_dot  # prefill attention's two products too
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16

@@ -68,6 +68,9 @@ using weft::tiles::vecfu;
 using weft::tiles::widen_halves;
 using weft::tiles::widen_int8;
 using weft::tiles::widen_uint8;
+using weft::tiles::bfloat16_bits;
+using weft::tiles::dot_pairs;
+using weft::tiles::wordsv;
 
 #if defined(__AVX512F__)
 constexpr int kMaxTileRows = 12;  // rows per tile: 12 x 2 accumulators + 2 panel vectors (of 32)
@@ -75,7 +78,6 @@ constexpr int kMaxTileRows = 12;  // rows per tile: 12 x 2 accumulators + 2 pane
 constexpr int kMaxTileRows = 3;   // 3 x 4 accumulators + a panel vector + broadcasts (of 16)
 #endif
 
-typedef uint32_t wordsv __attribute__((vector_size(4 * kLanes)));           // words of a bfloat16 panel row pair
 
 // One panel row of each weight type, widened to kVecs vectors of kLanes float32 columns.
 // Row k of a panel (its base `panel`), widened to float32 columns 0-15 and 16-31; and a prefetch
@@ -97,20 +99,6 @@ struct Float32Row {
 
 // bfloat16 panels: rows in pairs (see the top); one pair of rows of 32 columns is 128 bytes.
 constexpr int64_t kPairElems = 2 * kPanel;
-
-// acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps
-// where the build has AVX512_BF16, else the same arithmetic (each product exact in float32, each sum
-// rounded once, as the instruction does).
-inline vecf dot_pairs(vecf acc, wordsv x, wordsv w) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return reinterpret_cast<vecf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
-                                                  reinterpret_cast<__m512bh>(w)));
-#else
-  acc += reinterpret_cast<vecf>(x & 0xffff0000u) * reinterpret_cast<vecf>(w & 0xffff0000u);
-  acc += reinterpret_cast<vecf>(x << 16) * reinterpret_cast<vecf>(w << 16);
-  return acc;
-#endif
-}
 
 struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k) half of each word
   using Storage = uint16_t;
@@ -508,12 +496,6 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->is_contiguous() && bias->numel() == n &&
                                      bias->scalar_type() == at::kFloat),
               "packed_linear: bias must be a contiguous float32 [out_features]");
-}
-
-// f rounded to bfloat16, to nearest even (as torch rounds it), in the low 16 bits.
-inline uint32_t bfloat16_bits(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  return f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
 // x rounded to bfloat16 as pairs of features in 32-bit words, feature 2i in the low half, laid out

@@ -30,9 +30,12 @@
 
 namespace {
 
+using weft::tiles::bfloat16_bits;
+using weft::tiles::dot_pairs;
 using weft::tiles::kLanes;
 using weft::tiles::vecf;
 using weft::tiles::vecfu;
+using weft::tiles::wordsv;
 
 typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
 
@@ -90,8 +93,39 @@ inline float lane_sum(vecf v) {
 #endif
 }
 
+inline uint32_t pair_word(float low, float high) { return bfloat16_bits(low) | bfloat16_bits(high) << 16; }
+
+// Word c = (a[c], b[c]) as bfloat16 pairs: vcvtne2ps2bf16 and one permute where the build has
+// AVX512_BF16 (the same rounding to nearest even), else one value at a time.
+inline wordsv interleaved_pairs(vecf a, vecf b) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // a[c], b[c]
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(a)));
+  return reinterpret_cast<wordsv>(_mm512_permutexvar_epi16(kInterleave, both));
+#else
+  wordsv w;
+  for (int c = 0; c < kLanes; ++c) w[c] = pair_word(a[c], b[c]);
+  return w;
+#endif
+}
+
+// Word c = (x[2c], x[2c + 1]) of the 2 * kLanes values x = lo, hi.
+inline wordsv consecutive_pairs(vecf lo, vecf hi) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return reinterpret_cast<wordsv>(_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(hi), reinterpret_cast<__m512>(lo)));
+#else
+  wordsv w;
+  for (int c = 0; c < kLanes / 2; ++c) w[c] = pair_word(lo[2 * c], lo[2 * c + 1]);
+  for (int c = 0; c < kLanes / 2; ++c) w[kLanes / 2 + c] = pair_word(hi[2 * c], hi[2 * c + 1]);
+  return w;
+#endif
+}
+
 // One item's buffers: its rows' scaled queries, outputs and running softmax, one transposed key
-// block, a score tile's probabilities and the block's value rows.
+// block, a score tile's probabilities and the block's value rows. With bfloat16 products, the
+// queries, keys, probabilities and values as bfloat16 pairs instead: q and k paired along the head
+// dimension, p and v along the keys.
 template <int kD>
 struct Scratch {
   static constexpr int kDVecs = kD / kLanes;
@@ -99,15 +133,20 @@ struct Scratch {
   std::vector<float> m, l;      // [rows]
   std::vector<vecf> kt;         // [kD, kKeyVecs]: Kt[d][key]
   std::vector<vecf> p;          // [kRows, kKeyVecs]
+  std::vector<wordsv> qp;       // [rows, kD / 2] words
+  std::vector<wordsv> ktp, vp;  // [kD / 2, kKeyVecs]: Kt[d pair][key]; [kKeys / 2, kDVecs]: V[key pair][d]
+  std::vector<wordsv> pp;       // [kRows, kKeys / 2] words
   float alpha[kRows];           // how much each row of the tile rescales its output
   const float* values[kKeys];   // the block's value rows, in the cache
   explicit Scratch(int64_t rows)
-      : q(rows * kDVecs), o(rows * kDVecs), m(rows), l(rows), kt(kD * kKeyVecs), p(kRows * kKeyVecs) {}
+      : q(rows * kDVecs), o(rows * kDVecs), m(rows), l(rows), kt(kD * kKeyVecs), p(kRows * kKeyVecs),
+        qp(rows * kDVecs / 2), ktp(kD / 2 * kKeyVecs), vp(kKeys / 2 * kDVecs), pp(kRows * kKeyVecs / 2) {}
 };
 
 // S[i][key] = q_i . k_key for the kRows rows of a tile (q rows kD floats apart).
 template <int kD>
-__attribute__((always_inline)) inline void score_tile(const float* q, const vecf* kt, vecf (&acc)[kRows][kKeyVecs]) {
+__attribute__((always_inline)) inline void score_tile(const float* q, const vecf* kt, vecf (&out)[kRows][kKeyVecs]) {
+  vecf acc[kRows][kKeyVecs];  // a local tile, kept in registers (out's address escapes to the softmax)
   for (int i = 0; i < kRows; ++i)
     for (int j = 0; j < kKeyVecs; ++j) acc[i][j] = vecf{};
   for (int d = 0; d < kD; ++d) {
@@ -118,6 +157,27 @@ __attribute__((always_inline)) inline void score_tile(const float* q, const vecf
       for (int j = 0; j < kKeyVecs; ++j) acc[i][j] += x * w[j];
     }
   }
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKeyVecs; ++j) out[i][j] = acc[i][j];
+}
+
+// The same with bfloat16 products: q pairs [kRows][kD / 2], key pairs [kD / 2][kKeyVecs].
+template <int kD>
+__attribute__((always_inline)) inline void score_tile_pairs(const uint32_t* q, const wordsv* kt,
+                                                            vecf (&out)[kRows][kKeyVecs]) {
+  vecf acc[kRows][kKeyVecs];  // a local tile, kept in registers (out's address escapes to the softmax)
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKeyVecs; ++j) acc[i][j] = vecf{};
+  for (int dd = 0; dd < kD / 2; ++dd) {
+    wordsv w[kKeyVecs];
+    for (int j = 0; j < kKeyVecs; ++j) w[j] = kt[dd * kKeyVecs + j];
+    for (int i = 0; i < kRows; ++i) {
+      const wordsv x = wordsv{} + q[i * (kD / 2) + dd];
+      for (int j = 0; j < kKeyVecs; ++j) acc[i][j] = dot_pairs(acc[i][j], x, w[j]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKeyVecs; ++j) out[i][j] = acc[i][j];
 }
 
 // The running softmax of a row after one block of scores, keys kb0 .. kb0 + kKeys - 1 of which
@@ -161,8 +221,8 @@ void add_values(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
   for (int i0 = 0; i0 < kRows; i0 += kPvRows) {
     vecf acc[kPvRows][kDVecs];
     vecf* o = s.o.data() + (tile_row + i0) * kDVecs;
-    for (int i = 0; i < kPvRows; ++i)
-      for (int v = 0; v < kDVecs; ++v) acc[i][v] = o[i * kDVecs + v] * s.alpha[i0 + i];
+    for (int i = 0; i < kPvRows; ++i)  // a row's first block (alpha 0) starts from zero, not from s.o
+      for (int v = 0; v < kDVecs; ++v) acc[i][v] = s.alpha[i0 + i] == 0.f ? vecf{} : o[i * kDVecs + v] * s.alpha[i0 + i];
     for (int64_t key = 0; key < num_keys; ++key) {
       vecf value[kDVecs];
       for (int v = 0; v < kDVecs; ++v) value[v] = *reinterpret_cast<const vecfu*>(s.values[key] + v * kLanes);
@@ -176,50 +236,108 @@ void add_values(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
   }
 }
 
-// Keys kb0 .. kb0 + num_keys - 1 of the item's head: transposed into s.kt (zero past num_keys), and
-// their value rows' addresses.
+// The same with bfloat16 products, from s.pp and s.vp (pairs of keys).
 template <int kD>
-void load_key_block(const float* cache, const int64_t* blocks, int64_t kv_head, int64_t kb0, int64_t num_keys,
-                    const PrefillShape& sh, Scratch<kD>& s) {
-  float* kt = reinterpret_cast<float*>(s.kt.data());
-  for (int64_t key = 0; key < kKeys; ++key) {
-    if (key >= num_keys) {
-      for (int d = 0; d < kD; ++d) kt[d * kKeys + key] = 0.f;
-      continue;
+void add_value_pairs(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
+  constexpr int kDVecs = Scratch<kD>::kDVecs;
+  constexpr int kPvRows = std::min(kRows, std::max(1, kAccRegs / kDVecs));
+  for (int i0 = 0; i0 < kRows; i0 += kPvRows) {
+    vecf acc[kPvRows][kDVecs];
+    vecf* o = s.o.data() + (tile_row + i0) * kDVecs;
+    for (int i = 0; i < kPvRows; ++i)  // as in add_values
+      for (int v = 0; v < kDVecs; ++v) acc[i][v] = s.alpha[i0 + i] == 0.f ? vecf{} : o[i * kDVecs + v] * s.alpha[i0 + i];
+    for (int64_t kk = 0; kk < (num_keys + 1) / 2; ++kk) {
+      const wordsv* value = s.vp.data() + kk * kDVecs;
+      for (int i = 0; i < kPvRows; ++i) {
+        const wordsv pk = wordsv{} + reinterpret_cast<const uint32_t*>(s.pp.data())[(i0 + i) * (kKeys / 2) + kk];
+        for (int v = 0; v < kDVecs; ++v) acc[i][v] = dot_pairs(acc[i][v], pk, value[v]);
+      }
     }
-    const int64_t token = kb0 + key;
-    const float* k = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
-                     kv_head * kD;
-    s.values[key] = k + sh.num_kv_heads * kD;
-    for (int d = 0; d < kD; ++d) kt[d * kKeys + key] = k[d];
+    for (int i = 0; i < kPvRows; ++i)
+      for (int v = 0; v < kDVecs; ++v) o[i * kDVecs + v] = acc[i][v];
   }
 }
 
-template <int kD>
+// Keys kb0 .. kb0 + num_keys - 1 of the item's head: transposed into s.kt (zero past num_keys), or
+// with bfloat16 products paired along the head dimension into s.ktp; and their value rows' addresses
+// (and, paired along the keys, s.vp).
+template <int kD, bool kPairs>
+void load_key_block(const float* cache, const int64_t* blocks, int64_t kv_head, int64_t kb0, int64_t num_keys,
+                    const PrefillShape& sh, Scratch<kD>& s) {
+  float* kt = reinterpret_cast<float*>(s.kt.data());
+  auto* ktp = reinterpret_cast<uint32_t*>(s.ktp.data());
+  for (int64_t key = 0; key < kKeys; ++key) {
+    const float* k = nullptr;
+    if (key < num_keys) {
+      const int64_t token = kb0 + key;
+      k = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
+          kv_head * kD;
+      s.values[key] = k + sh.num_kv_heads * kD;
+    }
+    if constexpr (kPairs) {
+      for (int v = 0; v < (kD / 2 + kLanes - 1) / kLanes; ++v) {  // kLanes pairs at a time (a head of 16: 8)
+        const bool whole = (2 * v + 2) * kLanes <= kD;
+        const wordsv words =
+            k == nullptr ? wordsv{}
+                         : consecutive_pairs(*reinterpret_cast<const vecfu*>(k + 2 * v * kLanes),
+                                             whole ? *reinterpret_cast<const vecfu*>(k + (2 * v + 1) * kLanes) : vecf{});
+        for (int c = 0; c < std::min(kLanes, kD / 2 - v * kLanes); ++c) ktp[(v * kLanes + c) * kKeys + key] = words[c];
+      }
+    } else {
+      for (int d = 0; d < kD; ++d) kt[d * kKeys + key] = k == nullptr ? 0.f : k[d];
+    }
+  }
+  if constexpr (kPairs) {
+    constexpr int kDVecs = Scratch<kD>::kDVecs;
+    for (int64_t kk = 0; kk < kKeys / 2; ++kk) {
+      for (int v = 0; v < kDVecs; ++v) {
+        const vecf v0 = 2 * kk < num_keys ? *reinterpret_cast<const vecfu*>(s.values[2 * kk] + v * kLanes) : vecf{};
+        const vecf v1 = 2 * kk + 1 < num_keys ? *reinterpret_cast<const vecfu*>(s.values[2 * kk + 1] + v * kLanes) : vecf{};
+        s.vp[kk * kDVecs + v] = interleaved_pairs(v0, v1);
+      }
+    }
+  }
+}
+
+// Rows' queries scaled into s.q (float32) or s.qp (bfloat16 pairs), padding rows zero.
+template <int kD, bool kPairs>
+void load_queries(const Item& it, const float* q, int64_t query_start, const PrefillShape& sh, Scratch<kD>& s) {
+  const int64_t rows = it.count * sh.group;
+  float* qs = reinterpret_cast<float*>(s.q.data());
+  std::fill(qs + rows * kD, qs + static_cast<int64_t>(s.q.size()) * kLanes, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + (query_start + it.first + r / sh.group) * sh.q_token_stride +
+                       (it.kv_head * sh.group + r % sh.group) * sh.q_head_stride;
+    for (int d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sh.scale;
+  }
+  if constexpr (kPairs) {  // q [rows, kD] -> pairs [rows, kD / 2], 2 * kLanes values at a time
+    for (int64_t v = 0; v < static_cast<int64_t>(s.qp.size()); ++v) s.qp[v] = consecutive_pairs(s.q[2 * v], s.q[2 * v + 1]);
+  }
+}
+
+template <int kD, bool kPairs>
 void attend_item(const Item& it, const float* q, const float* cache, const int64_t* table, int64_t context_len,
                  int64_t query_start, int64_t query_len, const PrefillShape& sh, Scratch<kD>& s, float* out) {
   constexpr int kDVecs = Scratch<kD>::kDVecs;
   const int64_t rows = it.count * sh.group;
   const int64_t first_pos = context_len - query_len + it.first;  // the position of the item's first query
   const int64_t* blocks = table + it.seq * sh.max_blocks;
-  float* qs = reinterpret_cast<float*>(s.q.data());
-  std::fill(qs, qs + static_cast<int64_t>(s.q.size()) * kLanes, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q + (query_start + it.first + r / sh.group) * sh.q_token_stride +
-                       (it.kv_head * sh.group + r % sh.group) * sh.q_head_stride;
-    for (int d = 0; d < kD; ++d) qs[r * kD + d] = src[d] * sh.scale;
-  }
-  std::fill(s.o.begin(), s.o.end(), vecf{});
+  load_queries<kD, kPairs>(it, q, query_start, sh, s);
+  const float* qs = reinterpret_cast<const float*>(s.q.data());
   std::fill(s.m.begin(), s.m.end(), kMinusInf);
   std::fill(s.l.begin(), s.l.end(), 0.f);
   const int64_t last_key = first_pos + it.count - 1;
   for (int64_t kb0 = 0; kb0 <= last_key; kb0 += kKeys) {
     const int64_t num_keys = std::min(kKeys, last_key + 1 - kb0);
-    load_key_block<kD>(cache, blocks, it.kv_head, kb0, num_keys, sh, s);
+    load_key_block<kD, kPairs>(cache, blocks, it.kv_head, kb0, num_keys, sh, s);
     for (int64_t t0 = 0; t0 < rows; t0 += kRows) {
       if (first_pos + (std::min(t0 + kRows, rows) - 1) / sh.group < kb0) continue;  // all past the tile
       vecf acc[kRows][kKeyVecs];
-      score_tile<kD>(qs + t0 * kD, s.kt.data(), acc);
+      if constexpr (kPairs) {
+        score_tile_pairs<kD>(reinterpret_cast<const uint32_t*>(s.qp.data()) + t0 * (kD / 2), s.ktp.data(), acc);
+      } else {
+        score_tile<kD>(qs + t0 * kD, s.kt.data(), acc);
+      }
       for (int i = 0; i < kRows; ++i) {
         const int64_t r = t0 + i, limit = first_pos + r / sh.group;
         if (r >= rows || limit < kb0) {  // padding, or a row that sees none of the block
@@ -229,7 +347,12 @@ void attend_item(const Item& it, const float* q, const float* cache, const int64
         }
         softmax_row(acc[i], kb0, limit, s.m[r], s.l[r], s.p.data() + i * kKeyVecs, &s.alpha[i]);
       }
-      add_values<kD>(s, t0, num_keys);
+      if constexpr (kPairs) {
+        for (int64_t v = 0; v < kRows * kKeyVecs / 2; ++v) s.pp[v] = consecutive_pairs(s.p[2 * v], s.p[2 * v + 1]);
+        add_value_pairs<kD>(s, t0, num_keys);
+      } else {
+        add_values<kD>(s, t0, num_keys);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -254,7 +377,7 @@ std::vector<Item> work_items(const int64_t* starts, int64_t num_seqs, int64_t nu
   return items;
 }
 
-template <int kD>
+template <int kD, bool kPairs>
 void prefill_kernel(const float* q, const float* cache, const int64_t* table, const int64_t* lens,
                     const int64_t* starts, int64_t num_seqs, const PrefillShape& sh, float* out) {
   const std::vector<Item> items = work_items(starts, num_seqs, sh.num_kv_heads);
@@ -262,7 +385,7 @@ void prefill_kernel(const float* q, const float* cache, const int64_t* table, co
     Scratch<kD> scratch(((kChunk * sh.group + kRows - 1) / kRows) * kRows);
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
-      attend_item<kD>(it, q, cache, table, lens[it.seq], starts[it.seq], starts[it.seq + 1] - starts[it.seq], sh,
+      attend_item<kD, kPairs>(it, q, cache, table, lens[it.seq], starts[it.seq], starts[it.seq + 1] - starts[it.seq], sh,
                       scratch, out);
     }
   });
@@ -313,8 +436,22 @@ void check_prefill_lengths(const at::Tensor& q, const at::Tensor& kv_cache, cons
   }
 }
 
+template <bool kPairs>
+void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, const int64_t* table, const int64_t* lens,
+                       const int64_t* starts, int64_t num_seqs, const PrefillShape& sh, float* op) {
+  switch (head_dim) {
+    case 16: prefill_kernel<16, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    case 32: prefill_kernel<32, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    case 64: prefill_kernel<64, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    default: prefill_kernel<128, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+  }
+}
+
+// bf16_dot: q, k, the probabilities and v rounded to bfloat16 for the two products (vdpbf16ps where
+// the CPU has AVX512_BF16), float32 accumulation and softmax, as the linear layers' bf16_dot.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                   const at::Tensor& context_lens, const at::Tensor& query_start, double scale) {
+                                   const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
+                                   bool bf16_dot) {
   check_prefill_inputs(q, kv_cache, block_table, context_lens, query_start);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start.data_ptr<int64_t>();
@@ -336,11 +473,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t* table = block_table.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t num_seqs = block_table.size(0);
-  switch (q.size(2)) {
-    case 16: prefill_kernel<16>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
-    case 32: prefill_kernel<32>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
-    case 64: prefill_kernel<64>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
-    default: prefill_kernel<128>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+  if (bf16_dot) {
+    dispatch_head_dim<true>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
+  } else {
+    dispatch_head_dim<false>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
   }
   return out;
 }
@@ -350,7 +486,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-      "Tensor query_start, float scale) -> Tensor");
+      "Tensor query_start, float scale, bool bf16_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -81,6 +81,28 @@ inline vecf widen_uint8(const void* p) {
 #endif
 }
 
+typedef uint32_t wordsv __attribute__((vector_size(4 * kLanes)));  // pairs of bfloat16 values, one per word
+
+// acc[j] += x[2j + 1] * w[2j + 1], then += x[2j] * w[2j] (bfloat16 halves of 32-bit words): vdpbf16ps
+// where the build has AVX512_BF16, else the same arithmetic (each product exact in float32, each sum
+// rounded once, as the instruction does).
+inline vecf dot_pairs(vecf acc, wordsv x, wordsv w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return reinterpret_cast<vecf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(x),
+                                                  reinterpret_cast<__m512bh>(w)));
+#else
+  acc += reinterpret_cast<vecf>(x & 0xffff0000u) * reinterpret_cast<vecf>(w & 0xffff0000u);
+  acc += reinterpret_cast<vecf>(x << 16) * reinterpret_cast<vecf>(w << 16);
+  return acc;
+#endif
+}
+
+// f rounded to bfloat16, to nearest even (as torch rounds it), in the low 16 bits.
+inline uint32_t bfloat16_bits(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  return f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 struct Tile {
   const float* x;      // first row of the tile
   int64_t x_stride;
