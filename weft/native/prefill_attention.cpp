@@ -11,7 +11,10 @@
 // S = Q Kt (the linear layers' register tile: kRows x kKeys accumulators, one key vector load per
 // head dimension shared by the rows), updates each row's running softmax (max m, sum l), and adds
 // P V to the rows' outputs, reading each value row in place from the cache. A tile skips the key
-// blocks entirely past its last query. Everything is float32, q already multiplied by the scale.
+// blocks entirely past its last query. q is multiplied by the scale first; softmax and sums are
+// float32. The products are float32 FMAs, or with bf16_dot (the model's bfloat16 products) vdpbf16ps
+// on bfloat16 pairs: q and k paired along the head dimension for the scores, the probabilities and
+// v paired along the keys for the output (emulated where the build lacks AVX512_BF16).
 //
 // Items go to threads in contiguous runs; the chunks of one sequence and head are ordered first,
 // last, second, second to last ... so that a run of items holds cheap and costly ones alike.
