@@ -339,7 +339,8 @@ class NativeCpuKernels(TorchKernels):
             info["linear"] = f"weft panels ({_dtype_name(weight_dtype)})"
             if matmul == torch.bfloat16:
                 how = "vdpbf16ps" if isa == "avx512_bf16" else "emulated: this CPU has no AVX512_BF16"
-                info["matmul"] = f"bfloat16 products, float32 accumulation ({how})"
+                what = "bfloat16 products (linear layers, prompt attention), float32 accumulation"
+                info["matmul"] = f"{what} ({how})"
             elif matmul == torch.int8:
                 info["matmul"] = (
                     "quantized matrices: int8 activations (rounded as llama.cpp rounds them) times their "
