@@ -228,7 +228,7 @@ def _group(
     max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
     if max_q > 1 and shape.prefill_in_place:
-        return _in_place_group(shape, token_idx, q_lens, ctx_lens, table[:, :num_blocks], device)
+        return _in_place_group(token_idx, q_lens, ctx_lens, table[:, :num_blocks], device)
     is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
     scatter_idx, mask = None, None
     if max_q > 1 and not is_causal:
@@ -253,7 +253,6 @@ def _group(
 
 
 def _in_place_group(
-    shape: _StepShape,
     token_idx: np.ndarray | None,
     q_lens: np.ndarray,  # [Bg] int64
     ctx_lens: np.ndarray,  # [Bg] int64

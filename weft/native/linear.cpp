@@ -69,6 +69,7 @@ using weft::tiles::widen_halves;
 using weft::tiles::widen_int8;
 using weft::tiles::widen_uint8;
 using weft::tiles::bfloat16_bits;
+using weft::tiles::pair_word;
 using weft::tiles::dot_pairs;
 using weft::tiles::wordsv;
 
@@ -518,7 +519,7 @@ at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
           std::fill(words.begin(), words.end(), 0u);
         } else {
 #pragma omp simd
-          for (int64_t kk = 0; kk < k / 2; ++kk) words[kk] = bfloat16_bits(row[2 * kk]) | bfloat16_bits(row[2 * kk + 1]) << 16;
+          for (int64_t kk = 0; kk < k / 2; ++kk) words[kk] = pair_word(row[2 * kk], row[2 * kk + 1]);
           if (k % 2 != 0) words[pairs - 1] = bfloat16_bits(row[k - 1]);
         }
         for (int64_t kk = 0; kk < pairs; ++kk) tile[kk * rows + i] = words[kk];

@@ -33,9 +33,9 @@
 
 namespace {
 
-using weft::tiles::bfloat16_bits;
 using weft::tiles::dot_pairs;
 using weft::tiles::kLanes;
+using weft::tiles::pair_word;
 using weft::tiles::vecf;
 using weft::tiles::vecfu;
 using weft::tiles::wordsv;
@@ -96,10 +96,8 @@ inline float lane_sum(vecf v) {
 #endif
 }
 
-inline uint32_t pair_word(float low, float high) { return bfloat16_bits(low) | bfloat16_bits(high) << 16; }
-
 // Word c = (a[c], b[c]) as bfloat16 pairs: vcvtne2ps2bf16 and one permute where the build has
-// AVX512_BF16 (the same rounding to nearest even), else one value at a time.
+// AVX512_BF16 (rounding to nearest even, as pair_word does for normal values), else pair_word.
 inline wordsv interleaved_pairs(vecf a, vecf b) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,

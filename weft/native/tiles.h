@@ -103,6 +103,9 @@ inline uint32_t bfloat16_bits(float f) {
   return f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
+// (low, high) rounded to bfloat16 as one 32-bit word of a pair, low in the low half.
+inline uint32_t pair_word(float low, float high) { return bfloat16_bits(low) | bfloat16_bits(high) << 16; }
+
 struct Tile {
   const float* x;      // first row of the tile
   int64_t x_stride;
