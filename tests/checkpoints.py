@@ -98,3 +98,32 @@ def build_checkpoint(
         '{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"}'
     )
     return out
+
+
+def build_chat_checkpoint(out: Path, tokenizer_dir: Path, arch: str = "qwen2", seed: int = 0) -> Path:
+    """A tiny random model over a real tokenizer (its tokenizer.json and tokenizer_config.json
+    copied from `tokenizer_dir`), its vocabulary the tokenizer's rounded up to 64."""
+    import json
+    import shutil
+
+    import transformers
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_id = tok.token_to_id(eos) if eos else 0
+    vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    config_cls_name, extra = ARCHS[arch]
+    fields: dict[str, Any] = {
+        "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
+        "tie_word_embeddings": True, "bos_token_id": eos_id, "eos_token_id": eos_id, **extra,
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls_name)(**fields))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    shutil.copy(tokenizer_dir / "tokenizer_config.json", out / "tokenizer_config.json")
+    return out

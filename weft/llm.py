@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from weft.agents.chat_tools import ChatTools
+from weft.agents.reply import ReplyPlan
 from weft.engine.args import EngineArgs
 from weft.engine.beam import beam_score
 from weft.engine.factory import build_engine, default_model_path
@@ -121,16 +123,45 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the checkpoint's chat
-        template; each output's `prompt` is the rendered conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.render_chat_text(c, add_generation_prompt, chat_template) for c in conversations]  # type: ignore[arg-type]
+        template; each output's `prompt` is the rendered conversation.
+
+        `tools` (OpenAI's function tools) are given to the template; under `tool_choice="auto"`
+        the model may call them in its family's format (detected from the template, or
+        `tool_call_parser`), constrained once it starts a call; "required" or
+        `{"type": "function", "function": {"name": ...}}` makes the reply one call; "none" hides
+        them. Where tools are given or the template has a reasoning section, each completion's
+        `message` holds the reply read as an assistant message (`content`, `reasoning_content`,
+        `tool_calls`)."""
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment]
+        )
+        extra = dict(chat_template_kwargs or {})
+        if tools and tool_choice != "none":
+            extra["tools"] = list(tools)
+        texts = [
+            self.render_chat_text(c, add_generation_prompt, chat_template, **extra) for c in conversations
+        ]
         # The template writes the special tokens (BOS included) itself.
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
-        for output, text in zip(outputs, texts, strict=True):
+        offered = tools if tool_choice != "none" else None
+        chat_tools = ChatTools.of(self.tokenizer, chat_template, offered, tool_choice, tool_call_parser)
+        param_list = _as_param_list(params, len(prompts))
+        pairs = zip(texts, param_list, strict=True)
+        plans = [chat_tools.plan(text, parallel_tool_calls, _json_answer(p)) for text, p in pairs]
+        if chat_tools.active:  # the reply is read by markers that may be special tokens: keep them
+            param_list = [_with_plan(p, plan) for p, plan in zip(param_list, plans, strict=True)]
+        outputs = self.generate(prompts, param_list, use_tqdm=use_tqdm)
+        for output, text, plan in zip(outputs, texts, plans, strict=True):
             output.prompt = text
+            for c in output.outputs if chat_tools.active else ():
+                c.message = plan.message(c.text, finished=c.finish_reason == "stop")
         return outputs
 
     def render_chat(
@@ -141,19 +172,25 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat_text(
-        self, messages: list[Message], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """The conversation rendered by the chat template (the checkpoint's, or `chat_template`)."""
+        """The conversation rendered by the chat template (the checkpoint's, or `chat_template`);
+        `extra`: more variables for the template (`tools`, `enable_thinking`, ...)."""
         from weft.tokenizer import render_chat_template
 
         if chat_template is None:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
         return render_chat_template(
             chat_template,
             messages,
             add_generation_prompt,
             bos_token=self.tokenizer.bos_token or "",
             eos_token=self.tokenizer.eos_token or "",
+            **extra,
         )
 
     def stream(self, prompt: PromptInput, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -267,6 +304,19 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     if items and all(isinstance(t, int) for t in items):
         return [items]  # type: ignore[list-item]  # one prompt of token ids
     return items  # type: ignore[return-value]
+
+
+def _json_answer(params: SamplingParams) -> dict[str, Any]:
+    """A JSON constraint of `params`, which a chat reply's plan may hold after its reasoning."""
+    if params.json_schema is not None:
+        return {"json_schema": params.json_schema, "json_schema_mode": params.json_schema_mode}
+    return {"json_object": True} if params.json_object else {}
+
+
+def _with_plan(params: SamplingParams, plan: ReplyPlan) -> SamplingParams:
+    if plan.constraint.get("grammar") is not None:  # the plan's grammar holds the JSON answer
+        params = params.replace(json_schema=None, json_object=False)
+    return params.replace(**plan.constraint, skip_special_tokens=False)
 
 
 def _as_param_list(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from weft.logprob_records import LazyPositions
 from weft.logprob_records import Logprob as Logprob  # re-exported: weft.outputs is its public home
 from weft.logprob_records import PositionLogprobs as PositionLogprobs
+
+if TYPE_CHECKING:
+    from weft.agents.reply import AssistantMessage
 
 
 class CompletionOutput:
@@ -17,7 +21,7 @@ class CompletionOutput:
 
     _FIELDS = (
         "index", "text", "token_ids", "finish_reason", "stop_reason", "cumulative_logprob", "logprobs",
-        "error", "constraint_logmass", "text_offsets", "forced",
+        "error", "constraint_logmass", "text_offsets", "forced", "message",
     )  # fmt: skip  # in the order of the constructor's arguments
     __slots__ = tuple(sorted(name if name != "logprobs" else "_logprobs" for name in _FIELDS))
 
@@ -34,6 +38,7 @@ class CompletionOutput:
         constraint_logmass: list[float] | None = None,
         text_offsets: list[int] | None = None,
         forced: list[bool] | None = None,
+        message: AssistantMessage | None = None,
     ) -> None:
         self.index, self.text, self.token_ids = index, text, token_ids
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
@@ -50,6 +55,9 @@ class CompletionOutput:
         # (fast-forward) instead of it being sampled. A forced token's logprobs are the model's own
         # (raw) distribution, computed in the step after it was appended, like a prompt token's.
         self.forced = forced
+        # From LLM.chat: the reply read as an assistant message (content, reasoning_content and the
+        # tool calls it made), where tools were given or the template has a reasoning section.
+        self.message = message
 
     @property
     def logprobs(self) -> list[PositionLogprobs] | None:

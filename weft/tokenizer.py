@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The vocabulary's added tokens (special or not), text -> id: each is one token that
+        ordinary text never encodes to, so a grammar names it by id."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.content}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -3,9 +3,11 @@
 Steps, in order:
   1. build the same random-weight, real-shape model as `weft bench throughput` (default:
      SmolLM2-135M's config) and pick real JSON schemas that compile (JSONSchemaBench, Glaive);
-  2. for each batch size, after an untimed warm-up, time in weft: unconstrained decoding,
-     constrained decoding without fast-forward (the pure mask cost per token), and constrained
-     decoding with fast-forward (forced tokens appended without sampling);
+  2. for each batch size, after an untimed warm-up, time in weft: unconstrained decoding, decoding
+     under an armed tool-call grammar that is never triggered (tool_choice="auto": free text until
+     the model writes the opener), constrained decoding without fast-forward (the pure mask cost
+     per token), and constrained decoding with fast-forward (forced tokens appended without
+     sampling);
   3. time the same constrained workload through transformers generate() with a logits processor
      built on the same grammar library (llguidance: one matcher per row, batch bitmask fill);
   4. repeat steps 2-3 `--repeats` times, alternating, and keep each mode's best run (the machine's
@@ -90,6 +92,7 @@ def time_weft(
     schemas: list[dict[str, Any]] | None,
     output_len: int,
     fast_forward: bool = True,
+    grammar: str | None = None,
 ) -> Run:
     """Run the batch step by step. `seconds`/`num_tokens` count only the steps in which every row
     was still running, so that rows finishing early (a completed grammar) do not make the smaller
@@ -108,6 +111,8 @@ def time_weft(
             max_tokens=output_len,
             ignore_eos=schemas is None,
             json_schema=s,
+            grammar=grammar,
+            grammar_syntax="lark" if grammar else "auto",
             fast_forward=fast_forward,
         )
         for s in _schema_per_prompt(schemas, len(prompts))
@@ -255,14 +260,16 @@ def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace)
     time_weft(llm, [prompt], schemas[:1], 8)  # warm-ups (the transformers one compiles the mask kernel)
     if hf is not None:
         time_transformers(hf, tokenizer_json, [prompt], schemas[:1], 4, eos_id)
+    armed = armed_tool_grammar(llm, schemas)
     rows = []
     for batch in batch_sizes:
         prompts, batch_schemas = [prompt] * batch, schemas[:batch]
         print(f"  batch {batch}:", end="", flush=True)
-        runs: dict[str, list[Run]] = {"free": [], "masked": [], "ff": [], "hf": []}
+        runs: dict[str, list[Run]] = {"free": [], "armed": [], "masked": [], "ff": [], "hf": []}
         for _ in range(args.repeats):
             print(" weft", end="", flush=True)
             runs["free"].append(time_weft(llm, prompts, None, args.output_len))
+            runs["armed"].append(time_weft(llm, prompts, None, args.output_len, grammar=armed))
             runs["masked"].append(time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=False))
             runs["ff"].append(time_weft(llm, prompts, batch_schemas, args.output_len, fast_forward=True))
             if hf is not None:
@@ -277,7 +284,30 @@ def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace)
     return rows
 
 
+def armed_tool_grammar(llm, schemas: list[dict[str, Any]]) -> str:
+    """The grammar of `tool_choice="auto"` in the Hermes format with four of the schemas as tools:
+    a random model never writes the trigger, so every token is free text under an armed grammar."""
+    from weft.agents.reply import plan_reply
+    from weft.agents.tool_formats import FORMATS, ToolSpec
+
+    tools = [ToolSpec(f"tool_{i}", s) for i, s in enumerate(schemas[:4])]
+    plan = plan_reply(
+        constraint={}, tools=tools, tool_format=FORMATS["hermes"], added_tokens=llm.tokenizer.added_tokens
+    )
+    return str(plan.constraint["grammar"])
+
+
 def _print(rows: list[dict[str, Any]]) -> None:
+    print("\n| batch | unconstrained ms/tok | armed tool grammar (never triggered) ms/tok | overhead |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        free, armed = r["free"], r["armed"]
+        overhead = 100 * (armed.ms_per_token / free.ms_per_token - 1)
+        print(f"| {r['batch']} | {free.ms_per_token:.2f} | {armed.ms_per_token:.2f} | {overhead:+.1f}% |")
+    _print_constrained(rows)
+
+
+def _print_constrained(rows: list[dict[str, Any]]) -> None:
     print(
         "\n| batch | unconstrained ms/tok | constrained ms/tok (no ff) | mask overhead | with ff ms/tok "
         "| ff share | ff tok/s vs unconstrained | ff vs no ff, whole run | hf+processor tok/s "

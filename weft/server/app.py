@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from weft.agents.chat_tools import AgentFormats
 from weft.engine.engine import LLMEngine
 from weft.schema_objects import JsonSchemaMode
 from weft.server.chat import Chat
@@ -45,11 +46,21 @@ class ServerConfig:
     # Schema's meaning); a request's `strict: true` is OpenAI's strict mode either way
     json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED
     engine_thread: bool = True  # False: the caller runs `app.state.engine_loop.run()` itself
+    # the tool-call format of "auto" and the reasoning section: a name, "none", or None (detected
+    # from the chat template)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     loop = EngineLoop(engine, config.max_pending)
-    service = Service(loop, config.model_name, config.max_n, config.json_schema_mode)
+    service = Service(
+        loop,
+        config.model_name,
+        config.max_n,
+        config.json_schema_mode,
+        AgentFormats.of(engine.tokenizer.chat_template, config.tool_call_parser, config.reasoning_parser),
+    )
     completions, chat = Completions(service), Chat(service)
 
     @asynccontextmanager
@@ -88,10 +99,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", responses={200: ok(ChatCompletionResponse, stream=True), **ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        handle, tool_mode, request_id = await chat.start(body)
+        handle, plan, request_id = await chat.start(body)
         if body.stream:
-            return _stream(service, chat.stream(body, handle, tool_mode, request_id))
-        return await _until_disconnect(request, service, chat.respond(body, handle, tool_mode, request_id))
+            return _stream(service, chat.stream(body, handle, plan, request_id))
+        return await _until_disconnect(request, service, chat.respond(body, handle, plan, request_id))
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

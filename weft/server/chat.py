@@ -1,71 +1,88 @@
-"""POST /v1/chat/completions: the chat template, response_format, tool calls, streaming.
+"""POST /v1/chat/completions: the chat template, response_format, tool calls, reasoning, streaming.
 
-Tool calls. `tool_choice="required"` or a named function makes the output a JSON document that
-the constraint guarantees: for a named function, its arguments (valid against its `parameters`
-schema); for "required", `{"name": ..., "parameters": {...}}` for one of the tools. It is returned
-as `tool_calls` (finish_reason "tool_calls"), so the arguments always parse and validate. With
-"auto" the tools are given to the chat template (as `tools`) and the model's reply is returned as
-text content: weft parses no tool call out of free text. "none" gives the template no tools.
+Tool calls. `tool_choice="auto"` (the default when tools are given) lets the model write text or
+call tools in its family's own format (weft/agents/tool_formats.py, detected from the chat template
+or named by `weft serve --tool-call-parser`): once it starts a call, the rest is constrained, so every
+call parses and its arguments validate. `"required"` or a named function makes the whole output one
+JSON document: for a named function its arguments, for "required" `{"name": ..., "parameters":
+{...}}` for one of the tools. Either way the calls are returned as `tool_calls` (finish_reason
+"tool_calls"). "none" gives the template no tools. With a reasoning section (weft/agents/reasoning.py)
+the reasoning is returned as `reasoning_content` and constraints hold for the answer after it.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
+from weft.agents.reply import ForcedCall, ReplyPlan, ReplyStream, forced_call, plan_reply
+from weft.agents.tool_formats import ToolSpec
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
-from weft.schema_objects import JsonSchemaMode, apply_mode
+from weft.schema_objects import JsonSchemaMode
 from weft.server.engine_loop import RequestHandle, now
-from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, Tool
+from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError
 from weft.server.responses import ChunkWriter, chat_logprobs, finish_reason, sse, usage
 from weft.server.service import GenerationFailed, Service
-
-
-@dataclass(frozen=True, slots=True)
-class ToolMode:
-    """How the reply becomes a tool call: the function named (None: the JSON names it)."""
-
-    function: str | None
 
 
 class Chat:
     def __init__(self, service: Service) -> None:
         self.service = service
 
-    async def start(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ToolMode | None, str]:
+    async def start(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ReplyPlan, str]:
         service = self.service
         service.check_model(body.model)
-        constraint, tool_mode, field = _constraint(body, service.json_schema_mode)
-        params = body.sampling_params(service.vocab_size, constraint, field)
+        constraint, forced, field = _constraint(body, service.json_schema_mode)
+        text = self._render(body)
+        plan = self._plan(body, constraint, forced, text)
+        params = body.sampling_params(service.vocab_size, plan.constraint, field)
         params = params.replace(output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        if plan.reads_special_tokens:  # the markers the reply is read by may be special tokens
+            params = params.replace(skip_special_tokens=False)
         service.check_limits(params)
         await service.validate_constraint(params, field)
-        prompt = self._render(body, tool_mode)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        prompt = service.tokenizer.encode(text, add_special_tokens=False)
         (handle,) = await service.add_all(request_id, [prompt], params, length_field)
-        return handle, tool_mode, request_id
+        return handle, plan, request_id
 
-    def _render(self, body: ChatCompletionRequest, tool_mode: ToolMode | None) -> list[int]:
+    def _plan(
+        self, body: ChatCompletionRequest, constraint: dict[str, Any], forced: ForcedCall | None, prompt: str
+    ) -> ReplyPlan:
+        formats = self.service.formats
+        auto = body.tools and body.tool_choice in (None, "auto")
+        try:
+            return plan_reply(
+                constraint=constraint,
+                forced=forced,
+                tools=[ToolSpec.of(t) for t in body.tools or []] if auto else (),
+                tool_format=formats.tool_calls,
+                reasoning=formats.reasoning,
+                prompt=prompt,
+                added_tokens=self.service.tokenizer.added_tokens,
+                mode=self.service.json_schema_mode,
+                parallel_tool_calls=body.parallel_tool_calls,
+            )
+        except ValueError as exc:
+            raise RequestError(str(exc), "response_format" if constraint else "tools") from None
+
+    def _render(self, body: ChatCompletionRequest) -> str:
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(body.chat_template_kwargs or {})
         if body.tools and body.tool_choice != "none":
             extra["tools"] = [t.model_dump() for t in body.tools]
-        tokenizer = self.service.tokenizer
         try:
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, **extra)
+            return self.service.tokenizer.apply_chat_template(messages, body.add_generation_prompt, **extra)
         except (jinja2.TemplateError, TypeError) as exc:
             raise RequestError(f"the chat template failed on these messages: {exc}", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
     async def respond(
-        self, body: ChatCompletionRequest, handle: RequestHandle, tool_mode: ToolMode | None, request_id: str
+        self, body: ChatCompletionRequest, handle: RequestHandle, plan: ReplyPlan, request_id: str
     ) -> dict:
         final: RequestOutput | None = None
         async for output in handle.outputs():
@@ -75,11 +92,12 @@ class Chat:
         for c in final.outputs:
             if c.error is not None:
                 raise GenerationFailed(c.error)
-            message, reason = _message_out(c, tool_mode, body)
+            message = plan.message(c.text, finished=c.finish_reason == "stop")
+            reason = "tool_calls" if message.tool_calls else finish_reason(c)
             choices.append(
                 {
                     "index": c.index,
-                    "message": message,
+                    "message": message.to_openai(),
                     "logprobs": self._logprobs(body, c),
                     "finish_reason": reason,
                 }
@@ -102,14 +120,13 @@ class Chat:
         return chat_logprobs(c.token_ids, list(c.logprobs), body.top_logprobs or 0)
 
     async def stream(
-        self, body: ChatCompletionRequest, handle: RequestHandle, tool_mode: ToolMode | None, request_id: str
+        self, body: ChatCompletionRequest, handle: RequestHandle, plan: ReplyPlan, request_id: str
     ) -> AsyncIterator[str]:
-        """Chunks: the role first (per choice), then content deltas, the finish reason, a usage
-        chunk when asked, [DONE]. A tool call is sent whole, in the chunk that finishes it."""
+        """Chunks: the role first (per choice), then reasoning, content and tool-call deltas as
+        they are made, the finish reason, a usage chunk when asked, [DONE]."""
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": now()}
         chunks = ChunkWriter(fields, self.service)
-        started: set[int] = set()
-        buffered: dict[int, str] = {}
+        readers: dict[int, tuple[ReplyStream, list[str]]] = {}
         tracker = self.service.tracker()
         prompt_tokens, completion_tokens = 0, 0
         async for out in handle.outputs():
@@ -120,32 +137,39 @@ class Chat:
                 if c.error is not None:
                     raise GenerationFailed(c.error)
                 completion_tokens += len(c.token_ids)
-                if c.index not in started:
-                    started.add(c.index)
+                if c.index not in readers:
+                    readers[c.index] = (plan.stream(), [])
                     yield chunks.choice(_chunk(c.index, {"role": "assistant", "content": ""}))
-                delta: dict[str, Any] = {}
-                reason = finish_reason(c)
-                if tool_mode is None:
-                    if c.text:
-                        delta["content"] = c.text
-                else:
-                    buffered[c.index] = buffered.get(c.index, "") + c.text
-                    if c.finish_reason is not None:
-                        whole = CompletionOutput(c.index, buffered[c.index], [], c.finish_reason)
-                        message, reason = _message_out(whole, tool_mode, body)
-                        delta["tool_calls"] = [
-                            {"index": 0, **call} for call in message.get("tool_calls") or []
-                        ]
-                if not delta and reason is None:
-                    continue
-                choice = _chunk(c.index, delta, reason)
-                if body.logprobs and c.logprobs:
-                    choice["logprobs"] = chat_logprobs(c.token_ids, list(c.logprobs), body.top_logprobs or 0)
-                yield chunks.choice(choice)
+                reader, texts = readers[c.index]
+                texts.append(c.text)
+                for choice in self._deltas(body, c, reader, "".join(texts)):
+                    yield chunks.choice(choice)
         self.service.count(prompt_tokens, completion_tokens)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
+
+    @staticmethod
+    def _deltas(
+        body: ChatCompletionRequest, c: CompletionOutput, reader: ReplyStream, text: str
+    ) -> list[dict[str, Any]]:
+        """The chunks' choices for one output of a choice: its deltas (the logprobs on the first),
+        then the finish reason on the last."""
+        reason = finish_reason(c)
+        deltas = reader.update(text, finished=reason is not None)
+        if reason == "stop" and reader.sent_calls:
+            reason = "tool_calls"
+        choices = [_chunk(c.index, delta) for delta in deltas]
+        if reason is not None:
+            if choices:
+                choices[-1]["finish_reason"] = reason
+            else:
+                choices.append(_chunk(c.index, {}, reason))
+        if body.logprobs and c.logprobs and c.token_ids:
+            if not choices:
+                choices.append(_chunk(c.index, {}))
+            choices[0]["logprobs"] = chat_logprobs(c.token_ids, list(c.logprobs), body.top_logprobs or 0)
+        return choices
 
 
 def _chunk(index: int, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
@@ -169,13 +193,13 @@ def _message(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _constraint(
     body: ChatCompletionRequest, mode: JsonSchemaMode
-) -> tuple[dict[str, Any], ToolMode | None, str | None]:
+) -> tuple[dict[str, Any], ForcedCall | None, str | None]:
     """The output constraint from response_format, a forced tool call or structured_outputs /
-    guided_* (at most one of them), how a tool call is read from the output, and the request's
+    guided_* (at most one of them), the forced call (read from the output), and the request's
     field that gave the constraint. A JSON Schema's
     objects are closed as `mode` says (the server's), or in OpenAI's strict mode where the request
     says `strict: true`."""
-    found: list[tuple[str, dict[str, Any], ToolMode | None]] = []
+    found: list[tuple[str, dict[str, Any], ForcedCall | None]] = []
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         found.append(("response_format", {"json_object": True}, None))
@@ -201,59 +225,16 @@ def _constraint(
     return (found[0][1], found[0][2], found[0][0]) if found else ({}, None, None)
 
 
-def _forced_tool(body: ChatCompletionRequest, mode: JsonSchemaMode) -> tuple[dict[str, Any], ToolMode] | None:
+def _forced_tool(
+    body: ChatCompletionRequest, mode: JsonSchemaMode
+) -> tuple[dict[str, Any], ForcedCall] | None:
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
-    tools = body.tools or []
-    if not tools:
+    if not body.tools:
         raise RequestError("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.get("name")
-        tool = next((t for t in tools if t.function.name == name), None)
-        if tool is None:
-            raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return {"json_schema": _parameters(tool, mode), "json_schema_mode": JsonSchemaMode.OPEN}, ToolMode(
-            tool.function.name
-        )
-    schema = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t, mode)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-    }
-    return {"json_schema": schema, "json_schema_mode": JsonSchemaMode.OPEN}, ToolMode(None)
-
-
-def _parameters(tool: Tool, mode: JsonSchemaMode) -> dict[str, Any]:
-    """The tool's arguments schema, its objects closed as its own `strict` or the server says."""
-    schema = tool.function.parameters or {"type": "object", "properties": {}}
-    return apply_mode(schema, JsonSchemaMode.STRICT if tool.function.strict else mode)
-
-
-def _message_out(
-    c: CompletionOutput, tool_mode: ToolMode | None, body: ChatCompletionRequest
-) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished choice, and its finish reason."""
-    reason = finish_reason(c)
-    if tool_mode is None or c.finish_reason != "stop":
-        return {"role": "assistant", "content": c.text, "refusal": None}, reason
+    function = choice.function.get("name") if isinstance(choice, NamedToolChoice) else None
     try:
-        document = json.loads(c.text)
-    except json.JSONDecodeError:  # cannot happen under the constraint, unless it was cut short
-        return {"role": "assistant", "content": c.text, "refusal": None}, reason
-    if tool_mode.function is not None:
-        name, arguments = tool_mode.function, document
-    else:
-        name, arguments = document["name"], document["parameters"]
-    call = {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)},
-    }
-    return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, "tool_calls"
+        return forced_call([ToolSpec.of(t) for t in body.tools], function, mode)
+    except ValueError as exc:
+        raise RequestError(str(exc), "tool_choice") from None

@@ -9,6 +9,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from weft.agents.reasoning import REASONING_FORMATS
+from weft.agents.tool_formats import FORMATS
 from weft.engine.args import EngineArgs, add_engine_arguments, engine_options
 from weft.schema_objects import JsonSchemaMode
 from weft.server.engine_loop import EngineLoop
@@ -37,6 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "beyond their properties, as vLLM) or open (JSON Schema's meaning); a request's strict: true "
         "is OpenAI's strict mode either way (default: closed)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=[*FORMATS, "none"],
+        default=None,
+        help="the format of tool calls under tool_choice auto: the model family's (default: detected "
+        "from the chat template; none: tool calls are not read from the reply)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=[*REASONING_FORMATS, "none"],
+        default=None,
+        help="the reasoning section returned apart as reasoning_content (default: detected from the "
+        "chat template; none: the reply is all content)",
+    )
     add_engine_arguments(p.add_argument_group("engine options (the keyword arguments of LLM)"))
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
@@ -55,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_pending=args.max_pending,
         json_schema_mode=JsonSchemaMode(args.json_schema_mode),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         engine_thread=False,  # the engine steps in the main thread: see serve_forever
     )
     app = build_app(engine, config)

@@ -59,6 +59,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # the reasoning section, where the model has one (vLLM's name)
 
 
 class TopLogprob(BaseModel):

@@ -233,7 +233,9 @@ class ChatCompletionRequest(_Common):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
     def sampling_params(
         self, vocab_size: int, constraint: dict[str, Any], constraint_field: str | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from weft.agents.chat_tools import AgentFormats
 from weft.engine.engine import ContextOverflow
 from weft.params import SamplingParams
 from weft.schema_objects import JsonSchemaMode
@@ -39,11 +40,13 @@ class Service:
         model_name: str,
         max_n: int = 128,
         json_schema_mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
+        formats: AgentFormats | None = None,
     ) -> None:
         self.loop = loop
         self.model_name = model_name
         self.max_n = max_n
         self.json_schema_mode = json_schema_mode  # for schemas whose request does not say strict
+        self.formats = formats or AgentFormats()
         engine = loop.engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size

@@ -1,0 +1,386 @@
+"""Tool calls under tool_choice="auto" in each model family's format, and reasoning kept apart:
+formats told from the real chat templates, the grammar checked on real tokenizers, replies read
+back whole and streamed, and tiny random models over real tokenizers pushed into a call."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from checkpoints import build_chat_checkpoint
+from conftest import shared_data
+
+from weft import LLM, SamplingParams
+from weft.agents.chat_tools import AgentFormats
+from weft.agents.reasoning import REASONING_FORMATS, ReasoningFormat
+from weft.agents.reply import plan_reply
+from weft.agents.tool_formats import FORMATS, ToolSpec, detect_tool_format
+from weft.agents.tool_reader import ToolCallStream, final_calls, read_reply
+from weft.structured.llguidance_backend import LLGuidanceBackend
+from weft.tokenizer import Tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo", "Lima"], "description": "The city."},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7, "description": "Days ahead."},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"utc": {"type": "boolean", "description": "In UTC."}},
+            "required": ["utc"],
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+TIME_CALL = '{"name": "get_time", "arguments": {"utc": true}}'
+
+TEMPLATES = {
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes",
+    "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3_json",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3_json",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "meetkai-functionary-medium-v3.1.jinja": "functionary_v3_1",
+    "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction_v2",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": None,
+    "google-gemma-2-2b-it.jinja": None,
+}
+
+
+@pytest.mark.parametrize("template,expected", TEMPLATES.items())
+def test_the_format_is_told_from_the_real_template(template, expected):
+    text = shared_data(f"chat_templates/{template}").read_text()
+    fmt = detect_tool_format(text)
+    assert (fmt.name if fmt else None) == expected
+
+
+def test_a_thinking_template_is_detected_and_opens_the_reply_inside():
+    text = shared_data("chat_templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    formats = AgentFormats.of(text)
+    assert formats.reasoning is REASONING_FORMATS["deepseek_r1"]
+    assert formats.reasoning.opens_inside("<｜User｜>hi<｜Assistant｜><think>\n")
+    assert not formats.reasoning.opens_inside("<think>\n\n</think>\n\n")  # enable_thinking: false
+    assert AgentFormats.of(text, reasoning_parser="none").reasoning is None
+
+
+# ---- reading replies: each format, whole and streamed ----
+
+REPLIES = {
+    "hermes": (
+        f"Let me check.<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
+        '{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>'
+    ),
+    "mistral": f"[TOOL_CALLS][{CALL}, {TIME_CALL}]",
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+        '{"name": "get_time", "parameters": {"utc": true}}'
+    ),
+    "functionary_v3_1": (
+        'Let me check.<function=get_weather>{"city": "Paris", "days": 3}</function>'
+        '<function=get_time>{"utc": true}</function>'
+    ),
+    "firefunction_v2": f"Let me check. functools[{CALL}, {TIME_CALL}]",
+}
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_calls_are_read_back_whole_and_streamed(name):
+    fmt, text = FORMATS[name], REPLIES[name]
+    content, calls = final_calls(fmt, text)
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {"utc": True}]
+    assert (content or "").strip() in ("", "Let me check.")
+    stream, streamed, names, args = ToolCallStream(fmt), "", {}, {}
+    for end in range(1, len(text) + 1):  # one character at a time: every split point
+        new, deltas = stream.update(text[:end], finished=end == len(text))
+        streamed += new
+        for d in deltas:
+            if "id" in d:
+                names[d["index"]] = d["function"]["name"]
+            args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    assert streamed == (content or "") and "<" not in streamed
+    assert names == {0: "get_weather", 1: "get_time"}
+    assert [args[0], args[1]] == [c.arguments for c in calls]
+
+
+def test_text_that_only_starts_like_a_trigger_is_content():
+    fmt = FORMATS["hermes"]
+    assert read_reply(fmt, "a <tool").held == len("<tool")
+    assert final_calls(fmt, "a <tools> b") == ("a <tools> b", [])
+    cut = f"x<tool_call>\n{CALL[:30]}"  # cut short by max_tokens: no call, the text is content
+    assert final_calls(fmt, cut) == (cut, [])
+
+
+def test_reasoning_is_split_from_the_answer_whole_and_streamed():
+    fmt = REASONING_FORMATS["deepseek_r1"]
+    assert fmt.split("Hmm, 2+2.</think>\n\n4", inside=True) == ("Hmm, 2+2.", "4", 0)
+    assert fmt.split("<think>a</think>b", inside=False) == ("a", "b", 0)
+    assert fmt.split("plain", inside=False) == (None, "plain", 0)
+    assert fmt.split("still thinking </thi", inside=True, finished=False) == ("still thinking </thi", "", 5)
+    plan = plan_reply(constraint={}, reasoning=fmt, prompt="<think>\n")
+    stream, text = plan.stream(), "Hmm, 2+2.</think>\n\nIt is 4."
+    got: dict[str, str] = {}
+    for end in range(1, len(text) + 1):
+        for delta in stream.update(text[:end], finished=end == len(text)):
+            for key, value in delta.items():
+                got[key] = got.get(key, "") + value
+    assert got == {"reasoning_content": "Hmm, 2+2.", "content": "It is 4."}
+
+
+# ---- the grammar, on real tokenizers ----
+
+
+def _matcher_accepts(tokenizer_name: str, plan_constraint: dict, text: str) -> tuple[bool, bool]:
+    tok = Tokenizer.from_dir(shared_data(f"tokenizers/{tokenizer_name}"))
+    backend = LLGuidanceBackend(tok.tokenizer.to_str(), tok.vocab_size, [tok.eos_token_id or 0])
+    matcher = backend.new_matcher(backend.compile(SamplingParams(**plan_constraint).structured))
+    accepted = all(matcher.consume([t]) for t in tok.encode(text, add_special_tokens=False))
+    return accepted, accepted and bool(matcher.matcher.is_accepting())
+
+
+GRAMMAR_CASES = [  # tokenizer, format, reply, accepted as a prefix, complete
+    ("qwen2.5", "hermes", "Just text, no call.", True, True),  # <tool_call> is one token here
+    ("qwen2.5", "hermes", REPLIES["hermes"], True, True),
+    ("qwen2.5", "hermes", '<tool_call>\n{"name": "get_wind"', False, False),
+    ("qwen2.5", "hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"', False, False),
+    ("llama3", "hermes", REPLIES["hermes"], True, True),  # <tool_call> is text here: a lazy trigger
+    ("llama3", "hermes", 'x<tool_call>\n{"name": "get_time", "arguments": {"utc": 1', False, False),
+    ("llama3", "llama3_json", "Paris is sunny.", True, True),
+    ("llama3", "llama3_json", REPLIES["llama3_json"], True, True),
+    ("llama3", "llama3_json", "{ not a call", False, False),
+    ("mistral", "mistral", REPLIES["mistral"], True, True),
+    ("mistral", "mistral", '[TOOL_CALLS][{"name": "nope', False, False),
+    ("llama3", "functionary_v3_1", REPLIES["functionary_v3_1"], True, True),
+    ("llama3", "functionary_v3_1", "<function=get_tim>", False, False),
+    ("llama3", "firefunction_v2", REPLIES["firefunction_v2"], True, True),
+    ("llama3", "hermes", f"<tool_call>\n{CALL}\n</tool_call>", True, True),
+]
+
+
+@pytest.mark.parametrize("tokenizer,fmt,text,accepted,complete", GRAMMAR_CASES)
+def test_the_grammar_allows_text_and_exactly_the_valid_calls(tokenizer, fmt, text, accepted, complete):
+    tools = [ToolSpec.of(t) for t in TOOLS]
+    specials = Tokenizer.from_dir(shared_data(f"tokenizers/{tokenizer}")).added_tokens
+    plan = plan_reply(constraint={}, tools=tools, tool_format=FORMATS[fmt], added_tokens=specials)
+    assert _matcher_accepts(tokenizer, plan.constraint, text) == (accepted, complete)
+
+
+def test_one_call_only_without_parallel_tool_calls():
+    tools = [ToolSpec.of(t) for t in TOOLS]
+    specials = Tokenizer.from_dir(shared_data("tokenizers/qwen2.5")).added_tokens
+    plan = plan_reply(
+        constraint={},
+        tools=tools,
+        tool_format=FORMATS["hermes"],
+        added_tokens=specials,
+        parallel_tool_calls=False,
+    )
+    assert _matcher_accepts("qwen2.5", plan.constraint, REPLIES["hermes"]) == (False, False)
+    assert _matcher_accepts("qwen2.5", plan.constraint, f"<tool_call>\n{CALL}\n</tool_call>") == (True, True)
+
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize(
+    "reasoning,prompt,text,accepted,complete",
+    [
+        # </think> is text in this vocabulary: the section ends at its first occurrence
+        (REASONING_FORMATS["deepseek_r1"], "<think>\n", 'I think {"y": "</think>\n\n{"x": 1}', True, True),
+        (REASONING_FORMATS["deepseek_r1"], "<think>\n", "thinking, no answer yet", True, False),
+        (REASONING_FORMATS["deepseek_r1"], "<think>\n", "done</think>\nnot JSON", False, False),
+        (REASONING_FORMATS["deepseek_r1"], "", '<think>a</think>{"x": 1}', True, True),
+        (REASONING_FORMATS["deepseek_r1"], "", '{"x": 1}', True, True),
+        # markers that are single tokens (stand-ins for R1's <think> tokens): other added tokens may
+        # occur inside the section
+        (
+            ReasoningFormat("t", "<tool_call>", "</tool_call>"),
+            "<tool_call>",
+            'a <|im_start|></tool_call>{"x": 2}',
+            True,
+            True,
+        ),
+        (ReasoningFormat("t", "<tool_call>", "</tool_call>"), "<tool_call>", "a</tool_call>x", False, False),
+    ],
+)
+def test_a_json_answer_holds_only_after_the_reasoning(reasoning, prompt, text, accepted, complete):
+    specials = Tokenizer.from_dir(shared_data("tokenizers/qwen2.5")).added_tokens
+    plan = plan_reply(
+        constraint={"json_schema": SCHEMA}, reasoning=reasoning, prompt=prompt, added_tokens=specials
+    )
+    assert _matcher_accepts("qwen2.5", plan.constraint, text) == (accepted, complete)
+
+
+# ---- tiny models over real tokenizers, pushed into a call ----
+
+
+def force_prefix(token_ids: list[int]):
+    """A logits processor that makes the reply start with `token_ids` (then leaves it alone)."""
+
+    def force(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output) < len(token_ids):
+            forced = torch.full_like(logits, float("-inf"))
+            forced[token_ids[len(output)]] = 0.0
+            return forced
+        return logits
+
+    return force
+
+
+@pytest.fixture(scope="module")
+def chat_models(tmp_path_factory):
+    cache: dict[str, LLM] = {}
+
+    def get(tokenizer: str) -> LLM:
+        if tokenizer not in cache:
+            out = tmp_path_factory.mktemp(f"chat-{tokenizer}")
+            build_chat_checkpoint(out, shared_data(f"tokenizers/{tokenizer}"))
+            cache[tokenizer] = LLM(str(out), max_model_len=2048)
+        return cache[tokenizer]
+
+    return get
+
+
+FAMILIES = [  # tokenizer, chat template, the text that opens the reply
+    ("qwen2.5", "Qwen-Qwen2.5-7B-Instruct.jinja", "Sure. <tool_call>"),
+    ("llama3", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "Sure. <tool_call>"),
+    ("llama3", "meta-llama-Llama-3.1-8B-Instruct.jinja", '{"name": '),
+    ("mistral", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "[TOOL_CALLS]["),
+    ("llama3", "meetkai-functionary-medium-v3.1.jinja", "Sure. <function="),
+    ("llama3", "fireworks-ai-llama-3-firefunction-v2.jinja", " functools["),
+]
+
+
+@pytest.mark.parametrize("tokenizer,template,opening", FAMILIES)
+def test_every_call_a_model_starts_parses_and_validates(chat_models, tokenizer, template, opening):
+    llm = chat_models(tokenizer)
+    chat_template = shared_data(f"chat_templates/{template}").read_text()
+    opener = llm.tokenizer.encode(opening, add_special_tokens=False)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(3):
+        params = SamplingParams(max_tokens=200, seed=seed, logits_processors=[force_prefix(opener)])
+        # firefunction's template reads the tools as `functions` (JSON) and today's date
+        kwargs = {"functions": json.dumps([t["function"] for t in TOOLS]), "datetime": "2026-11-25"}
+        (out,) = llm.chat(
+            messages, params, chat_template=chat_template, tools=TOOLS, chat_template_kwargs=kwargs
+        )
+        (c,) = out.outputs
+        assert c.finish_reason == "stop", c.text
+        message = c.message
+        assert message is not None and message.tool_calls, c.text
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        expected = "Sure." if opening.startswith("Sure.") else None
+        assert (message.content.strip() if message.content else None) == expected
+
+
+def test_without_a_push_the_reply_is_text_and_tools_can_be_hidden(chat_models):
+    llm = chat_models("qwen2.5")
+    messages = [{"role": "user", "content": "Hi"}]
+    bias_away = lambda ids, logits: logits.index_fill_(0, torch.tensor([151657]), float("-inf"))  # noqa: E731
+    (out,) = llm.chat(
+        messages, SamplingParams(max_tokens=8, seed=1, logits_processors=[bias_away]), tools=TOOLS
+    )
+    assert out.outputs[0].message.tool_calls == [] and out.outputs[0].message.content == out.outputs[0].text
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=8, seed=1), tools=TOOLS, tool_choice="none")
+    assert out.outputs[0].message is None and "get_weather" not in out.prompt
+
+
+def test_a_required_call_from_python(chat_models):
+    llm = chat_models("qwen2.5")
+    messages = [{"role": "user", "content": "Time?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named):
+        (out,) = llm.chat(messages, SamplingParams(max_tokens=100, seed=0), tools=TOOLS, tool_choice=choice)
+        (call,) = out.outputs[0].message.tool_calls
+        assert choice == "required" or call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with pytest.raises(ValueError, match="not among the tools"):
+        llm.chat(messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_reasoning_is_kept_apart_and_the_schema_holds_for_the_answer(chat_models):
+    llm = chat_models("qwen2.5")
+    template = shared_data("chat_templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    thought = llm.tokenizer.encode("Let me think.</think>", add_special_tokens=False)
+    params = SamplingParams(
+        max_tokens=60, seed=0, json_schema=SCHEMA, logits_processors=[force_prefix(thought)]
+    )
+    (out,) = llm.chat([{"role": "user", "content": "x?"}], params, chat_template=template)
+    message = out.outputs[0].message
+    assert out.prompt.endswith("<think>\n") and message.reasoning_content == "Let me think."
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+# ---- through the server and the official openai client ----
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    from test_server import Server
+
+    out = build_chat_checkpoint(tmp_path_factory.mktemp("serve-qwen"), shared_data("tokenizers/qwen2.5"))
+    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "2048")
+    yield server
+    server.process.terminate()
+    server.process.wait(timeout=60)
+
+
+def test_auto_tool_calls_through_the_server_whole_and_streamed(qwen_server):
+    client = qwen_server.client()
+    request = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": TOOLS,
+        "logit_bias": {"151657": 100},  # <tool_call>: the model starts a call at once
+        "parallel_tool_calls": False,
+        "max_tokens": 200,
+        "seed": 3,
+    }
+    whole = client.chat.completions.create(**request)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == call.function.name
+    assert "".join(t.function.arguments or "" for t in calls) == call.function.arguments  # same seed
+    assert all(t.index == 0 for t in calls) and not any(d.content for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_text_before_no_call_is_content_through_the_server(qwen_server):
+    response = qwen_server.client().chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=TOOLS,
+        tool_choice="auto",
+        logit_bias={"151657": -100},
+        max_tokens=10,
+        seed=0,
+    )
+    (choice,) = response.choices
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content

@@ -1,0 +1,207 @@
+"""One chat reply's plan: how its output is constrained and how its text becomes a message.
+
+`plan_reply` combines what a request asks for: a forced tool call (`tool_choice="required"` or a
+named function: the reply is one JSON document), tool calls the model may choose to make (`"auto"`:
+text, or calls in the model's own format), an answer constraint (`response_format`), and a reasoning
+section before the answer that no constraint touches. The plan reads the reply back, whole
+(`message`) or as it streams (`ReplyStream`), into OpenAI's assistant message: `content`,
+`reasoning_content` and `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weft.agents.reasoning import ReasoningFormat
+from weft.agents.tool_formats import ToolCallFormat, ToolSpec
+from weft.agents.tool_grammar import grammar_text, lark_json, tool_call_lark
+from weft.agents.tool_reader import ToolCall, ToolCallStream, final_calls
+from weft.schema_objects import JsonSchemaMode, apply_mode
+
+
+@dataclass(slots=True)
+class AssistantMessage:
+    """A reply read as OpenAI's assistant message."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def to_openai(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content, "refusal": None}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """A reply that is one call's JSON: the named function's arguments, or (function None) for
+    "required" `{"name": ..., "parameters": {...}}` naming one of the tools."""
+
+    function: str | None
+
+    def read(self, text: str) -> ToolCall | None:
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:  # cut short (max_tokens): the text stays content
+            return None
+        if self.function is not None:
+            return ToolCall(self.function, json.dumps(document))
+        return ToolCall(document["name"], json.dumps(document["parameters"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyPlan:
+    constraint: dict[str, Any]  # SamplingParams' constraint fields ({} for none)
+    tool_format: ToolCallFormat | None = None  # calls are read in this format ("auto")
+    forced: ForcedCall | None = None
+    reasoning: ReasoningFormat | None = None
+    inside: bool = False  # the reply starts inside the reasoning section
+
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Whether the reply's text must keep special tokens (markers the reader looks for)."""
+        return self.tool_format is not None or self.reasoning is not None
+
+    def message(self, text: str, finished: bool = True) -> AssistantMessage:
+        """The message of a reply; `finished` False: one cut short, whose calls are not read."""
+        reasoning, rest = self._split(text)
+        if self.forced is not None:
+            call = self.forced.read(rest) if finished else None
+            return AssistantMessage(None if call else rest, reasoning, [call] if call else [])
+        if self.tool_format is not None:
+            content, calls = final_calls(self.tool_format, rest)
+            return AssistantMessage(content, reasoning, calls)
+        return AssistantMessage(rest, reasoning)
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        if self.reasoning is None:
+            return None, text
+        reasoning, rest, _ = self.reasoning.split(text, self.inside)
+        return reasoning, rest
+
+    def stream(self) -> ReplyStream:
+        return ReplyStream(self)
+
+
+class ReplyStream:
+    """A growing reply -> chat deltas: `reasoning_content`, then `content`, then `tool_calls`
+    (a forced call is sent whole when the reply finishes)."""
+
+    def __init__(self, plan: ReplyPlan) -> None:
+        self.plan = plan
+        self.reasoning_sent = 0
+        self.content_sent = 0
+        self.calls = ToolCallStream(plan.tool_format) if plan.tool_format is not None else None
+        self.sent_calls = False  # whether any tool_calls delta was sent
+
+    def update(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The deltas that bring the client from the last update to `text` (the whole reply so far)."""
+        plan, rest = self.plan, text
+        deltas: list[dict[str, Any]] = []
+        if plan.reasoning is not None:
+            reasoning, rest, held = plan.reasoning.split(text, plan.inside, finished)
+            if reasoning is not None and len(reasoning) - held > self.reasoning_sent:
+                deltas.append({"reasoning_content": reasoning[self.reasoning_sent : len(reasoning) - held]})
+                self.reasoning_sent = len(reasoning) - held
+        if plan.forced is not None:
+            if finished:
+                message = plan.message(text)
+                if message.tool_calls:
+                    self.sent_calls = True
+                    calls = [{"index": i, **c.to_openai()} for i, c in enumerate(message.tool_calls)]
+                    return [*deltas, {"tool_calls": calls}]
+                return [*deltas, {"content": rest}] if rest else deltas
+            return deltas
+        if self.calls is not None:
+            content, calls = self.calls.update(rest, finished)
+        else:
+            content, calls = rest[self.content_sent :], []
+            self.content_sent = len(rest)
+        if content:
+            deltas.append({"content": content})
+        if calls:
+            self.sent_calls = True
+            deltas.append({"tool_calls": calls})
+        return deltas
+
+
+def forced_call(
+    tools: Sequence[ToolSpec], function: str | None, mode: JsonSchemaMode
+) -> tuple[dict[str, Any], ForcedCall]:
+    """The constraint of a reply that must call `function` (None: any of `tools`, "required")."""
+    if function is not None:
+        tool = next((t for t in tools if t.name == function), None)
+        if tool is None:
+            raise ValueError(f"tool_choice names {function!r}, which is not among the tools")
+        return {
+            "json_schema": tool.arguments_schema(mode),
+            "json_schema_mode": JsonSchemaMode.OPEN,
+        }, ForcedCall(function)
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "parameters": t.arguments_schema(mode)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return {"json_schema": {"anyOf": options}, "json_schema_mode": JsonSchemaMode.OPEN}, ForcedCall(None)
+
+
+def plan_reply(
+    *,
+    constraint: dict[str, Any],
+    forced: ForcedCall | None = None,
+    tools: Sequence[ToolSpec] = (),
+    tool_format: ToolCallFormat | None = None,
+    reasoning: ReasoningFormat | None = None,
+    prompt: str = "",
+    added_tokens: Mapping[str, int] | None = None,
+    mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
+    parallel_tool_calls: bool = True,
+) -> ReplyPlan:
+    """The plan of a reply to `prompt` (its rendered text). `constraint`: the answer's constraint
+    from response_format (or the forced call's); `tools` with `tool_format`: calls the model may
+    choose to make ("auto"). Raises ValueError for a combination weft cannot constrain."""
+    specials = added_tokens or {}
+    inside = reasoning is not None and reasoning.opens_inside(prompt)
+    auto = bool(tools) and tool_format is not None and forced is None
+    if not auto and (reasoning is None or not constraint):
+        return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside)
+    answer = _answer_rule(constraint, mode) if constraint else None
+    top = "answer" if reasoning is not None else "start"
+    if auto:
+        assert tool_format is not None
+        rules = tool_call_lark(
+            tool_format, tools, specials, parallel=parallel_tool_calls, mode=mode, answer=answer, start=top
+        )
+    else:
+        rules = f"{top}: {answer}\n"
+    if reasoning is not None:
+        rules += reasoning.lark(inside, top, specials)
+    grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
+    return ReplyPlan(grammar, tool_format if auto else None, forced, reasoning, inside)
+
+
+def _answer_rule(constraint: dict[str, Any], mode: JsonSchemaMode) -> str:
+    """A JSON constraint as a Lark rule body, to combine with tool calls or a reasoning section."""
+    if constraint.get("json_object"):
+        return lark_json({"type": "object"})
+    schema = constraint.get("json_schema")
+    if schema is None:
+        kinds = ", ".join(k for k in constraint if k != "json_schema_mode")
+        raise ValueError(
+            f"a {kinds} constraint cannot be combined with tool calls or a reasoning section; "
+            "use a JSON schema (response_format) there"
+        )
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    return lark_json(apply_mode(schema, constraint.get("json_schema_mode", mode)))

@@ -1,0 +1,136 @@
+"""Tool-call formats of the model families, told apart by their chat templates.
+
+A format says how a reply lays out its calls: the text that opens them, what separates two calls,
+what closes them, and one call's shape (a JSON object with the name and the arguments, or a tag
+naming the function around the arguments). Every format here is exact: the grammar built from it
+(weft/agents/tool_grammar.py) and the reader of replies (weft/agents/tool_reader.py) share it, so a
+reply the grammar allowed is always read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from weft.schema_objects import JsonSchemaMode, apply_mode
+
+
+class CallShape(StrEnum):
+    JSON = "json"  # {"name": "NAME", "<arguments_key>": {...}}
+    TAG = "tag"  # <function=NAME>{...}</function>
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    name: str
+    opener: str  # before the first call ("" where the call opens itself)
+    separator: str  # between two calls
+    closer: str  # after the last call
+    shape: CallShape = CallShape.JSON
+    arguments_key: str = "arguments"
+    at_start: bool = False  # calls only as the whole reply, never after text (Llama 3.x)
+    markers: tuple[str, ...] = ()  # substrings of a chat template that identify this format
+
+    def call_prefix(self, name: str) -> str:
+        """The text of a call up to its arguments."""
+        if self.shape == CallShape.TAG:
+            return f"<function={name}>"
+        return f'{{"name": {_json(name)}, "{self.arguments_key}": '
+
+    @property
+    def name_lead(self) -> str:
+        """The text of a call before its name."""
+        return "<function=" if self.shape == CallShape.TAG else '{"name": '
+
+    @property
+    def call_suffix(self) -> str:
+        return "</function>" if self.shape == CallShape.TAG else "}"
+
+    @property
+    def trigger(self) -> str:
+        """The fixed text every run of calls starts with, up to its first whitespace: once the
+        model writes it, the rest of the reply is held to the format."""
+        return (self.opener or self.name_lead).rstrip()
+
+
+FORMATS: dict[str, ToolCallFormat] = {
+    f.name: f
+    for f in (
+        # Hermes 2 Pro / 3, Qwen2.5, Qwen3
+        ToolCallFormat(
+            "hermes",
+            "<tool_call>\n",
+            "\n</tool_call>\n<tool_call>\n",
+            "\n</tool_call>",
+            markers=("<tool_call>",),
+        ),
+        # Mistral Nemo (and the other v3-tokenizer Mistral models)
+        ToolCallFormat("mistral", "[TOOL_CALLS][", ", ", "]", markers=("[TOOL_CALLS]",)),
+        # Llama 3.1 / 3.2 / 3.3: the reply is a JSON call (or calls separated by "; ") or text
+        ToolCallFormat(
+            "llama3_json",
+            "",
+            "; ",
+            "",
+            arguments_key="parameters",
+            at_start=True,
+            markers=('"parameters": dictionary of argument name',),
+        ),
+        # functionary v3.1 (Llama 3.1 based)
+        ToolCallFormat("functionary_v3_1", "", "", "", shape=CallShape.TAG, markers=("<function=",)),
+        # firefunction v2
+        ToolCallFormat("firefunction_v2", "functools[", ", ", "]", markers=("functools[",)),
+    )
+}
+
+
+def detect_tool_format(chat_template: str | None) -> ToolCallFormat | None:
+    """The format a chat template teaches its model, or None when no known format is found."""
+    if not chat_template:
+        return None
+    for fmt in FORMATS.values():
+        if all(marker in chat_template for marker in fmt.markers):
+            return fmt
+    return None
+
+
+def tool_format(name: str) -> ToolCallFormat:
+    """A format by name (`--tool-call-parser`); a ValueError lists the known ones."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A function tool: its name and the JSON Schema of its arguments."""
+
+    name: str
+    parameters: dict[str, Any]
+    strict: bool = False
+
+    @classmethod
+    def of(cls, tool: Any) -> ToolSpec:
+        """From OpenAI's shape, `{"type": "function", "function": {"name", "parameters", "strict"}}`,
+        the inner `function` object, or an object with those attributes."""
+        if not isinstance(tool, dict):
+            tool = tool.model_dump() if hasattr(tool, "model_dump") else vars(tool)
+        function = tool.get("function", tool)
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tool needs a function name, got {tool!r}")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tool {name!r}: parameters must be a JSON Schema object")
+        return cls(name, parameters, bool(function.get("strict")))
+
+    def arguments_schema(self, mode: JsonSchemaMode) -> dict[str, Any]:
+        """The arguments' schema, its objects closed as the tool's `strict` or `mode` says."""
+        return apply_mode(self.parameters, JsonSchemaMode.STRICT if self.strict else mode)
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
