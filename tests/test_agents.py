@@ -142,7 +142,7 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed():
     stream, text = plan.stream(), "Hmm, 2+2.</think>\n\nIt is 4."
     got: dict[str, str] = {}
     for end in range(1, len(text) + 1):
-        for delta in stream.update(text[:end], finished=end == len(text)):
+        for delta in stream.feed(text[end - 1 : end], finished=end == len(text)):
             for key, value in delta.items():
                 got[key] = got.get(key, "") + value
     assert got == {"reasoning_content": "Hmm, 2+2.", "content": "It is 4."}

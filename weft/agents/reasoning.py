@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weft.agents.tool_grammar import lark_literal
+from weft.agents.tool_reader import marker_start_at_end
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class ReasoningFormat:
             text = stripped[len(self.start) :]
         at = text.find(self.end)
         if at < 0:
-            held = 0 if finished else _suffix_prefix(text, self.end)
+            held = 0 if finished else marker_start_at_end(text, self.end)
             return text, "", held
         return text[:at], text[at + len(self.end) :].lstrip("\n"), 0
 
@@ -72,10 +73,3 @@ def reasoning_format(name: str) -> ReasoningFormat:
     if name not in REASONING_FORMATS:
         raise ValueError(f"unknown reasoning format {name!r}; known: {', '.join(REASONING_FORMATS)}")
     return REASONING_FORMATS[name]
-
-
-def _suffix_prefix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

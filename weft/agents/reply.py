@@ -96,40 +96,43 @@ class ReplyStream:
 
     def __init__(self, plan: ReplyPlan) -> None:
         self.plan = plan
+        self.plain = plan.reasoning is None and plan.forced is None and plan.tool_format is None
+        self.text = ""  # the reply so far, kept only where it is read as a whole (not plain)
         self.reasoning_sent = 0
-        self.content_sent = 0
+        self.content_sent = 0  # characters of the answer sent, where no tool calls are read
         self.calls = ToolCallStream(plan.tool_format) if plan.tool_format is not None else None
         self.sent_calls = False  # whether any tool_calls delta was sent
 
-    def update(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        """The deltas that bring the client from the last update to `text` (the whole reply so far)."""
-        plan, rest = self.plan, text
+    def feed(self, new_text: str, finished: bool) -> list[dict[str, Any]]:
+        """The deltas for `new_text`, what the reply added since the last call."""
+        plan = self.plan
+        if self.plain:
+            return [{"content": new_text}] if new_text else []  # plain text: passed straight on
+        self.text += new_text
+        rest = self.text
         deltas: list[dict[str, Any]] = []
         if plan.reasoning is not None:
-            reasoning, rest, held = plan.reasoning.split(text, plan.inside, finished)
+            reasoning, rest, held = plan.reasoning.split(self.text, plan.inside, finished)
             if reasoning is not None and len(reasoning) - held > self.reasoning_sent:
                 deltas.append({"reasoning_content": reasoning[self.reasoning_sent : len(reasoning) - held]})
                 self.reasoning_sent = len(reasoning) - held
         if plan.forced is not None:
-            if finished:
-                message = plan.message(text)
-                if message.tool_calls:
-                    self.sent_calls = True
-                    calls = [{"index": i, **c.to_openai()} for i, c in enumerate(message.tool_calls)]
-                    return [*deltas, {"tool_calls": calls}]
-                return [*deltas, {"content": rest}] if rest else deltas
-            return deltas
-        if self.calls is not None:
-            content, calls = self.calls.update(rest, finished)
-        else:
-            content, calls = rest[self.content_sent :], []
-            self.content_sent = len(rest)
+            return deltas + (self._forced(rest) if finished else [])
+        content, calls = self.calls.update(rest, finished) if self.calls else (rest[self.content_sent :], [])
+        self.content_sent = len(rest)
         if content:
             deltas.append({"content": content})
         if calls:
             self.sent_calls = True
             deltas.append({"tool_calls": calls})
         return deltas
+
+    def _forced(self, rest: str) -> list[dict[str, Any]]:
+        message = self.plan.message(self.text)
+        if message.tool_calls:
+            self.sent_calls = True
+            return [{"tool_calls": [{"index": i, **c.to_openai()} for i, c in enumerate(message.tool_calls)]}]
+        return [{"content": rest}] if rest else []
 
 
 def forced_call(

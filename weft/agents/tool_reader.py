@@ -75,11 +75,16 @@ def _calls_start(fmt: ToolCallFormat, text: str) -> int | None:
 
 def _held(fmt: ToolCallFormat, text: str) -> int:
     """How many trailing characters of `text` could still grow into the trigger."""
-    trigger = fmt.trigger
     if fmt.at_start:
-        return len(text) if trigger.startswith(text) or "<|python_tag|>".startswith(text) else 0
-    for n in range(min(len(trigger) - 1, len(text)), 0, -1):
-        if text.endswith(trigger[:n]):
+        return len(text) if fmt.trigger.startswith(text) or "<|python_tag|>".startswith(text) else 0
+    return marker_start_at_end(text, fmt.trigger)
+
+
+def marker_start_at_end(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker` (0 if none): the
+    characters a stream holds back until they cannot become the marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
             return n
     return 0
 

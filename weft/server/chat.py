@@ -126,7 +126,7 @@ class Chat:
         they are made, the finish reason, a usage chunk when asked, [DONE]."""
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": now()}
         chunks = ChunkWriter(fields, self.service)
-        readers: dict[int, tuple[ReplyStream, list[str]]] = {}
+        readers: dict[int, ReplyStream] = {}
         tracker = self.service.tracker()
         prompt_tokens, completion_tokens = 0, 0
         async for out in handle.outputs():
@@ -138,11 +138,9 @@ class Chat:
                     raise GenerationFailed(c.error)
                 completion_tokens += len(c.token_ids)
                 if c.index not in readers:
-                    readers[c.index] = (plan.stream(), [])
+                    readers[c.index] = plan.stream()
                     yield chunks.choice(_chunk(c.index, {"role": "assistant", "content": ""}))
-                reader, texts = readers[c.index]
-                texts.append(c.text)
-                for choice in self._deltas(body, c, reader, "".join(texts)):
+                for choice in self._deltas(body, c, readers[c.index]):
                     yield chunks.choice(choice)
         self.service.count(prompt_tokens, completion_tokens)
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -151,12 +149,12 @@ class Chat:
 
     @staticmethod
     def _deltas(
-        body: ChatCompletionRequest, c: CompletionOutput, reader: ReplyStream, text: str
+        body: ChatCompletionRequest, c: CompletionOutput, reader: ReplyStream
     ) -> list[dict[str, Any]]:
         """The chunks' choices for one output of a choice: its deltas (the logprobs on the first),
         then the finish reason on the last."""
         reason = finish_reason(c)
-        deltas = reader.update(text, finished=reason is not None)
+        deltas = reader.feed(c.text, finished=reason is not None)
         if reason == "stop" and reader.sent_calls:
             reason = "tool_calls"
         choices = [_chunk(c.index, delta) for delta in deltas]
