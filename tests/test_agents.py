@@ -51,6 +51,7 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+CALL_ARGS = '{"city": "Paris", "days": 3}'
 TIME_CALL = '{"name": "get_time", "arguments": {"utc": true}}'
 
 TEMPLATES = {
@@ -384,3 +385,37 @@ def test_text_before_no_call_is_content_through_the_server(qwen_server):
     )
     (choice,) = response.choices
     assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content
+
+
+def test_call_arguments_reach_a_template_as_the_object_it_writes_with_tojson():
+    from weft.tokenizer import render_chat_template
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    qwen = shared_data("chat_templates/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    assert f'"arguments": {CALL_ARGS}' in render_chat_template(qwen, messages)  # not a quoted string
+    functionary = shared_data("chat_templates/meetkai-functionary-medium-v3.1.jinja").read_text()
+    rendered = render_chat_template(functionary, messages, bos_token="<|begin_of_text|>")
+    assert f"<function=get_weather>{CALL_ARGS}</function>" in rendered
+
+
+def test_mistral_call_ids_are_the_nine_characters_its_template_takes():
+    from weft.tokenizer import render_chat_template
+
+    fmt = FORMATS["mistral"]
+    _, (call,) = final_calls(fmt, f"[TOOL_CALLS][{CALL}]")
+    assert len(call.id) == 9 and call.id.isalnum()
+    plan = plan_reply(constraint={}, tools=[ToolSpec.of(WEATHER)], tool_format=fmt)
+    (streamed,) = [d for d in plan.stream().feed(f"[TOOL_CALLS][{CALL}]", True) if "tool_calls" in d]
+    assert len(streamed["tool_calls"][0]["id"]) == 9
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    nemo = shared_data("chat_templates/mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    assert f'"id": "{call.id}"' in render_chat_template(nemo, messages, bos_token="<s>", eos_token="</s>")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -181,12 +182,38 @@ def _check_content(content: Any, name: str) -> None:
     return None
 
 
+# a template that writes a call's arguments with `tojson` (Qwen2.5, Llama 3.x, Hermes, Command R):
+# it takes them as an object, as transformers' documentation says; others concatenate the text
+_ARGUMENTS_TO_JSON = re.compile(r"arguments['\"]?\]?\s*\|\s*tojson")
+
+
+def _arguments_as_objects(message: Message) -> Message:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_call_arguments_as_object(c) for c in calls]}
+
+
+def _call_arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        decoded = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": decoded}}
+
+
 def render_chat_template(
     template: str, messages: list[Message], add_generation_prompt: bool = True, **context: Any
 ) -> str:
     """Render a Hugging Face chat template in a sandboxed jinja2 environment, after checking the
-    messages (`check_chat_messages`)."""
+    messages (`check_chat_messages`). Tool calls' `arguments` given as JSON text (OpenAI's shape)
+    reach a template that writes them with `tojson` as the object they encode."""
     check_chat_messages(messages)
+    if _ARGUMENTS_TO_JSON.search(template):
+        messages = [_arguments_as_objects(m) for m in messages]
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )

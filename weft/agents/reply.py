@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weft.agents.reasoning import ReasoningFormat
-from weft.agents.tool_formats import ToolCallFormat, ToolSpec
+from weft.agents.tool_formats import ToolCallFormat, ToolSpec, new_call_id
 from weft.agents.tool_grammar import grammar_text, lark_json, tool_call_lark
 from weft.agents.tool_reader import ToolCall, ToolCallStream, final_calls
 from weft.schema_objects import JsonSchemaMode, apply_mode
@@ -46,14 +46,14 @@ class ForcedCall:
 
     function: str | None
 
-    def read(self, text: str) -> ToolCall | None:
+    def read(self, text: str, short_ids: bool = False) -> ToolCall | None:
         try:
             document = json.loads(text)
         except json.JSONDecodeError:  # cut short (max_tokens): the text stays content
             return None
         if self.function is not None:
-            return ToolCall(self.function, json.dumps(document))
-        return ToolCall(document["name"], json.dumps(document["parameters"]))
+            return ToolCall(self.function, json.dumps(document), new_call_id(short_ids))
+        return ToolCall(document["name"], json.dumps(document["parameters"]), new_call_id(short_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,7 @@ class ReplyPlan:
     forced: ForcedCall | None = None
     reasoning: ReasoningFormat | None = None
     inside: bool = False  # the reply starts inside the reasoning section
+    short_ids: bool = False  # tool call ids of 9 letters and digits (the format's templates ask it)
 
     @property
     def reads_special_tokens(self) -> bool:
@@ -73,7 +74,7 @@ class ReplyPlan:
         """The message of a reply; `finished` False: one cut short, whose calls are not read."""
         reasoning, rest = self._split(text)
         if self.forced is not None:
-            call = self.forced.read(rest) if finished else None
+            call = self.forced.read(rest, self.short_ids) if finished else None
             return AssistantMessage(None if call else rest, reasoning, [call] if call else [])
         if self.tool_format is not None:
             content, calls = final_calls(self.tool_format, rest)
@@ -176,9 +177,10 @@ def plan_reply(
     choose to make ("auto"). Raises ValueError for a combination weft cannot constrain."""
     specials = added_tokens or {}
     inside = reasoning is not None and reasoning.opens_inside(prompt)
+    short_ids = tool_format is not None and tool_format.short_ids
     auto = bool(tools) and tool_format is not None and forced is None
     if not auto and (reasoning is None or not constraint):
-        return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside)
+        return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside, short_ids)
     answer = _answer_rule(constraint, mode) if constraint else None
     top = "answer" if reasoning is not None else "start"
     if auto:
@@ -191,7 +193,7 @@ def plan_reply(
     if reasoning is not None:
         rules += reasoning.lark(inside, top, specials)
     grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
-    return ReplyPlan(grammar, tool_format if auto else None, forced, reasoning, inside)
+    return ReplyPlan(grammar, tool_format if auto else None, forced, reasoning, inside, short_ids)
 
 
 def _answer_rule(constraint: dict[str, Any], mode: JsonSchemaMode) -> str:

@@ -9,11 +9,25 @@ reply the grammar allowed is always read back.
 
 from __future__ import annotations
 
+import secrets
+import string
+import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from weft.schema_objects import JsonSchemaMode, apply_mode
+
+
+def new_call_id(short: bool = False) -> str:
+    """A tool call's id: OpenAI's `call_` and 24 hex digits, or (`short`: all Mistral's templates
+    accept) 9 letters and digits."""
+    if short:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 class CallShape(StrEnum):
@@ -31,6 +45,7 @@ class ToolCallFormat:
     arguments_key: str = "arguments"
     at_start: bool = False  # calls only as the whole reply, never after text (Llama 3.x)
     markers: tuple[str, ...] = ()  # substrings of a chat template that identify this format
+    short_ids: bool = False  # the template takes only 9-character alphanumeric call ids (Mistral)
 
     def call_prefix(self, name: str) -> str:
         """The text of a call up to its arguments."""
@@ -66,7 +81,7 @@ FORMATS: dict[str, ToolCallFormat] = {
             markers=("<tool_call>",),
         ),
         # Mistral Nemo (and the other v3-tokenizer Mistral models)
-        ToolCallFormat("mistral", "[TOOL_CALLS][", ", ", "]", markers=("[TOOL_CALLS]",)),
+        ToolCallFormat("mistral", "[TOOL_CALLS][", ", ", "]", markers=("[TOOL_CALLS]",), short_ids=True),
         # Llama 3.1 / 3.2 / 3.3: the reply is a JSON call (or calls separated by "; ") or text
         ToolCallFormat(
             "llama3_json",

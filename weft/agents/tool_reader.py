@@ -10,11 +10,10 @@ far; `ToolCallStream` turns successive readings into OpenAI's streaming deltas.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.agents.tool_formats import CallShape, ToolCallFormat
+from weft.agents.tool_formats import CallShape, ToolCallFormat, new_call_id
 
 
 @dataclass(slots=True)
@@ -23,7 +22,7 @@ class ToolCall:
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -152,7 +151,11 @@ def final_calls(fmt: ToolCallFormat, text: str) -> tuple[str | None, list[ToolCa
     """The message of a finished reply: its content (None when it is only calls) and its whole calls.
     A call cut short (max_tokens) is left out and its text stays in the content."""
     reading = read_reply(fmt, text)
-    calls = [ToolCall(c.name, c.arguments) for c in reading.calls if c.complete and c.name is not None]
+    calls = [
+        ToolCall(c.name, c.arguments, new_call_id(fmt.short_ids))
+        for c in reading.calls
+        if c.complete and c.name is not None
+    ]
     if not calls:
         return text, []
     content = reading.content
@@ -179,7 +182,7 @@ class ToolCallStream:
             if partial.name is None:
                 break
             if index == len(self.calls):
-                call = ToolCall(partial.name, "")
+                call = ToolCall(partial.name, "", new_call_id(self.fmt.short_ids))
                 self.calls.append(call)
                 deltas.append({"index": index, **call.to_openai()})
             call = self.calls[index]
