@@ -21,17 +21,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weft.agents.chat_tools import AgentFormats
 from weft.engine.engine import LLMEngine
 from weft.schema_objects import JsonSchemaMode
+from weft.server.bodies import error_body, sse
 from weft.server.chat import Chat
 from weft.server.completions import Completions
-from weft.server.documents import ChatCompletionResponse, CompletionResponse, Health, ModelList, ok
+from weft.server.documents import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DeletedResponse,
+    Health,
+    ModelList,
+    ResponseObject,
+    ok,
+)
 from weft.server.engine_loop import EngineLoop, QueueFull, now
 from weft.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, RequestError
-from weft.server.responses import error_body, sse
+from weft.server.responses_endpoint import Responses, ResponseStore, UnknownResponse
+from weft.server.responses_request import ResponsesRequest
 from weft.server.service import GenerationFailed, Service, UnknownModel
 
 
@@ -50,6 +61,7 @@ class ServerConfig:
     # from the chat template)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (0: none)
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -62,6 +74,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         AgentFormats.of(engine.tokenizer.chat_template, config.tool_call_parser, config.reasoning_parser),
     )
     completions, chat = Completions(service), Chat(service)
+    responses = Responses(chat, ResponseStore(config.max_stored_responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,22 +103,55 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", responses={200: ok(CompletionResponse, stream=True), **ERRORS})
+    @app.post("/v1/completions", responses={200: ok(CompletionResponse, CHUNKS), **ERRORS})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         body, handles, request_id = await completions.start(body)
         if body.stream:
             return _stream(service, completions.stream(body, handles, request_id))
         return await _until_disconnect(request, service, completions.respond(body, handles, request_id))
 
-    @app.post("/v1/chat/completions", responses={200: ok(ChatCompletionResponse, stream=True), **ERRORS})
+    @app.post("/v1/chat/completions", responses={200: ok(ChatCompletionResponse, CHUNKS), **ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         handle, plan, request_id = await chat.start(body)
         if body.stream:
             return _stream(service, chat.stream(body, handle, plan, request_id))
         return await _until_disconnect(request, service, chat.respond(body, handle, plan, request_id))
 
+    _add_responses_routes(app, service, responses)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+CHUNKS = "the JSON chunks as `data`, then `data: [DONE]`"
+RESPONSE_EVENTS = (
+    "each named by `event` (response.created, response.in_progress, response.output_item.added, "
+    "response.content_part.added, response.output_text.delta, response.reasoning_text.delta, "
+    "response.function_call_arguments.delta, their .done, response.output_item.done, then "
+    "response.completed or response.incomplete; error and response.failed when generation fails), "
+    "its JSON as `data`"
+)
+
+
+def _add_responses_routes(app: FastAPI, service: Service, responses: Responses) -> None:
+    @app.post("/v1/responses", responses={200: ok(ResponseObject, RESPONSE_EVENTS), **ERRORS})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        run = await responses.start(body)
+        if body.stream:
+            return _stream(service, responses.stream(run), lambda exc: responses.failed(run, exc))
+        return await _until_disconnect(request, service, responses.respond(run))
+
+    stored: dict[int | str, dict[str, Any]] = {
+        401: ERRORS[401],
+        404: {**ERRORS[404], "description": "no such stored response"},
+    }
+
+    @app.get("/v1/responses/{response_id}", responses={200: ok(ResponseObject), **stored})
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses={200: ok(DeletedResponse), **stored})
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
 
 
 # what the /v1/ routes answer besides 200, each with OpenAI's error body
@@ -114,7 +160,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "invalid parameters, schema, grammar or prompt (`param` names the field)"),
         (401, "a missing or wrong API key"),
-        (404, "an unknown model"),
+        (404, "an unknown model, or a previous_response_id that is not stored"),
         (413, "a body over --max-body-bytes"),
         (503, "--max-pending requests already in flight"),
     )
@@ -161,7 +207,18 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _stream(service: Service, events: AsyncIterator[str]) -> StreamingResponse:
+def _chat_error(exc: Exception) -> list[str]:
+    kind = "server_error" if isinstance(exc, RuntimeError) else "invalid_request_error"
+    return [sse(error_body(str(exc), kind)), sse("[DONE]")]
+
+
+def _stream(
+    service: Service,
+    events: AsyncIterator[str],
+    error_events: Callable[[Exception], list[str]] = _chat_error,
+) -> StreamingResponse:
+    """`events` as server-sent events; a request that fails on the way ends with `error_events`."""
+
     async def guarded() -> AsyncIterator[str]:
         status = "aborted"  # unless it runs to its end: a client that left closes the generator
         try:
@@ -170,12 +227,8 @@ def _stream(service: Service, events: AsyncIterator[str]) -> StreamingResponse:
             status = "ok"
         except (GenerationFailed, RuntimeError, ValueError) as exc:
             status = "error"
-            yield sse(
-                error_body(
-                    str(exc), "server_error" if isinstance(exc, RuntimeError) else "invalid_request_error"
-                )
-            )
-            yield sse("[DONE]")
+            for event in error_events(exc):
+                yield event
         finally:
             service.metrics.requests.labels(status).inc()
 
@@ -218,6 +271,10 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
         return counted(404, str(exc), "invalid_request_error", "model", "model_not_found")
 
+    @app.exception_handler(UnknownResponse)
+    async def unknown_response(request: Request, exc: UnknownResponse) -> JSONResponse:
+        return counted(404, str(exc), "invalid_request_error", exc.param, "response_not_found")
+
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         return counted(503, str(exc), "server_overloaded")
@@ -230,8 +287,19 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         response = counted(exc.status_code, str(exc.detail), kind)
-        response.headers.update(exc.headers or {})  # a 405's Allow
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow: the methods of every route of this path, not the first's
+            response.headers["Allow"] = ", ".join(sorted(_methods(app, request)))
         return response
+
+
+def _methods(app: FastAPI, request: Request) -> set[str]:
+    methods: set[str] = set()
+    for route in app.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
 
 
 PROTECTED = "/v1/"  # what the API key guards, as vLLM: /health, /metrics and the docs stay open

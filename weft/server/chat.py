@@ -23,9 +23,9 @@ from weft.agents.tool_formats import ToolSpec
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
 from weft.schema_objects import JsonSchemaMode
+from weft.server.bodies import ChunkWriter, chat_logprobs, finish_reason, sse, usage
 from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError
-from weft.server.responses import ChunkWriter, chat_logprobs, finish_reason, sse, usage
 from weft.server.service import GenerationFailed, Service
 
 
@@ -33,7 +33,9 @@ class Chat:
     def __init__(self, service: Service) -> None:
         self.service = service
 
-    async def start(self, body: ChatCompletionRequest) -> tuple[RequestHandle, ReplyPlan, str]:
+    async def start(
+        self, body: ChatCompletionRequest, request_id: str | None = None
+    ) -> tuple[RequestHandle, ReplyPlan, str]:
         service = self.service
         service.check_model(body.model)
         constraint, forced, field = _constraint(body, service.json_schema_mode)
@@ -45,7 +47,7 @@ class Chat:
             params = params.replace(skip_special_tokens=False)
         service.check_limits(params)
         await service.validate_constraint(params, field)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         prompt = service.tokenizer.encode(text, add_special_tokens=False)
         (handle,) = await service.add_all(request_id, [prompt], params, length_field)

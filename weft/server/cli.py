@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the reasoning section returned apart as reasoning_content (default: detected from the "
         "chat template; none: the reply is all content)",
     )
+    p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="/v1/responses kept in memory for previous_response_id and GET, the oldest dropped first "
+        "(default: 1000; 0: none)",
+    )
     add_engine_arguments(p.add_argument_group("engine options (the keyword arguments of LLM)"))
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
@@ -73,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         json_schema_mode=JsonSchemaMode(args.json_schema_mode),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        max_stored_responses=args.max_stored_responses,
         engine_thread=False,  # the engine steps in the main thread: see serve_forever
     )
     app = build_app(engine, config)

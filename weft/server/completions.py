@@ -9,9 +9,9 @@ from typing import Any
 
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
+from weft.server.bodies import ChunkWriter, completion_logprobs, finish_reason, sse, usage
 from weft.server.engine_loop import RequestHandle, merge, now
 from weft.server.protocol import CompletionRequest
-from weft.server.responses import ChunkWriter, completion_logprobs, finish_reason, sse, usage
 from weft.server.service import GenerationFailed, Service
 
 

@@ -93,6 +93,114 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningItem(BaseModel):
+    """The reasoning section of a reasoning model's reply, as text (`content`); no summary."""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from weft's prefix cache
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int  # the reasoning item's text, tokenized
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Response object; with stream: true, server-sent events named by their `type`
+    (response.created, response.output_text.delta, ..., response.completed)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    completed_at: int | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, Any]
+    store: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None = None  # once finished
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str]
+    service_tier: str
+    background: bool
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -110,11 +218,19 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
-def ok(model: type[BaseModel], stream: bool = False) -> dict[str, Any]:
-    """The 200 entry of a route's `responses`: `model` as JSON (and, with `stream`, the
-    server-sent events of a streamed request)."""
+# one server-sent event (OpenAPI 3.1 describes each event of a text/event-stream by `schema`)
+SERVER_SENT_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
+def ok(model: type[BaseModel], stream: str | None = None) -> dict[str, Any]:
+    """The 200 entry of a route's `responses`: `model` as JSON (and, with `stream` saying what
+    they are, the server-sent events of a streamed request)."""
     entry: dict[str, Any] = {"model": model, "description": f"a {model.__name__}"}
     if stream:
-        entry["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
-        entry["description"] += "; with stream: true, server-sent events of its chunks, then [DONE]"
+        entry["content"] = {"text/event-stream": {"schema": SERVER_SENT_EVENT}}
+        entry["description"] += f"; with stream: true, server-sent events: {stream}"
     return entry
