@@ -12,10 +12,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import yaml
 from checkpoints import build_chat_checkpoint
 from conftest import shared_data
-from test_server import API_KEY, MODEL, Server, _nullable, assert_matches_spec
+from test_server import API_KEY, MODEL, Server, assert_matches_spec, load_openai_spec
 
 from weft import LLM, SamplingParams
 from weft.server.responses_endpoint import ResponseStore, StoredResponse, UnknownResponse
@@ -47,8 +46,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def spec():
-    with open(shared_data("openai/openapi.yaml")) as f:
-        return _nullable(yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    return load_openai_spec()
 
 
 @pytest.fixture(scope="module")

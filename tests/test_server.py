@@ -175,12 +175,16 @@ def offline() -> LLM:
     return LLM(show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def spec():
-    path = shared_data("openai/openapi.yaml")
-    with open(path) as f:
+def load_openai_spec() -> dict:
+    """OpenAI's own API document (../shared/data/openai/openapi.yaml), `nullable` as JSON Schema."""
+    with open(shared_data("openai/openapi.yaml")) as f:
         document = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     return _nullable(document)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_openai_spec()
 
 
 def _nullable(node):
