@@ -133,7 +133,12 @@ RESPONSE_EVENTS = (
 
 
 def _add_responses_routes(app: FastAPI, service: Service, responses: Responses) -> None:
-    @app.post("/v1/responses", responses={200: ok(ResponseObject, RESPONSE_EVENTS), **ERRORS})
+    create_errors = {
+        **ERRORS,
+        404: {**ERRORS[404], "description": "an unknown model or previous_response_id"},
+    }
+
+    @app.post("/v1/responses", responses={200: ok(ResponseObject, RESPONSE_EVENTS), **create_errors})
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         run = await responses.start(body)
         if body.stream:
@@ -160,7 +165,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (400, "invalid parameters, schema, grammar or prompt (`param` names the field)"),
         (401, "a missing or wrong API key"),
-        (404, "an unknown model, or a previous_response_id that is not stored"),
+        (404, "an unknown model"),
         (413, "a body over --max-body-bytes"),
         (503, "--max-pending requests already in flight"),
     )

@@ -128,8 +128,9 @@ class Responses:
         """response.created, response.in_progress, the items' events, then response.completed (or
         response.incomplete, cut short by max_output_tokens)."""
         events, reader, tracker = run.events, run.plan.stream(), self.service.tracker()
-        yield events.event("response.created", response=self.body(run, "in_progress", []))
-        yield events.event("response.in_progress", response=self.body(run, "in_progress", []))
+        started = self.body(run, "in_progress", [])
+        yield events.event("response.created", response=started)
+        yield events.event("response.in_progress", response=started)
         last: RequestOutput | None = None
         completion_tokens, complete = 0, True
         async for out in run.handle.outputs():
