@@ -48,6 +48,9 @@ class CountingMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
 
+    def validate(self, token_ids: Seq[int]) -> int:
+        return self.inner.validate(token_ids)
+
     def forced_tokens(self) -> list[int]:
         return self.inner.forced_tokens()
 
@@ -71,7 +74,7 @@ def new_sequence(params: SamplingParams, backend: LLGuidanceBackend | None) -> S
 def allowed_tokens(seq: Sequence, backend: LLGuidanceBackend) -> list[int]:
     bitmask = torch.zeros(1, bitmask_words(VOCAB), dtype=torch.int32)
     assert isinstance(seq.matcher, CountingMatcher)
-    backend.fill_bitmask([(seq.matcher.inner, 0)], bitmask)
+    backend.fill_bitmask([(seq.matcher.inner, 0, ())], bitmask)
     return torch.nonzero(unpack_bitmask(bitmask, VOCAB)[0]).flatten().tolist()
 
 

@@ -339,7 +339,7 @@ def test_constraint_logmass_is_the_model_mass_the_grammar_allowed(tiny_llama):
     backend = llm.engine.grammars.backend
     matcher = backend.new_matcher(backend.compile(params.structured))
     bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-    backend.fill_bitmask([(matcher, 0)], bitmask)
+    backend.fill_bitmask([(matcher, 0, ())], bitmask)
     allowed = unpack_bitmask(bitmask, vocab)[0]
     first = out.logprobs[0]
     raw = torch.tensor([first[t].logprob if t in first else float("-inf") for t in range(vocab)])

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from weft.speculative.config import SpeculativeConfig
+
 
 class ConfigError(ValueError):
     """A configuration file or option that weft cannot use; the message names the file or option."""
@@ -194,6 +196,8 @@ class EngineConfig:
     # Schedule the next step before this one's tokens are read back where rows allow it
     # (weft/engine/lookahead.py): the default on CUDA, where the host's work then overlaps the device's.
     async_scheduling: bool = False
+    # Speculative decoding without a draft model (weft/engine/speculation.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(

@@ -93,6 +93,33 @@ class CompletionOutput:
         return CompletionOutput, tuple(value for _, value in self._fields())
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculationCounts:
+    """How a request's speculation went: steps that verified drafts, the draft tokens verified, and
+    those accepted (each accepted token is one forward saved)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of draft tokens accepted (0 with no drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verifying step: 1 + the accepted drafts per draft (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def __add__(self, other: SpeculationCounts) -> SpeculationCounts:
+        return SpeculationCounts(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+        )
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -103,6 +130,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # One entry per prompt token: None for the first, then the token and the top-k alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # With speculative decoding: the request's drafts and accepted draft tokens, over its sequences.
+    speculation: SpeculationCounts | None = None
 
 
 @dataclass(slots=True)

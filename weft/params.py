@@ -400,6 +400,8 @@ class SamplingParams(OutputRules):
         default=ChoiceSelection.GREEDY, converter=_choice_selection
     )
     fast_forward: bool = attrs.field(default=True, validator=_FLAG)
+    # False: this request never drafts, even where the engine speculates (`speculative_config`)
+    speculative: bool = attrs.field(default=True, validator=_FLAG)
 
     def __attrs_post_init__(self) -> None:
         """The rules that tie two fields together."""

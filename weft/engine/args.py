@@ -95,6 +95,16 @@ class EngineArgs:
         ),
     )
 
+    speculative_config: dict[str, Any] | str | None = field(
+        default=None,
+        metadata=cli(
+            'speculative decoding without a draft model, as JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
+            "(default: off)",
+            type=str,
+        ),
+    )
+
     @classmethod
     def of(cls, model: str | Path | None, options: dict[str, Any]) -> EngineArgs:
         """`EngineArgs(model=model, **options)`, with an error that lists the options when one is

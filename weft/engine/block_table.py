@@ -34,7 +34,7 @@ class BlockTableArray:
         self._free.append(row)
 
     def write(self, row: int, block_ids: Sequence[int]) -> None:
-        """Row `row` now holds `block_ids` (a table only grows, or changes a block in place)."""
+        """Row `row` now holds `block_ids` (a table grows, changes a block in place, or loses its tail)."""
         num_blocks = len(block_ids)
         if num_blocks > self.array.shape[1]:
             self._grow_cols(num_blocks)

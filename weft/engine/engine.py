@@ -42,6 +42,7 @@ from weft.engine.runner import InFlightTokens, ModelRunner, StepLogits
 from weft.engine.scheduler import Fanout, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
+from weft.engine.speculation import Speculation
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput
 from weft.params import BeamSearchParams, SamplingParams
@@ -100,6 +101,8 @@ class LLMEngine:
         self.scorer = ChoiceScorer(self.runner, self.kv)
         self.started: list[SequenceGroup] = []  # groups finished as their policy started them
         self._grammars: GrammarManager | None = None
+        speculative = config.speculative
+        self.speculation = None if speculative is None else Speculation(speculative)
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
         self.in_flight: Launched | None = None  # a step left running by lookahead (`step`)
@@ -255,7 +258,8 @@ class LLMEngine:
         touched = self._admit_compiled_grammars() + self.started
         self.started = []
         previous, self.in_flight = self.in_flight, None
-        sched = self.scheduler.schedule()
+        drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
+        sched = self.scheduler.schedule(drafts)
         launched = None
         if not sched.is_empty:
             launched = self._launch(sched, None if previous is None else previous.in_flight)
@@ -266,7 +270,11 @@ class LLMEngine:
         stays = False
         if launched is not None:
             self.scheduler.advance(launched.sched)  # after `previous`: its tokens are on the host
-            stays = self.config.async_scheduling and can_stay_in_flight(launched, self.groups)
+            stays = (  # with speculation every step is done in turn: drafts need the tokens
+                self.config.async_scheduling
+                and self.speculation is None
+                and can_stay_in_flight(launched, self.groups)
+            )
             if not stays:
                 touched += self._resolve(launched)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
@@ -327,10 +335,12 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, in_flight: InFlightTokens | None) -> Launched:
         """Forward and sample one scheduled step, and start reading its results back."""
         fanouts = self._fanouts(sched)
-        seqs = sched.sampling + [child for f in fanouts for child in f.children]
+        children = [child for f in fanouts for child in f.children]
+        seqs = sched.sampling + children
         fill = None
         if self._grammars is not None:
-            fill = self._grammars.start_fill([seq.matcher for seq in seqs])
+            drafts = [item.drafts for item in sched.scheduled if item.samples] if self.speculation else None
+            fill = self._grammars.start_fill([seq.matcher for seq in seqs], drafts)
         step = self.runner.execute(sched, in_flight)
         logits = step.logits  # [S, V]
         if fanouts:  # [S + F, V]: each fanout child samples from its parent's row
@@ -338,7 +348,8 @@ class LLMEngine:
             logits = logits.index_select(
                 0, column([*range(logits.shape[0]), *parent_rows], np.int64, logits.device)
             )
-        batch = self.sampling_batches.build(seqs, logits.shape[-1], logits.device)
+        rows = seqs if self.speculation is None else [*Speculation.rows(sched), *children]
+        batch = self.sampling_batches.build(rows, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch, fill)
         transfer = StepTransfer.start(out.token_ids, out.top_logprobs, self._known_logprobs(step))
         return Launched(
@@ -364,8 +375,11 @@ class LLMEngine:
             else:
                 span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
-        self.num_sampled_tokens += len(launched.seqs) - len(rows.errors)
+        accepted = 0 if self.speculation is None else self.speculation.tally.num_accepted_tokens
         self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
+        if self.speculation is not None:  # every accepted draft is a sampled token too
+            accepted = self.speculation.tally.num_accepted_tokens - accepted
+        self.num_sampled_tokens += len(launched.seqs) - launched.num_failed_rows(rows.errors) + accepted
         groups = (self._group_of(item.seq) for item in launched.sched.scheduled)
         return [g for g in groups if g is not None]
 
@@ -376,12 +390,12 @@ class LLMEngine:
         fanouts: list[Fanout] = []
         if room <= 0:
             return fanouts
-        row, next_row = 0, len(sched.sampling)
+        row, next_row = 0, sched.num_rows
         for item in sched.scheduled:
             if not item.samples:
                 continue
             seq, parent_row = item.seq, row
-            row += 1
+            row += item.num_rows
             ends_prompt = seq.num_computed_tokens + item.num_new_tokens == len(seq.prompt_token_ids)
             group = self._group_of(seq) if ends_prompt and room > 0 else None
             if group is None:

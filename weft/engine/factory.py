@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +42,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.loader import load_config, load_model, open_source
 from weft.model.quantize import check_quantization
 from weft.native import use_kernels
+from weft.speculative.config import SpeculativeConfig
 from weft.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -60,6 +63,20 @@ def kernels_for(device: torch.device) -> TorchKernels:
 
         return TRITON_KERNELS
     return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """`speculative_config` as `LLM` takes it (a dict) or as the command line does (JSON text)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+    return SpeculativeConfig.of(value)
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -108,7 +125,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
         model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, dtype,
-        matmul, async_scheduling,
+        matmul, async_scheduling, speculative_config(args.speculative_config),
     )  # fmt: skip
     engine = LLMEngine(config, model, tokenizer)
     if device.type == "cuda" and not args.enforce_eager:

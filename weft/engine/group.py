@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from weft.engine.sequence import FinishReason, Sequence
-from weft.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from weft.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SpeculationCounts
 from weft.params import OutputKind, SamplingParams
 
 
@@ -198,7 +198,15 @@ class SequenceGroup:
             finished,
             first.num_cached_prompt_tokens if first else 0,
             None if first is None or first.prompt_logprobs is None else self._prompt_logprobs(first),
+            self._speculation(),
         )
+
+    def _speculation(self) -> SpeculationCounts | None:
+        """The drafts of the request's sequences and their accepted tokens; None without any."""
+        tallies = [seq.drafts.tally for seq in self.sequences if seq.drafts is not None]
+        if not tallies:
+            return None
+        return sum((t.counts for t in tallies[1:]), tallies[0].counts)
 
     def _completion(self, seq: Sequence, kind: OutputKind) -> CompletionOutput:
         """A sequence's completion; logprobs the engine tracked for itself (best_of ranks by them)

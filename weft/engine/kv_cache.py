@@ -234,6 +234,18 @@ class KVCacheManager:
             self.pool.release(block)
         self.block_tables.release(table.row)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the sequence's blocks past those of its first `num_tokens` tokens, tail first
+        (the slots of rejected drafts; never a cached block: only computed tokens are hashed)."""
+        table = self.tables.get(seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table.blocks) <= keep:
+            return
+        for block in reversed(table.blocks[keep:]):
+            self.pool.release(block)
+        table.blocks, table.block_ids = table.blocks[:keep], table.block_ids[:keep]
+        self.block_tables.write(table.row, table.block_ids)
+
     def borrow(self, num_tokens: int) -> list[Block] | None:
         """Private blocks for `num_tokens` tokens computed outside any sequence (a scoring pass);
         None when there are not enough free blocks. Return them with `give_back`."""

@@ -34,6 +34,18 @@ class Launched:
     spans: list[PromptSpan]  # the known tokens whose logprobs the step computed
     in_flight: InFlightTokens | None = field(default=None)  # set when it stays in flight (`commit`)
 
+    def num_failed_rows(self, errors: dict[int, str]) -> int:
+        """How many sequences' rows in `errors` failed (not counting draft rows)."""
+        if not errors or self.sched.num_rows == len(self.sched.sampling):  # no drafts
+            return len(errors)
+        rows, row = set(), 0
+        for item in self.sched.scheduled:
+            if item.samples:
+                rows.add(row)
+                row += item.num_rows
+        rows.update(range(row, row + len(self.seqs) - len(self.sched.sampling)))  # fanout children
+        return len(rows & errors.keys())
+
     def results(self) -> tuple[SampledRows, list[LogprobRef]]:
         """The step's results on the host: each sampling row's token, logprobs and error (a row
         whose logits were not finite fails with a message), and the known tokens' logprobs."""

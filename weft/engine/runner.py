@@ -52,7 +52,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64, the last token of each sampling sequence
+    logits_indices: torch.Tensor  # [S] int64, the last known token of each sampling sequence (and its drafts)
     prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is known and wants logprobs
     prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) tokens
     prompt_spans: list[PromptSpan]
@@ -111,16 +111,22 @@ class ModelRunner:
             start = seq.num_computed_tokens
             if seq.needs_prompt_logprobs or seq.num_pending_forced:
                 spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
+            drafts = item.drafts
             if num_new == 1:
                 input_ids.append(seq.token_ids[start])
-            else:
+            elif not drafts:
                 input_ids.extend(seq.token_ids[start : start + num_new])
+            else:  # its last known tokens, then its drafts
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(drafts)
             if seq.num_pending and start + num_new == len(seq.token_ids):
                 assert in_flight is not None, "a pending token without the step that samples it"
                 pending += (len(input_ids) - 1, in_flight.rows[seq.seq_id])
             query_lens.append(num_new)
             context_lens.append(start + num_new)
-            if item.samples:
+            if drafts:  # its last known token's row and each draft's
+                logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+            elif item.samples:
                 logits_indices.append(len(input_ids) - 1)
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
         attn, positions = self.attention.build_metadata(

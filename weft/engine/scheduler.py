@@ -22,6 +22,7 @@ computes them without sampling, then finishes: `Sequence.pending_finish`.)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ from weft.engine.kv_cache import KVCacheManager, SeqBlocks
 from weft.engine.sequence import FIRST_FINISHED, FinishReason, Sequence, SequenceStatus
 from weft.logprob_records import LogprobRef
 
+_NO_DRAFTS: Mapping[int, list[int]] = {}
+_NO_DRAFT_TOKENS: list[int] = []  # shared, never changed
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -38,6 +42,14 @@ class ScheduledSequence:
     num_new_tokens: int
     table: SeqBlocks  # the sequence's whole block table after this step's allocation (and its row)
     samples: bool  # True when this step computes the sequence's last known token: it gets logits
+    # Guessed tokens after the last known one, computed by this step (counted in `num_new_tokens`)
+    # and verified by the sampling rows of their positions (weft/engine/speculation.py).
+    drafts: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        """Its logits rows this step: its last known token's and one per draft, or none."""
+        return self.samples + len(self.drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +62,14 @@ class SchedulerOutput:
 
     @property
     def sampling(self) -> list[Sequence]:
-        """The sequences that sample this step, in logits-row order."""
+        """The sequences that sample this step, in logits-row order (each followed by its draft
+        rows, if it has drafts)."""
         return [s.seq for s in self.scheduled if s.samples]
+
+    @property
+    def num_rows(self) -> int:
+        """The step's logits rows: the sampling sequences' and their drafts'."""
+        return sum(s.num_rows for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -123,11 +141,13 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+        """This step's tokens; `drafts`: guessed tokens of running sequences (by seq_id), computed
+        after their last known token where the budget and the free blocks allow."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         num_preempted_before = self.num_preemptions
-        budget = self._schedule_running(budget, scheduled)
+        budget = self._schedule_running(budget, scheduled, drafts or _NO_DRAFTS)
         if self.num_preemptions == num_preempted_before:
             budget = self._schedule_waiting(budget, scheduled)
         return SchedulerOutput(
@@ -138,7 +158,9 @@ class Scheduler:
             block_tables=self.kv.block_tables,
         )
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledSequence], drafts: Mapping[int, list[int]]
+    ) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
@@ -146,6 +168,13 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
+            if drafts:
+                guessed = self._fitting_drafts(seq, num_new, budget, drafts)
+                if guessed:
+                    scheduled.append(self._scheduled(seq, num_new, guessed[1], guessed[0]))
+                    budget -= num_new + len(guessed[0])
+                    idx += 1
+                    continue
             table = self.kv.allocate_slots(seq, num_new)
             while table is None and not self.running[-1].num_pending:  # (see Sequence.add_pending)
                 victim = self.running.pop()
@@ -159,6 +188,19 @@ class Scheduler:
             budget -= num_new
             idx += 1
         return budget
+
+    def _fitting_drafts(
+        self, seq: Sequence, num_new: int, budget: int, drafts: Mapping[int, list[int]]
+    ) -> tuple[list[int], SeqBlocks] | None:
+        """`seq`'s drafts as far as the budget allows, with its blocks for them; None when it has
+        none, its tokens this step stop short of its last, or the free blocks do not hold them (it
+        is then scheduled without: drafts never preempt anything)."""
+        guessed = drafts.get(seq.seq_id)
+        if not guessed or seq.num_computed_tokens + num_new != len(seq.token_ids):
+            return None
+        guessed = guessed[: budget - num_new]
+        table = self.kv.allocate_slots(seq, num_new + len(guessed)) if guessed else None
+        return None if table is None else (guessed, table)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -191,10 +233,12 @@ class Scheduler:
         seq.num_computed_tokens += num_cached
         return table
 
-    def _scheduled(self, seq: Sequence, num_new: int, table: SeqBlocks) -> ScheduledSequence:
+    def _scheduled(
+        self, seq: Sequence, num_new: int, table: SeqBlocks, drafts: list[int] = _NO_DRAFT_TOKENS
+    ) -> ScheduledSequence:
         # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
         samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
-        return ScheduledSequence(seq, num_new, table, samples)
+        return ScheduledSequence(seq, num_new + len(drafts), table, samples, drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)
@@ -227,9 +271,11 @@ class Scheduler:
                 self._computed(item)
 
     def _computed(self, item: ScheduledSequence) -> None:
+        """Its known tokens are computed; its drafts count once accepted (`_accept_drafts`)."""
         seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens % self.kv.block_size < item.num_new_tokens:  # a block filled up
+        num_new = item.num_new_tokens - len(item.drafts)
+        seq.num_computed_tokens += num_new
+        if seq.num_computed_tokens % self.kv.block_size < num_new:  # a block filled up
             self.kv.cache_full_blocks(seq)
 
     def accept(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
@@ -244,10 +290,15 @@ class Scheduler:
             seq = item.seq
             row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
+                row += len(item.drafts)
                 continue
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
+            if item.drafts:
+                num_forced += self._accept_drafts(item, sampled, row)
+                row += len(item.drafts)
+                continue
             if not item.samples:
                 if seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
                     seq.finish_pending()
@@ -273,6 +324,38 @@ class Scheduler:
             self._park(seq)
             return 0
         return max(seq.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
+
+    def _accept_drafts(self, item: ScheduledSequence, sampled: SampledRows, row: int) -> int:
+        """Verify `item`'s drafts from its rows (`row`: its last known token's): each sampled token
+        is appended as it would be without speculation, and the next row counts only while the
+        token equals the draft its row was computed after (and appended nothing else: forced
+        tokens end the run). The drafts' KV entries up to the first mismatch stay computed; the
+        rest are rolled back, and blocks past the sequence's tokens freed. Returns the number of
+        tokens the grammar forced."""
+        seq, drafts = item.seq, item.drafts
+        num_forced = num_accepted = 0
+        for depth in range(len(drafts) + 1):
+            error = sampled.errors.get(row + depth)
+            if error is not None:
+                seq.finish(FinishReason.ERROR, error=error)
+                break
+            token = sampled.token_ids[row + depth]
+            num_appended = seq.append(token, sampled.logprobs[row + depth])
+            num_forced += max(num_appended - 1, 0)
+            right = depth < len(drafts) and token == drafts[depth] and num_appended > 0
+            num_accepted += right  # its KV entry, computed after the right token, holds
+            if not right or num_appended != 1 or seq.status >= FIRST_FINISHED:
+                break
+        if seq.drafts is not None:
+            seq.drafts.record(len(drafts), num_accepted)
+        if seq.status >= FIRST_FINISHED:
+            self._release(seq)
+            return num_forced
+        seq.num_computed_tokens += num_accepted
+        self.kv.truncate(seq.seq_id, seq.num_tokens)
+        if num_accepted:
+            self.kv.cache_full_blocks(seq)
+        return num_forced
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their

@@ -3,7 +3,8 @@
 1. A `GrammarBackend` compiles a `StructuredSpec` once per tokenizer into a `CompiledGrammar`
    (cached by spec, compiled on worker threads so that the engine loop never waits for it).
 2. Each sequence gets its own `GrammarMatcher` from a compiled grammar: it consumes tokens, fills its
-   row of the token bitmask, reports forced tokens (fast-forward), and can be forked or rolled back.
+   row of the token bitmask (and those of draft positions), reports forced tokens (fast-forward),
+   checks guessed tokens without consuming them, and can be forked or rolled back.
 
 Matchers never raise for grammar errors or for a token the grammar rejects: they enter a sticky
 error state (`error` is set), which finishes that one request.
@@ -46,6 +47,10 @@ class GrammarMatcher(Protocol):
 
     def rollback(self, num_tokens: int) -> None: ...
 
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in turn, the grammar would accept now; changes nothing."""
+        ...
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, safe to append without sampling (may be empty)."""
         ...
@@ -62,9 +67,13 @@ class GrammarBackend(Protocol):
 
     def new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher: ...
 
-    def fill_bitmask(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
-        """Fill row `idx` of `bitmask` ([R, ceil(V / 32)] int32, CPU) for each (matcher, idx), for
-        all matchers in one call that does not hold the GIL."""
+    def fill_bitmask(
+        self, matchers: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], bitmask: torch.Tensor
+    ) -> None:
+        """Fill row `idx` of `bitmask` ([R, ceil(V / 32)] int32, CPU) for each (matcher, idx, drafts),
+        and rows `idx + 1 ..` with the masks after each of `drafts` (tokens the grammar accepts,
+        `GrammarMatcher.validate`), leaving every matcher as it was: all in one call that does not
+        hold the GIL."""
         ...
 
 

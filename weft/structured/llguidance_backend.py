@@ -64,6 +64,9 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def validate(self, token_ids: Sequence[int]) -> int:
+        return int(self.matcher.validate_tokens(list(token_ids)))
+
     def forced_tokens(self) -> list[int]:
         return list(self.matcher.compute_ff_tokens())
 
@@ -106,12 +109,20 @@ class LLGuidanceBackend:
     def new_matcher(self, grammar: object) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(cast(LLGuidanceGrammar, grammar).template.deep_copy())
 
-    def fill_bitmask(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
-        """Fill rows of `bitmask` ([R, W] int32, contiguous, on CPU) in parallel, without the GIL.
+    def fill_bitmask(
+        self, matchers: Sequence[tuple[GrammarMatcher, int, Sequence[int]]], bitmask: torch.Tensor
+    ) -> None:
+        """Fill rows of `bitmask` ([R, W] int32, contiguous, on CPU) in parallel, without the GIL;
+        a matcher with drafts fills the rows after its own with the masks after each draft
+        (llguidance consumes them and rolls them back).
 
         Calls the executor directly: `llguidance.torch`, which wraps this call, would import
         torch's compiler stack (seconds of start-up) for a kernel weft does not use."""
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
-        pairs = [(cast(LLGuidanceMatcher, m).matcher, idx) for m, idx in matchers]
         rows, words = bitmask.shape
+        if any(drafts for _, _, drafts in matchers):
+            items = [(cast(LLGuidanceMatcher, m).matcher, idx, list(d)) for m, idx, d in matchers]
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), words * 4, rows)
+            return
+        pairs = [(cast(LLGuidanceMatcher, m).matcher, idx) for m, idx, _ in matchers]
         self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)

@@ -77,17 +77,36 @@ class GrammarManager:
     def new_matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return self.backend.new_matcher(grammar)
 
-    def start_fill(self, matchers: Sequence[GrammarMatcher | None]) -> PendingFill | None:
-        """Begin filling the bitmask for the rows (in logits order) that have a matcher."""
-        constrained = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    def start_fill(
+        self,
+        matchers: Sequence[GrammarMatcher | None],
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> PendingFill | None:
+        """Begin filling the bitmask for the rows (in logits order) that have a matcher. With
+        `drafts` (one entry per matcher, most empty), a matcher's row is followed in the logits by
+        one row per draft, each masked as the grammar stands after the drafts before it."""
+        constrained: list[tuple[int, GrammarMatcher, Sequence[int]]] = []  # (logits row, matcher, drafts)
+        row = 0
+        for i, matcher in enumerate(matchers):
+            guessed = drafts[i] if drafts is not None else ()
+            if matcher is not None:
+                constrained.append((row, matcher, guessed))
+            row += 1 + len(guessed)
         if not constrained:
             return None
-        if len(constrained) > self._bitmask.shape[0]:  # never index past the rows: grow instead
-            self._bitmask = self._new_bitmask(len(constrained))
-        bitmask = self._bitmask[: len(constrained)]
-        pairs = [(matcher, k) for k, (_, matcher) in enumerate(constrained)]
-        future = self._filler.submit(self.backend.fill_bitmask, pairs, bitmask)
-        rows = None if len(constrained) == len(matchers) else torch.tensor([i for i, _ in constrained])
+        num_rows = sum(1 + len(d) for _, _, d in constrained)
+        if num_rows > self._bitmask.shape[0]:  # never index past the rows: grow instead
+            self._bitmask = self._new_bitmask(num_rows)
+        bitmask = self._bitmask[:num_rows]
+        items: list[tuple[GrammarMatcher, int, Sequence[int]]] = []
+        logits_rows: list[int] = []
+        for first, matcher, guessed in constrained:
+            items.append((matcher, len(logits_rows), guessed))
+            logits_rows.extend(range(first, first + 1 + len(guessed)))
+        if num_rows > len(constrained):  # draft rows past a draft the grammar ends at stay unwritten
+            bitmask.fill_(-1)
+        future = self._filler.submit(self.backend.fill_bitmask, items, bitmask)
+        rows = None if num_rows == row else torch.tensor(logits_rows)
         return PendingFill(future, bitmask, rows, self.kernels)
 
 

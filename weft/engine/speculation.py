@@ -1,0 +1,75 @@
+"""Speculative decoding in the engine: which sequences draft, and the rows that verify drafts.
+
+Before each step, every running sequence that is about to sample (its last known token computed
+by this step, nothing pending) may guess its next tokens (`Speculation.propose`, a `Drafter` per
+sequence). Under a grammar the guesses are cut at the first token the matcher refuses, checked
+without advancing it. The scheduler computes the drafts after the last known token where the budget
+and the free blocks allow (`Scheduler.schedule(drafts)`), so one forward gives logits for every
+draft position; row j of a sequence samples as the sequence would after its first j drafts
+(`DraftRow`), with the grammar's mask after them (filled in the same pass as every other mask,
+`GrammarManager.start_fill`). `Scheduler._accept_drafts` then appends the sampled tokens while each
+equals the draft it follows and rolls the rest back. The tokens are exactly those of decoding without
+speculation: a row's token depends only on its logits and on the sequence as it stands there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from weft.engine.scheduler import SchedulerOutput
+from weft.engine.sequence import Sequence, SequenceStatus
+from weft.sample.sampler import SamplingRow
+from weft.speculative.config import SpeculativeConfig
+from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, new_drafter: DrafterFactory | None = None) -> None:
+        self.config = config
+        self.new_drafter = new_drafter or drafter_factory(config)  # tests and benchmarks give their own
+        self.tally = Tally()  # the engine's, over every verification
+
+    def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
+        """Drafts of the running sequences that may speculate this step, by seq_id."""
+        k = self.config.num_speculative_tokens
+        drafts = {}
+        for seq in running:
+            if not _may_draft(seq):
+                continue
+            state = seq.drafts
+            if state is None:
+                state = seq.drafts = DraftState(self.new_drafter(), self.tally)
+            room = seq.max_num_tokens - seq.num_tokens - 1  # the last token comes from a row, not a draft
+            guessed = state.drafter.propose(seq.token_ids, min(k, room)) if room > 0 else []
+            if guessed and seq.matcher is not None:
+                guessed = guessed[: seq.matcher.validate(guessed)]
+            if guessed:
+                drafts[seq.seq_id] = guessed
+        return drafts
+
+    @staticmethod
+    def rows(sched: SchedulerOutput) -> list[SamplingRow]:
+        """The step's sampling rows in logits order: each sampling sequence, then its draft rows."""
+        rows: list[SamplingRow] = []
+        for item in sched.scheduled:
+            if not item.samples:
+                continue
+            rows.append(item.seq)
+            if item.drafts:
+                state = item.seq.drafts
+                assert state is not None
+                rows += state.draft_rows(item.seq, item.drafts)
+        return rows
+
+
+def _may_draft(seq: Sequence) -> bool:
+    """Whether `seq` may guess its next tokens now: running, nothing pending (a token in flight,
+    forced tokens awaiting their logprobs, a finish), not choosing its tokens by policy (beams)."""
+    return (
+        seq.status == SequenceStatus.RUNNING
+        and not seq.num_pending
+        and not seq.num_pending_forced
+        and seq.pending_finish is None
+        and not seq.defers_sampling
+        and seq.params.speculative
+    )

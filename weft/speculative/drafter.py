@@ -1,0 +1,92 @@
+"""What a sequence keeps for speculation: its proposer and its counts.
+
+A `Drafter` guesses the next tokens of one sequence from the tokens it holds; `DraftState` is the
+one object a `Sequence` carries for speculation (`Sequence.drafts`): its drafter, built on first
+use, and how many drafts it made and how many of their tokens were accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from weft.outputs import SpeculationCounts
+from weft.speculative.config import SpeculativeConfig
+from weft.speculative.ngram import NgramIndex
+from weft.speculative.rows import DraftRow, Row
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` guesses of the tokens after `token_ids` (the sequence's tokens so far: earlier
+        calls saw a prefix of them)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup (`NgramIndex`) over the sequence's prompt and output, fed the tokens appended
+    since the last guess."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.index = NgramIndex(min_n, max_n)
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        seen = len(self.index.tokens)
+        if seen < len(token_ids):
+            self.index.extend(token_ids[seen:])
+        return self.index.propose(k)
+
+
+DrafterFactory = Callable[[], Drafter]
+
+
+def drafter_factory(config: SpeculativeConfig) -> DrafterFactory:
+    """A new drafter per sequence, of the configured method."""
+    min_n, max_n = config.prompt_lookup_min, config.prompt_lookup_max
+    return lambda: NgramDrafter(min_n, max_n)
+
+
+@dataclass(slots=True)
+class Tally:
+    """Drafts made, their tokens, and the tokens accepted: of one sequence, or of an engine."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+
+    @property
+    def counts(self) -> SpeculationCounts:
+        return SpeculationCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One sequence's speculation: its drafter, its tally and its engine's."""
+
+    drafter: Drafter
+    engine_tally: Tally
+    tally: Tally = field(default_factory=Tally)
+    rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
+
+    def draft_rows(self, base: Row, drafts: list[int]) -> list[DraftRow]:
+        """The sampling rows of `base`'s draft positions this step (the same objects step after
+        step, so that the sampler's columns are rebuilt only when the rows change)."""
+        rows = self.rows
+        while len(rows) < len(drafts):
+            rows.append(DraftRow(base, len(rows) + 1))
+        for row in rows[: len(drafts)]:
+            row.drafts = drafts
+        return rows[: len(drafts)]
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification: `num_draft_tokens` drafts, the first `num_accepted` of them accepted."""
+        self.tally.add(num_draft_tokens, num_accepted)
+        self.engine_tally.add(num_draft_tokens, num_accepted)
