@@ -31,6 +31,7 @@ OPS = st.one_of(
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("step"), st.integers(5, 8)),
     st.tuples(st.just("step"), st.integers(5, 8)),
+    st.tuples(st.just("speculate"), st.integers(5, 8), st.integers(1, 5), st.integers(0, 5)),
 )
 
 
@@ -71,6 +72,22 @@ class World:
         self.sched.advance(out)
         self.sched.accept(out, SampledRows([token] * rows, [None] * rows, {}))
 
+    def speculate(self, token: int, num_drafts: int, num_right: int) -> None:
+        """A step in which every running sequence guesses `num_drafts` tokens, of which the first
+        `num_right` are what its rows sample (then `token`): accepted drafts, rolled-back ones."""
+        drafts = {s.seq_id: [5 + (s.seq_id + i) % 3 for i in range(num_drafts)] for s in self.sched.running}
+        out = self.sched.schedule(drafts)
+        tokens = []
+        for item in out.scheduled:
+            if item.samples:
+                guessed = item.drafts
+                tokens += [
+                    guessed[i] if i < min(num_right, len(guessed)) else token for i in range(len(guessed) + 1)
+                ]
+        assert len(tokens) == out.num_rows
+        self.sched.advance(out)
+        self.sched.accept(out, SampledRows(tokens, [None] * len(tokens), {}))
+
 
 def check_invariants(world: World) -> None:
     kv, pool = world.kv, world.kv.pool
@@ -89,6 +106,7 @@ def check_invariants(world: World) -> None:
         table = kv.tables[seq.seq_id]
         assert table.block_ids == [b.block_id for b in table.blocks], "cached block ids drifted"
         assert len(table.blocks) * BLOCK_SIZE >= seq.num_computed_tokens
+        assert len(table.blocks) <= -(-seq.num_tokens // BLOCK_SIZE), "blocks past its tokens (drafts'?)"
         parent = None
         for i, block_hash in enumerate(table.hashes):
             tokens = tuple(seq.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
@@ -148,6 +166,8 @@ def test_random_life_cycles_keep_the_kv_cache_consistent(first, ops, num_blocks,
             world.finish(op[1], FinishReason.PRUNED)
         elif op[0] == "abort":
             world.finish(op[1], FinishReason.ABORT)
+        elif op[0] == "speculate":
+            world.speculate(op[1], op[2], op[3])
         else:
             world.step(op[1])
         check_invariants(world)

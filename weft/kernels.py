@@ -255,12 +255,15 @@ class TorchKernels:
         x: torch.Tensor,  # [R, V] float32 logits
         ids: torch.Tensor,  # [R] int64, the token of each row
         num_top: int,
-        norm: torch.Tensor | None = None,  # [R] float32: logprobs are x - norm; None: log_softmax(x)
+        norm: torch.Tensor | None = None,  # [R] float32: logprobs are x - norm; None or NaN: log_softmax(x)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [R, k+1], logprobs [R, k+1], ranks [R]): column 0 is ids[r] with its logprob, then
         the `num_top` most likely tokens by logprob, then by id; rank = 1 + the number of tokens
-        with a strictly higher logprob."""
-        logprobs = torch.log_softmax(x, dim=-1) if norm is None else x - norm[:, None]  # [R, V]
+        with a strictly higher logprob. A row whose `norm` is NaN takes its own log-softmax, the
+        same numbers as with no `norm` at all."""
+        logprobs = torch.log_softmax(x, dim=-1)  # [R, V]
+        if norm is not None:
+            logprobs = torch.where(norm.isnan()[:, None], logprobs, x - norm[:, None])
         chosen = logprobs.gather(1, ids[:, None])  # [R, 1]
         top_ids, top_values = self.top_by_value_then_index(logprobs, num_top)  # [R, k] each
         ranks = self.rank_of(logprobs, ids)

@@ -351,7 +351,8 @@ class Scheduler:
         if seq.status >= FIRST_FINISHED:
             self._release(seq)
             return num_forced
-        seq.num_computed_tokens += num_accepted
+        # Forced tokens wanting logprobs need the hidden state before them recomputed.
+        seq.num_computed_tokens = min(seq.num_computed_tokens + num_accepted, seq.first_position_needed)
         self.kv.truncate(seq.seq_id, seq.num_tokens)
         if num_accepted:
             self.kv.cache_full_blocks(seq)

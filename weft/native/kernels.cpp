@@ -758,7 +758,8 @@ void row_logprobs_one(const float* row, int64_t vocab, int64_t chosen_id, float 
 // row of x ([R, V] float32) and its token ids[r], (ids [R, k+1], logprobs [R, k+1], ranks [R]) with
 // column 0 the token itself and columns 1.. the k most likely tokens (by logprob, then by id; NaN
 // counts as -inf), rank = 1 + the number of strictly higher logprobs. Logprobs are x's log-softmax,
-// or x - norm[r] where norm ([R]) is given. TorchKernels.row_logprobs in tensor operations.
+// or x - norm[r] where norm ([R]) is given and norm[r] is not NaN. TorchKernels.row_logprobs in
+// tensor operations.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x, const at::Tensor& ids,
                                                             int64_t num_top, const at::Tensor& norm) {
   TORCH_CHECK(on_cpu({x, ids, norm}), "row_logprobs: every tensor must be on the CPU");
@@ -782,7 +783,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x,
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * stride;
-      const LogNormalizer n = given ? LogNormalizer{np[r], 0.f} : log_normalizer(row, vocab);
+      const bool own = !given || std::isnan(np[r]);  // NaN: this row's own log-softmax
+      const LogNormalizer n = own ? log_normalizer(row, vocab) : LogNormalizer{np[r], 0.f};
       row_logprobs_one(row, vocab, ip[r], n.max, n.log_sum, num_top, out_values.data_ptr<float>() + r * (num_top + 1),
                        out_ids.data_ptr<int64_t>() + r * (num_top + 1), ranks.data_ptr<int64_t>() + r);
     }

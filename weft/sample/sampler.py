@@ -390,17 +390,21 @@ class Sampler:
         logits: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the logits whose logprobs are reported and their log-normalizer: raw rows the
-        model's own; PROCESSED rows the distribution sampled from (after every step above); MASKED
-        rows the raw logprobs with -inf for the tokens that could not be sampled (not renormalized)."""
+        model's own (NaN: the kernel's own log-softmax, so that a raw row's numbers do not depend
+        on whether other rows mix); PROCESSED rows the distribution sampled from (after every step
+        above); MASKED rows the raw logprobs with -inf for the tokens that could not be sampled (not
+        renormalized)."""
         final = _rows(logits, batch.columns.logprob_index)  # [R, V]
-        source, norm = raw, torch.logsumexp(raw, dim=-1)  # [R, V], [R]
+        source, norm = raw, raw.new_full(raw.shape[:1], float("nan"))  # [R, V], [R]
         if batch.columns.processed_rows is not None:
             processed = batch.columns.processed_rows
             source = torch.where(processed[:, None], final, source)
             norm = torch.where(processed, torch.logsumexp(final, dim=-1), norm)
         if batch.columns.masked_rows is not None:
+            masked_rows = batch.columns.masked_rows
             masked = raw.masked_fill(final == float("-inf"), float("-inf"))
-            source = torch.where(batch.columns.masked_rows[:, None], masked, source)
+            source = torch.where(masked_rows[:, None], masked, source)
+            norm = torch.where(masked_rows, torch.logsumexp(raw, dim=-1), norm)
         return source, norm
 
 

@@ -120,9 +120,9 @@ class LLGuidanceBackend:
         torch's compiler stack (seconds of start-up) for a kernel weft does not use."""
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
         rows, words = bitmask.shape
-        if any(drafts for _, _, drafts in matchers):
-            items = [(cast(LLGuidanceMatcher, m).matcher, idx, list(d)) for m, idx, d in matchers]
+        pairs = [(cast(LLGuidanceMatcher, m).matcher, idx) for m, idx, d in matchers if not d]
+        if len(pairs) < len(matchers):  # llguidance takes the rows with drafts in a call of their own
+            items = [(cast(LLGuidanceMatcher, m).matcher, idx, list(d)) for m, idx, d in matchers if d]
             self.executor.unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), words * 4, rows)
-            return
-        pairs = [(cast(LLGuidanceMatcher, m).matcher, idx) for m, idx, _ in matchers]
-        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+        if pairs:
+            self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)

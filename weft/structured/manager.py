@@ -83,12 +83,13 @@ class GrammarManager:
         drafts: Sequence[Sequence[int]] | None = None,
     ) -> PendingFill | None:
         """Begin filling the bitmask for the rows (in logits order) that have a matcher. With
-        `drafts` (one entry per matcher, most empty), a matcher's row is followed in the logits by
-        one row per draft, each masked as the grammar stands after the drafts before it."""
+        `drafts` (an entry per leading matcher, most empty; the rows past them have none), a
+        matcher's row is followed in the logits by one row per draft, each masked as the grammar
+        stands after the drafts before it."""
         constrained: list[tuple[int, GrammarMatcher, Sequence[int]]] = []  # (logits row, matcher, drafts)
         row = 0
         for i, matcher in enumerate(matchers):
-            guessed = drafts[i] if drafts is not None else ()
+            guessed = drafts[i] if drafts is not None and i < len(drafts) else ()
             if matcher is not None:
                 constrained.append((row, matcher, guessed))
             row += 1 + len(guessed)

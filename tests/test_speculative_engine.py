@@ -1,0 +1,314 @@
+"""Speculative decoding in the engine: drafts verified in one forward give exactly the outputs of
+decoding without them (tokens, text, logprobs, finish reasons), whatever the drafts are: all right
+(an oracle that knows the output), all wrong, partly right, random, or prompt lookup's."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+from test_sampler import assert_matches
+
+from weft import LLM, OutputKind, SamplingParams
+from weft.engine.engine import LLMEngine
+from weft.speculative.drafter import Drafter
+from weft.structured.llguidance_backend import LLGuidanceMatcher
+
+PROMPTS = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.\nFirst Citizen:\nBefore we",
+    "ROMEO:",
+    "All:\nSpeak, speak. Speak, speak.",
+    "Second Citizen:\nOne word, good citizens.",
+]
+OPTIONS = {"show_progress": False, "device": "cpu", "dtype": "float32", "num_kv_blocks": 96}
+K = 4
+
+
+def add_bias(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """A logits processor that reads the history (as logit_bias with a twist)."""
+    logits = logits.clone()
+    logits[7] += 2.0 + 0.1 * len(token_ids)
+    return logits
+
+
+def requests() -> list[tuple[str, SamplingParams]]:
+    """One of each thing a row's token depends on, over the prompts."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, logprobs=3),
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=11, max_tokens=30, prompt_logprobs=2),
+        SamplingParams(temperature=1.0, seed=12, max_tokens=30, stop=["e ", "th"], logprobs=2),
+        SamplingParams(temperature=0.7, seed=13, max_tokens=25, min_tokens=12, stop_token_ids=[5, 9, 17]),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=14, max_tokens=26, n=3, logprobs=0),
+        SamplingParams(temperature=0.8, seed=15, max_tokens=24, best_of=3, n=2),
+        SamplingParams(
+            temperature=0.8,
+            seed=16,
+            max_tokens=30,
+            presence_penalty=0.8,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+        ),
+        SamplingParams(temperature=0.9, seed=17, max_tokens=30, logits_processors=[add_bias]),
+        SamplingParams(
+            temperature=0.8, seed=18, max_tokens=24, regex="[a-z]{2,12}( [a-z]{2,12})*", logprobs=1
+        ),
+        SamplingParams(temperature=0, max_tokens=40, json_schema=SCHEMA, logprobs=2, logprobs_mode="masked"),
+        SamplingParams(temperature=1.0, seed=19, max_tokens=12, choice=["speak, speak", "peace, peace"]),
+        SamplingParams(temperature=0.6, seed=20, max_tokens=30, logprobs=2, logprobs_mode="processed"),
+    ]
+    return [(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+class Oracle:
+    """Drafts from known outputs: the continuation of whichever reference the sequence follows,
+    changed by `spoil` (all right, all wrong, partly right)."""
+
+    def __init__(self, references: list[list[int]], spoil: Callable[[list[int]], list[int]]) -> None:
+        self.references, self.spoil = references, spoil
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        n = len(token_ids)
+        for ref in self.references:
+            if len(ref) > n and ref[:n] == list(token_ids):
+                return self.spoil(ref[n : n + k])
+        return []
+
+
+class RandomDrafts:
+    def __init__(self, rng: random.Random, vocab: int) -> None:
+        self.rng, self.vocab = rng, vocab
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(0, k))]
+
+
+def run(engine: LLMEngine, reqs: list[tuple[str, SamplingParams]], abort: dict[str, int] | None = None):
+    """Every request at once, stepped to the end; `abort`: request id -> the step that aborts it."""
+    for _, params in reqs:  # compiled before the first step, so the steps do not depend on timing
+        if params.structured is not None and not params.exact_choice:
+            engine.grammars.validate(params.structured)
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(f"r{i}", prompt, params.replace(output_kind=OutputKind.FINAL_ONLY))
+    finished, step = [], 0
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+        step += 1
+        for request_id, at in (abort or {}).items():
+            if at == step:
+                engine.abort_request(request_id)
+    assert engine.kv.num_used_blocks == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+    return sorted(finished, key=lambda o: o.request_id)
+
+
+def fields(outputs) -> list[tuple]:
+    return [
+        (
+            o.request_id,
+            o.prompt_logprobs,
+            c.index,
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            c.cumulative_logprob,
+            c.logprobs,
+            c.constraint_logmass,
+            c.text_offsets,
+            c.forced,
+            c.error,
+        )
+        for o in outputs
+        for c in o.outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama) -> tuple[LLMEngine, LLMEngine]:
+    """The same model without and with speculation."""
+    off = LLM(str(tiny_llama), **OPTIONS).engine
+    on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": K}, **OPTIONS).engine
+    return off, on
+
+
+@pytest.fixture(scope="module")
+def expected(engines) -> list:
+    return run(engines[0], requests())
+
+
+def _references(outputs) -> list[list[int]]:
+    return [o.prompt_token_ids + c.token_ids for o in outputs for c in o.outputs]
+
+
+def _all_wrong(guess: list[int]) -> list[int]:
+    return [(t + 1) % 384 for t in guess]
+
+
+def _partly_right(rng: random.Random) -> Callable[[list[int]], list[int]]:
+    def spoil(guess: list[int]) -> list[int]:
+        cut = rng.randint(0, len(guess))
+        return guess[:cut] + [(t + 7) % 384 for t in guess[cut:]]
+
+    return spoil
+
+
+@pytest.mark.parametrize("drafts", ["right", "wrong", "partly", "random", "ngram"])
+def test_outputs_are_those_of_decoding_without_speculation(engines, expected, drafts):
+    _, on = engines
+    rng = random.Random(5)
+    references = _references(expected)
+    make: Callable[[], Drafter] | None = {
+        "right": lambda: Oracle(references, list),
+        "wrong": lambda: Oracle(references, _all_wrong),
+        "partly": lambda: Oracle(references, _partly_right(rng)),
+        "random": lambda: RandomDrafts(rng, 384),
+        "ngram": None,
+    }[drafts]
+    speculation = on.speculation
+    assert speculation is not None
+    default = speculation.new_drafter
+    speculation.new_drafter = make or default
+    before = speculation.tally.counts
+    try:
+        got = run(on, requests())
+    finally:
+        speculation.new_drafter = default
+    assert fields(got) == fields(expected)
+    done = speculation.tally.counts
+    num_drafted = done.num_draft_tokens - before.num_draft_tokens
+    num_accepted = done.num_accepted_tokens - before.num_accepted_tokens
+    if drafts == "right":  # all but a few: samples of one request share prefixes (the oracle
+        # may follow the wrong one), and tokens a grammar forces end a run
+        assert num_drafted > 100 and num_accepted >= 0.95 * num_drafted
+    if drafts == "wrong":
+        assert num_drafted > 100 and num_accepted == 0
+    if drafts == "partly":
+        assert 0 < num_accepted < num_drafted
+    per_request = [o.speculation for o in got]
+    assert sum(c.num_accepted_tokens for c in per_request if c is not None) == num_accepted
+
+
+def test_right_drafts_take_fewer_steps(engines, expected):
+    """The point of it all: with right drafts, k + 1 tokens per step."""
+    _, on = engines
+    speculation = on.speculation
+    assert speculation is not None
+    default = speculation.new_drafter
+    references = _references(expected)
+    speculation.new_drafter = lambda: Oracle(references, list)
+    prompt, params = PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    try:
+        on.add_request("one", prompt, params)
+        outputs = []
+        while on.has_unfinished_requests():
+            outputs += on.step()
+    finally:
+        speculation.new_drafter = default
+    final = outputs[-1]
+    assert len(final.outputs[0].token_ids) == 40
+    counts = final.speculation
+    assert counts is not None
+    # the prompt's step samples one token; every later step verifies K drafts and gains K + 1
+    assert len(outputs) <= 1 + -(-39 // (K + 1)) and counts.mean_accepted_length > K
+    assert counts.acceptance_rate == 1.0
+
+
+def test_preemption_and_aborts_leak_nothing(tiny_llama):
+    """A cache too small for every sequence at once (preemptions while drafts are in the step)
+    and requests aborted mid-way: the outputs of the others are unchanged, no block is left."""
+    small = {**OPTIONS, "num_kv_blocks": 16, "max_model_len": 256}
+    off = LLM(str(tiny_llama), **small).engine
+    on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 6}, **small).engine
+    reqs = [
+        (p, SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48)) for i, p in enumerate(PROMPTS * 2)
+    ]
+    abort = {"r1": 5, "r6": 9}
+    expected = run(off, reqs, abort)
+    rng = random.Random(1)
+    references = _references(expected)
+    on.speculation.new_drafter = lambda: Oracle(references, _partly_right(rng))  # type: ignore[union-attr]
+    got = run(on, reqs, abort)
+    assert fields(got) == fields(expected)
+    assert on.scheduler.num_preemptions > 0
+
+
+def test_a_matcher_consumes_only_the_tokens_it_keeps(engines, expected, monkeypatch):
+    """Under a grammar, drafts are checked without advancing the matcher: every token a matcher
+    consumes is one its sequence keeps (sampled or forced), none is rolled back."""
+    _, on = engines
+    consumed: dict[int, int] = {}
+    rollbacks = []
+    original_consume = LLGuidanceMatcher.consume
+
+    def consume(self, token_ids):
+        consumed[id(self)] = consumed.get(id(self), 0) + len(token_ids)
+        return original_consume(self, token_ids)
+
+    monkeypatch.setattr(LLGuidanceMatcher, "consume", consume)
+    monkeypatch.setattr(LLGuidanceMatcher, "rollback", lambda self, n: rollbacks.append(n))
+    references = _references(expected)
+    speculation = on.speculation
+    assert speculation is not None
+    default = speculation.new_drafter
+    rng = random.Random(9)
+    speculation.new_drafter = lambda: Oracle(references, _partly_right(rng))
+    constrained = [r for r in requests() if r[1].structured is not None and not r[1].exact_choice]
+    try:
+        got = run(on, constrained)
+    finally:
+        speculation.new_drafter = default
+    assert not rollbacks
+    kept = sum(len(c.token_ids) for o in got for c in o.outputs if c.finish_reason != "error")
+    assert sum(consumed.values()) == kept
+    assert sum(o.speculation.num_accepted_tokens for o in got if o.speculation) > 0
+
+
+def test_unseeded_sampling_at_a_draft_position_has_the_model_distribution(tiny_llama):
+    """Unseeded, the token sampled at a draft's row follows the model's distribution there:
+    chi-square against the probabilities of a forward over the prompt and the draft. (Two pinned
+    tokens, then a third sampled at the row of the draft that repeats the second.)"""
+    llm = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 1}, **OPTIONS)
+    prompt = llm.tokenizer.encode(PROMPTS[1])
+    pinned = [40, 11]
+
+    class RepeatPinned:
+        def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+            return [pinned[1]] if len(token_ids) == len(prompt) + 1 else []
+
+    speculation = llm.engine.speculation
+    assert speculation is not None
+    speculation.new_drafter = RepeatPinned
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=3, logits_processors=[_pin(pinned)])
+    counts = torch.zeros(384, dtype=torch.float64)
+    for o in llm.generate([prompt] * 2000, params):
+        ids = o.outputs[0].token_ids
+        assert ids[:2] == pinned
+        counts[ids[2]] += 1
+    assert speculation.tally.num_accepted_tokens == 2000  # every third token came from a draft row
+    reference = llm.generate([[*prompt, *pinned]], SamplingParams(temperature=0, max_tokens=1, logprobs=8))
+    probs = torch.zeros(384, dtype=torch.float64)
+    for token, logprob in reference[0].outputs[0].logprobs[0].items():
+        probs[token] = math.exp(logprob.logprob)
+    assert_matches(counts, probs / probs.sum())
+
+
+def _pin(tokens: list[int]):
+    """A processor that makes the first output tokens `tokens`."""
+
+    def processor(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(token_ids) >= len(tokens):
+            return logits
+        out = torch.full_like(logits, float("-inf"))
+        out[tokens[len(token_ids)]] = 0.0
+        return out
+
+    return processor
