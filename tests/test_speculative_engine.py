@@ -312,3 +312,78 @@ def _pin(tokens: list[int]):
         return out
 
     return processor
+
+
+# ---- the bundled model, the configuration, the server --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[LLM, LLM]:
+    return LLM(show_progress=False), LLM(
+        show_progress=False, speculative_config={"num_speculative_tokens": 4}
+    )
+
+
+def test_the_bundled_model_decodes_the_same_with_prompt_lookup(bundled):
+    off, on = bundled
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft, what"
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, logprobs=2),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=48, top_p=0.95, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=32, regex="[A-Za-z ,]+\n"),
+    ]
+    expected = off.generate([text] * len(params), params)
+    got = on.generate([text] * len(params), params)
+    assert fields(got) == fields(expected)
+    assert sum(o.speculation.num_accepted_tokens for o in got if o.speculation) > 0
+
+
+def test_a_request_may_opt_out(bundled):
+    _, on = bundled
+    text = "All:\nSpeak, speak. Speak, speak. Speak, speak. Speak, speak."
+    out = on.generate([text], SamplingParams(temperature=0, max_tokens=24, speculative=False))[0]
+    assert out.speculation is None
+    drafted = on.generate([text], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert drafted.outputs[0].token_ids == out.outputs[0].token_ids
+    assert drafted.speculation is not None and drafted.speculation.num_drafts > 0
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="yes")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle"}, "method 'eagle'"),
+        ({"num_speculative_tokens": 0}, r"\[1, 16\]"),
+        ({"draft_model": "x"}, "unknown keys draft_model"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
+def test_a_bad_speculative_config_says_what_is_wrong(config, message):
+    from weft.engine.factory import speculative_config
+
+    with pytest.raises(ValueError, match=message):
+        speculative_config(config)
+
+
+def test_weft_serve_speculates_and_counts_it_in_vllm_metrics(bundled):
+    from test_server import Server
+
+    server = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        text = "All:\nSpeak, speak. Speak, speak. Speak, speak."
+        reply = server.client().completions.create(
+            model="weft-default", prompt=text, max_tokens=24, temperature=0
+        )
+        expected = bundled[0].generate([text], SamplingParams(temperature=0, max_tokens=24))[0]
+        assert reply.choices[0].text == expected.outputs[0].text
+        metrics = server.metrics()
+        assert metrics["vllm:spec_decode_num_drafts_total"] > 0
+        assert metrics["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert (
+            metrics["vllm:spec_decode_num_accepted_tokens_total"]
+            <= metrics["vllm:spec_decode_num_draft_tokens_total"]
+        )
+    finally:
+        server.stop()

@@ -55,6 +55,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     eval_every: int = 100
     eval_batches: int = 20
+    copy_share: float = 0.25  # rows that need copying from the context (see `CopyTasks`)
 
 
 def train_tokenizer(text: str, vocab_size: int):  # -> tokenizers.Tokenizer
@@ -94,9 +95,73 @@ def build_model(cfg: TrainConfig):  # -> transformers.LlamaForCausalLM
     return LlamaForCausalLM(config)
 
 
-def batches(data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
-    return torch.stack([data[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # [B, S+1]
+def batches(
+    data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator, copies: CopyTasks | None = None
+) -> torch.Tensor:
+    """[B, S+1] training rows: windows of the text, and a `copy_share` of rows that copy."""
+    num_copy = round(cfg.batch_size * cfg.copy_share) if copies is not None else 0
+    starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size - num_copy,), generator=gen)
+    rows = [data[s : s + cfg.seq_len + 1] for s in starts.tolist()]
+    if copies is not None:
+        rows += [copies.row(cfg.seq_len + 1, gen) for _ in range(num_copy)]
+    return torch.stack(rows)
+
+
+class CopyTasks:
+    """Training rows that can only be predicted by copying from earlier in the row, so that the
+    model learns to continue a passage it has just been shown and to put a record's facts into
+    JSON (what speculative decoding and extraction under a schema need):
+      - a passage of the text, a blank line, and the same passage again (repeated to fill the row);
+      - records (`name: ...`, `age: ...`, `home: ...`) each followed by the same facts as JSON in
+        weft's style (`{"name": "...", "age": 7, "home": "..."}`), the names the text's speakers."""
+
+    def __init__(self, data: torch.Tensor, text: str, tok) -> None:  # tok: tokenizers.Tokenizer
+        import re
+
+        self.data, self.tok = data, tok
+        self.separator = torch.tensor(tok.encode("\n\n").ids, dtype=torch.long)
+        self.names = sorted(set(re.findall(r"^([A-Z][A-Za-z ]+):$", text, flags=re.MULTILINE)))
+        self.words = sorted({w for w in re.findall(r"\b[a-z]{4,9}\b", text)})
+
+    def row(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        make = self._passage if torch.rand((), generator=gen).item() < 0.5 else self._records
+        return make(length, gen)[:length]
+
+    def _passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        span = int(torch.randint(24, 120, (), generator=gen))
+        start = int(torch.randint(0, self.data.numel() - span, (), generator=gen))
+        passage = self.data[start : start + span]
+        pieces = [passage]
+        while sum(p.numel() for p in pieces) < length:
+            pieces += [self.separator, passage]
+        return torch.cat(pieces)
+
+    def _records(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        ids: list[int] = []
+        while len(ids) < length:
+            name = self.names[int(torch.randint(len(self.names), (), generator=gen))].title()
+            home = self.words[int(torch.randint(len(self.words), (), generator=gen))]
+            age = int(torch.randint(1, 100, (), generator=gen))
+            record = f"name: {name}\nage: {age}\nhome: {home}\n"
+            record += json.dumps({"name": name, "age": age, "home": home}) + "\n\n"
+            ids += self.tok.encode(record).ids
+        return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def copy_rate(model, tok, text: str, num: int = 40, shown: int = 80, new_tokens: int = 24) -> float:
+    """The share of held-out passages whose greedy continuation, after the passage and its first
+    `shown` characters again, follows the passage for `new_tokens` tokens."""
+    model.eval()
+    hits = 0
+    for i in range(num):
+        passage = text[i * 2000 : i * 2000 + 300]
+        prompt = tok.encode(passage + "\n\n" + passage[:shown]).ids
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+        tail = tok.decode(out[0, len(prompt) :].tolist())
+        hits += bool(tail) and passage[shown:].startswith(tail)
+    model.train()
+    return hits / num
 
 
 def next_token_loss(model, rows: torch.Tensor) -> torch.Tensor:
@@ -156,8 +221,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("weft/default_model"))
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    parser.add_argument(
+        "--copy-share", type=float, default=TrainConfig.copy_share, help="share of rows that copy (0: none)"
+    )
     args = parser.parse_args()
-    cfg = TrainConfig(max_steps=args.max_steps)
+    cfg = TrainConfig(max_steps=args.max_steps, copy_share=args.copy_share)
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
 
@@ -180,6 +248,7 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(cfg.seed)
+    copies = CopyTasks(train_ids, text[:split], tok) if cfg.copy_share > 0 else None
     untrained_val_loss = evaluate(model, val_ids, cfg)
     print(f"untrained val loss {untrained_val_loss:.3f}")
     history = []
@@ -187,7 +256,7 @@ def main() -> None:
     for step in range(cfg.max_steps):
         for group in optim.param_groups:
             group["lr"] = lr_at(step, cfg)
-        rows = batches(train_ids, cfg, gen)
+        rows = batches(train_ids, cfg, gen, copies)
         loss = next_token_loss(model, rows)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -208,6 +277,8 @@ def main() -> None:
     assert best_state is not None
     model.load_state_dict(best_state)
     val_loss = best_loss
+    held_out_copy_rate = copy_rate(model, tok, text[split:])
+    print(f"held-out passages continued as shown: {held_out_copy_rate:.0%}")
     report = {
         "config": asdict(cfg),
         "corpus": args.corpus.name,
@@ -218,6 +289,7 @@ def main() -> None:
         "val_loss": val_loss,
         "best_step": best_step,
         "val_perplexity": math.exp(val_loss),
+        "held_out_copy_rate": held_out_copy_rate,
         "train_seconds": round(time.perf_counter() - started, 1),
         "torch_threads": torch.get_num_threads(),
         "history": history,

@@ -88,6 +88,7 @@ def _benches() -> list[tuple[str, Any, str]]:
         sampling,
         schema_corpus,
         serve,
+        speculative,
         structured,
         throughput,
     )
@@ -101,6 +102,11 @@ def _benches() -> list[tuple[str, Any, str]]:
         ("sampling", sampling, "the sampler's work per step: tensor operations vs the device's kernels"),
         ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
         ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
+        (
+            "speculative",
+            speculative,
+            "speculative decoding on and off: copy, JSON, open text, oracle",
+        ),
     ]
 
 

@@ -23,6 +23,7 @@ With lookahead (`weft/engine/lookahead.py`) step 7 of a step waits until the nex
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -259,6 +260,7 @@ class LLMEngine:
         self.started = []
         previous, self.in_flight = self.in_flight, None
         drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
+        started = time.perf_counter()
         sched = self.scheduler.schedule(drafts)
         launched = None
         if not sched.is_empty:
@@ -277,6 +279,8 @@ class LLMEngine:
             )
             if not stays:
                 touched += self._resolve(launched)
+            if self.speculation is not None:
+                self.speculation.observe(launched.sched, time.perf_counter() - started)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)
@@ -463,5 +467,18 @@ class LLMEngine:
                 ),
                 "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
+                **self._speculation_stats(),
             },
         )
+
+    def _speculation_stats(self) -> dict[str, int]:
+        """With speculation: the drafts verified, their tokens and the tokens accepted, as vLLM
+        counts them (`spec_decode_*`)."""
+        if self.speculation is None:
+            return {}
+        tally = self.speculation.tally
+        return {
+            "spec_decode_num_drafts": tally.num_drafts,
+            "spec_decode_num_draft_tokens": tally.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": tally.num_accepted_tokens,
+        }

@@ -21,6 +21,7 @@ from weft.engine.sequence import Sequence, SequenceStatus
 from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
+from weft.speculative.policy import StepCost
 
 
 class Speculation:
@@ -28,10 +29,14 @@ class Speculation:
         self.config = config
         self.new_drafter = new_drafter or drafter_factory(config)  # tests and benchmarks give their own
         self.tally = Tally()  # the engine's, over every verification
+        self.cost = StepCost()  # what a token costs a decode step (weft/speculative/policy.py)
+        self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed
 
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the running sequences that may speculate this step, by seq_id."""
         k = self.config.num_speculative_tokens
+        running = list(running)
+        share = self.cost.share(len(running)) if self.adaptive else 0.0
         drafts = {}
         for seq in running:
             if not _may_draft(seq):
@@ -40,12 +45,20 @@ class Speculation:
             if state is None:
                 state = seq.drafts = DraftState(self.new_drafter(), self.tally)
             room = seq.max_num_tokens - seq.num_tokens - 1  # the last token comes from a row, not a draft
-            guessed = state.drafter.propose(seq.token_ids, min(k, room)) if room > 0 else []
+            wanted = state.acceptance.num_tokens(share, min(k, room)) if room > 0 else 0
+            guessed = state.drafter.propose(seq.token_ids, wanted) if wanted > 0 else []
             if guessed and seq.matcher is not None:
                 guessed = guessed[: seq.matcher.validate(guessed)]
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step took `seconds`: a decode step (one known token per row, and drafts) refines what
+        a token costs."""
+        num_drafts = sum(len(item.drafts) for item in sched.scheduled)
+        if sched.num_batched_tokens - num_drafts == len(sched.scheduled):
+            self.cost.record(sched.num_batched_tokens, seconds)
 
     @staticmethod
     def rows(sched: SchedulerOutput) -> list[SamplingRow]:

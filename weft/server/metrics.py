@@ -8,6 +8,8 @@ vLLM's (each with a `model_name` label): `vllm:num_requests_running` and
 `vllm:request_success_total{finished_reason}`, `vllm:prefix_cache_queries_total` and
 `vllm:prefix_cache_hits_total` (tokens), and the histograms `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds` (streaming requests) and `vllm:e2e_request_latency_seconds`.
+With `--speculative-config`: `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`
+and `vllm:spec_decode_num_accepted_tokens_total`.
 weft's own: `weft_requests_total{status}` (ok, error, rejected, aborted), `weft_kv_blocks_used`,
 `weft_kv_blocks_total`, `weft_num_sequences_running`, `weft_num_sequences_waiting`.
 """
@@ -56,6 +58,7 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=MODEL)
             counter.add_metric([self.model_name], value)
             yield counter
+        yield from self._speculation(s)
         for name, doc, value in (
             ("weft_num_sequences_running", "sequences in the running batch", s.num_running),
             ("weft_num_sequences_waiting", "sequences waiting to run", s.num_waiting),
@@ -63,6 +66,21 @@ class _EngineCollector(Collector):
             ("weft_kv_blocks_total", "KV-cache blocks in all", s.kv_blocks_total),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+
+    def _speculation(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, where the engine speculates."""
+        for key, doc in SPECULATION_COUNTERS:
+            if key in s.extra:
+                counter = CounterMetricFamily(f"vllm:{key}", doc, labels=MODEL)
+                counter.add_metric([self.model_name], s.extra[key])
+                yield counter
+
+
+SPECULATION_COUNTERS = (
+    ("spec_decode_num_drafts", "verifications of drafted tokens (one per sequence and step that drafted)"),
+    ("spec_decode_num_draft_tokens", "drafted tokens verified"),
+    ("spec_decode_num_accepted_tokens", "drafted tokens accepted"),
+)
 
 
 class Metrics:

@@ -14,6 +14,7 @@ from typing import Protocol
 from weft.outputs import SpeculationCounts
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.ngram import NgramIndex
+from weft.speculative.policy import Acceptance
 from weft.speculative.rows import DraftRow, Row
 
 
@@ -69,11 +70,13 @@ class Tally:
 
 @dataclass(slots=True)
 class DraftState:
-    """One sequence's speculation: its drafter, its tally and its engine's."""
+    """One sequence's speculation: its drafter, its tally and its engine's, and its acceptance
+    estimate (weft/speculative/policy.py)."""
 
     drafter: Drafter
     engine_tally: Tally
     tally: Tally = field(default_factory=Tally)
+    acceptance: Acceptance = field(default_factory=Acceptance)
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
 
     def draft_rows(self, base: Row, drafts: list[int]) -> list[DraftRow]:
@@ -89,4 +92,5 @@ class DraftState:
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One verification: `num_draft_tokens` drafts, the first `num_accepted` of them accepted."""
         self.tally.add(num_draft_tokens, num_accepted)
+        self.acceptance.record(num_draft_tokens, num_accepted)
         self.engine_tally.add(num_draft_tokens, num_accepted)
