@@ -385,5 +385,13 @@ def test_weft_serve_speculates_and_counts_it_in_vllm_metrics(bundled):
             metrics["vllm:spec_decode_num_accepted_tokens_total"]
             <= metrics["vllm:spec_decode_num_draft_tokens_total"]
         )
+        again = server.client().completions.create(
+            model="weft-default", prompt=text, max_tokens=24, temperature=0, extra_body={"speculative": False}
+        )
+        assert again.choices[0].text == reply.choices[0].text  # opted out: nothing drafted
+        assert (
+            server.metrics()["vllm:spec_decode_num_drafts_total"]
+            == metrics["vllm:spec_decode_num_drafts_total"]
+        )
     finally:
         server.stop()

@@ -3,7 +3,8 @@
 
 Fields follow the OpenAI API; the extras are named as vLLM names them (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, min_tokens, prompt_logprobs,
-include_stop_str_in_output, skip_special_tokens, structured_outputs and the legacy guided_*).
+include_stop_str_in_output, skip_special_tokens, structured_outputs and the legacy guided_*), and
+weft's own `speculative` (false: this request does not draft where the server speculates).
 Unknown top-level fields are ignored, as OpenAI-compatible servers do, except names that look like
 a constraint (`guided_*`): a constraint weft does not understand is an error, never silently
 unconstrained output. So is any unknown key inside `structured_outputs`.
@@ -87,6 +88,7 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    speculative: bool = True  # weft's: False, this request never drafts where the server speculates
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -155,6 +157,7 @@ class _Common(BaseModel):
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "speculative": self.speculative,
         }
         if self.logit_bias:
             fields["logits_processors"] = [logit_bias_processor(self.logit_bias, vocab_size)]

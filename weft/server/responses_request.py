@@ -6,7 +6,8 @@ function `tools` and `tool_choice` the chat's tools, `text.format` its `response
 `max_output_tokens` its `max_completion_tokens`. Fields weft cannot honour are a 400 that names
 them (`background`, `include`, `conversation`, `prompt`, built-in tools, images, ...), never
 dropped. The sampling extras of weft's other endpoints (seed, top_k, min_p, repetition_penalty,
-presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias) are
+presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
+speculative) are
 taken here too.
 """
 
@@ -41,6 +42,7 @@ _EXTRAS = (
     "ignore_eos",
     "min_tokens",
     "logit_bias",
+    "speculative",
 )
 
 
@@ -104,6 +106,7 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    speculative: bool = True
 
     def check_supported(self) -> None:
         """A 400 naming the first field weft cannot honour."""
