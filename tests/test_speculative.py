@@ -61,3 +61,60 @@ def test_the_configuration_is_vllms_shape_and_checked():
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.of(fields)
+
+
+def test_text_lookup_finds_words_tokenized_differently_where_they_are_copied():
+    """` Menenius` after `name:` and `Menenius` inside a JSON string are different tokens: the
+    token index has nothing, the text lookup continues the word from the record."""
+    from weft.detokenize import token_bytes_for
+    from weft.engine.factory import default_model_path
+    from weft.speculative.drafter import NgramDrafter
+    from weft.speculative.text_lookup import TextLookup
+    from weft.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    record = "name: Menenius Agrippa\nage: 52\n"
+    written = '{"name": "Menen'
+    ids = tok.encode(record + written)
+    assert NgramIndex(2, 4, ids).propose(4) == []  # nothing to copy at the token level
+    drafter = NgramDrafter(
+        2, 4, TextLookup(token_bytes_for(tok), lambda t: tok.encode(t, add_special_tokens=False))
+    )
+    guessed = drafter.propose(ids, 6)
+    assert tok.decode(ids + guessed).startswith(record + '{"name": "Menenius Agrippa')
+    # appended tokens are read incrementally
+    more = tok.encode(" Agrippa", add_special_tokens=False)
+    assert tok.decode(drafter.propose(ids + more, 2)).startswith("\n")
+
+
+def test_the_step_cost_fit_recovers_what_a_token_costs():
+    from weft.speculative.policy import StepCost
+
+    cost = StepCost()
+    assert 0 < cost.share(1) < cost.share(32) < 1  # the prior: a token costs a little, more at size
+    for tokens in [1, 5, 2, 9, 3, 1, 8, 4] * 20:  # steps of 1 ms plus 0.05 ms a token
+        cost.record(tokens, 1e-3 + 5e-5 * tokens)
+    assert cost.share(1) == pytest.approx(5e-5 / 1.05e-3, rel=1e-3)
+    assert cost.share(32) == pytest.approx(32 * 5e-5 / (1e-3 + 32 * 5e-5), rel=1e-3)
+    flat = StepCost()
+    for tokens in [1, 4, 7] * 30:  # a forward that costs the same whatever its tokens
+        flat.record(tokens, 2e-3)
+    assert flat.share(8) < 0.01  # (what is left of the prior)
+
+
+def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
+    from weft.speculative.policy import PROBE_EVERY, Acceptance
+
+    sure = Acceptance()
+    for _ in range(20):
+        sure.record(4, 4)
+    assert sure.rate > 0.95 and sure.num_tokens(0.1, 8) == 8  # 0.95^8 > 0.1
+    middling = Acceptance(accepted=7.0, tried=10.0)  # a = 0.7: 0.7^3 = 0.34 > 0.3 > 0.7^4 = 0.24
+    assert middling.num_tokens(0.3, 8) == 3 and middling.num_tokens(0.8, 8) == 0
+    hopeless = Acceptance()
+    for _ in range(20):
+        hopeless.record(4, 0)
+    assert hopeless.rate < 0.05
+    counts = [hopeless.num_tokens(0.1, 4) for _ in range(2 * PROBE_EVERY)]
+    assert counts.count(1) == 2 and counts.count(0) == 2 * PROBE_EVERY - 2  # probes only
+    assert Acceptance().num_tokens(0.0, 5) == 5  # free tokens: as many as allowed

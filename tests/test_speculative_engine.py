@@ -137,7 +137,14 @@ def engines(tiny_llama) -> tuple[LLMEngine, LLMEngine]:
     """The same model without and with speculation."""
     off = LLM(str(tiny_llama), **OPTIONS).engine
     on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": K}, **OPTIONS).engine
+    eager(on)
     return off, on
+
+
+def eager(engine: LLMEngine) -> None:
+    """Every proposed draft verified: the drafting policy (tested on its own) off."""
+    assert engine.speculation is not None
+    engine.speculation.adaptive = False
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +235,7 @@ def test_preemption_and_aborts_leak_nothing(tiny_llama):
     small = {**OPTIONS, "num_kv_blocks": 16, "max_model_len": 256}
     off = LLM(str(tiny_llama), **small).engine
     on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 6}, **small).engine
+    eager(on)
     reqs = [
         (p, SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48)) for i, p in enumerate(PROMPTS * 2)
     ]
@@ -277,6 +285,7 @@ def test_unseeded_sampling_at_a_draft_position_has_the_model_distribution(tiny_l
     chi-square against the probabilities of a forward over the prompt and the draft. (Two pinned
     tokens, then a third sampled at the row of the draft that repeats the second.)"""
     llm = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 1}, **OPTIONS)
+    eager(llm.engine)
     prompt = llm.tokenizer.encode(PROMPTS[1])
     pinned = [40, 11]
 
@@ -319,9 +328,9 @@ def _pin(tokens: list[int]):
 
 @pytest.fixture(scope="module")
 def bundled() -> tuple[LLM, LLM]:
-    return LLM(show_progress=False), LLM(
-        show_progress=False, speculative_config={"num_speculative_tokens": 4}
-    )
+    on = LLM(show_progress=False, speculative_config={"num_speculative_tokens": 4})
+    eager(on.engine)
+    return LLM(show_progress=False), on
 
 
 def test_the_bundled_model_decodes_the_same_with_prompt_lookup(bundled):

@@ -63,7 +63,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "frequency_penalty": 0.5,
     },
     "stop": {"temperature": 0.0, "stop": ["\n\n", "END", "###"]},
+    "ngram": {"temperature": 0.0},  # greedy with speculation on (prompt lookup, k = 4, every draft verified)
 }
+SPECULATING = {"ngram"}
 HOST_PHASES = [
     "schedule",
     "prepare",
@@ -150,7 +152,7 @@ class StandInRunner:
         with self.clock.phase("prepare"):
             self.runner.prepare(sched, in_flight)
         with self.clock.phase("forward*"):
-            rows = len(sched.sampling)
+            rows = sched.num_rows  # the sampling rows and their drafts'
             return StepLogits(self.out[:rows].copy_(self.logits[:rows]), None, None, [])
 
 
@@ -200,6 +202,21 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
         ):
             obj.__dict__.pop(name, None)
         engine.__dict__.pop("_emit", None)
+
+
+@contextmanager
+def speculating(engine: Any) -> Iterator[None]:
+    """The engine with prompt lookup on, drafting 4 tokens wherever it finds a match (the stand-in's
+    rows repeat, so it often does): the host cost of drafting and verifying."""
+    from weft.engine.speculation import Speculation
+    from weft.speculative.config import SpeculativeConfig
+
+    engine.speculation = Speculation(SpeculativeConfig(num_speculative_tokens=4))
+    engine.speculation.adaptive = False
+    try:
+        yield
+    finally:
+        engine.speculation = None
 
 
 def build_checkpoint(tokenizer_dir: Path, out: Path) -> Path:
@@ -267,6 +284,9 @@ def measure_case(
     from weft import OutputKind, SamplingParams
 
     engine = llm.engine
+    if workload in SPECULATING:
+        with speculating(engine):
+            return measure_case(llm, "greedy", batch, steps, clock, profiler) | {"workload": workload}
     kwargs = WORKLOADS[workload]
     num_prompts = max(1, batch // kwargs.get("n", 1))
     # DELTA outputs, as a server streams them: each step reports only what is new.
@@ -396,7 +416,7 @@ def _measure_all(
 ) -> list[Any]:
     engine, clock = llm.engine, PhaseClock()
     vocab = engine.config.model.vocab_size
-    engine.runner = StandInRunner(engine.runner, vocab, max(batch_sizes), clock)
+    engine.runner = StandInRunner(engine.runner, vocab, 5 * max(batch_sizes), clock)  # drafts: 4 rows more
     engine.sampler = _TimedSampler(engine.sampler, clock)
     profiler = cProfile.Profile() if args.profile else None
     results = []

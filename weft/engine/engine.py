@@ -103,7 +103,7 @@ class LLMEngine:
         self.started: list[SequenceGroup] = []  # groups finished as their policy started them
         self._grammars: GrammarManager | None = None
         speculative = config.speculative
-        self.speculation = None if speculative is None else Speculation(speculative)
+        self.speculation = None if speculative is None else Speculation(speculative, tokenizer)
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
         self.in_flight: Launched | None = None  # a step left running by lookahead (`step`)

@@ -22,12 +22,13 @@ from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
 from weft.speculative.policy import StepCost
+from weft.tokenizer import Tokenizer
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, new_drafter: DrafterFactory | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.new_drafter = new_drafter or drafter_factory(config)  # tests and benchmarks give their own
+        self.new_drafter: DrafterFactory = drafter_factory(config, tokenizer)  # tests, benchmarks: their own
         self.tally = Tally()  # the engine's, over every verification
         self.cost = StepCost()  # what a token costs a decode step (weft/speculative/policy.py)
         self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed

@@ -11,11 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from weft.detokenize import token_bytes_for
 from weft.outputs import SpeculationCounts
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.ngram import NgramIndex
 from weft.speculative.policy import Acceptance
 from weft.speculative.rows import DraftRow, Row
+from weft.speculative.text_lookup import TextLookup
+from weft.tokenizer import Tokenizer
 
 
 class Drafter(Protocol):
@@ -27,27 +30,40 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup (`NgramIndex`) over the sequence's prompt and output, fed the tokens appended
-    since the last guess."""
+    since the last guess; where it has no match and the tokenizer is byte-level, the same lookup on
+    the text (`TextLookup`)."""
 
-    __slots__ = ("index",)
+    __slots__ = ("index", "text")
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, text: TextLookup | None = None) -> None:
         self.index = NgramIndex(min_n, max_n)
+        self.text = text
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         seen = len(self.index.tokens)
         if seen < len(token_ids):
             self.index.extend(token_ids[seen:])
-        return self.index.propose(k)
+        guessed = self.index.propose(k)
+        if not guessed and self.text is not None:
+            guessed = self.text.propose(token_ids, k)
+        return guessed
 
 
 DrafterFactory = Callable[[], Drafter]
 
 
-def drafter_factory(config: SpeculativeConfig) -> DrafterFactory:
-    """A new drafter per sequence, of the configured method."""
+def drafter_factory(config: SpeculativeConfig, tokenizer: Tokenizer | None = None) -> DrafterFactory:
+    """A new drafter per sequence, of the configured method (with text lookup where `tokenizer` is
+    byte-level)."""
     min_n, max_n = config.prompt_lookup_min, config.prompt_lookup_max
-    return lambda: NgramDrafter(min_n, max_n)
+    if tokenizer is None or not tokenizer.is_byte_level:
+        return lambda: NgramDrafter(min_n, max_n)
+    token_bytes = token_bytes_for(tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return lambda: NgramDrafter(min_n, max_n, TextLookup(token_bytes, encode))
 
 
 @dataclass(slots=True)

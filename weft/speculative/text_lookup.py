@@ -1,0 +1,43 @@
+"""Prompt lookup on the text, for what token-level lookup misses: the same words tokenized
+differently where they are copied (` Menenius` in a record, `Menenius` inside a JSON string).
+
+The sequence's text is kept as bytes (a byte-level tokenizer's tokens stand for fixed bytes); a
+guess takes the last `max_bytes` .. `min_bytes` bytes, finds their latest earlier occurrence, and
+tokenizes the `span` bytes that followed it. Tokenizing costs tens of microseconds, so
+`PromptLookup` asks this only when the token-level index has no match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from weft.detokenize import TokenBytes
+
+
+class TextLookup:
+    __slots__ = ("encode", "max_bytes", "min_bytes", "num_tokens", "span", "text", "token_bytes")
+
+    def __init__(
+        self,
+        token_bytes: TokenBytes,
+        encode: Callable[[str], list[int]],
+        min_bytes: int = 4,
+        max_bytes: int = 16,
+        span: int = 48,
+    ) -> None:
+        self.token_bytes, self.encode = token_bytes, encode
+        self.min_bytes, self.max_bytes, self.span = min_bytes, max_bytes, span
+        self.text = bytearray()
+        self.num_tokens = 0  # how many of the sequence's tokens `text` holds
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        for token in token_ids[self.num_tokens :]:
+            self.text += self.token_bytes(token)
+        self.num_tokens = len(token_ids)
+        text, end = self.text, len(self.text)
+        for size in range(min(self.max_bytes, end - 1), self.min_bytes - 1, -1):
+            start = text.rfind(text[end - size :], 0, end - 1)
+            if start >= 0:
+                follows = bytes(text[start + size : start + size + self.span])
+                return self.encode(follows.decode("utf-8", errors="ignore"))[:k] if follows else []
+        return []
