@@ -80,6 +80,7 @@ def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig 
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
+    speculative = speculative_config(args.speculative_config)  # a bad option fails before loading
     path = resolve_model_path(args.model)
     device = resolve_device(args.device)
     source = open_source(path)  # the directory, or the GGUF file opened once
@@ -125,7 +126,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
         model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, dtype,
-        matmul, async_scheduling, speculative_config(args.speculative_config),
+        matmul, async_scheduling, speculative,
     )  # fmt: skip
     engine = LLMEngine(config, model, tokenizer)
     if device.type == "cuda" and not args.enforce_eager:
