@@ -118,3 +118,44 @@ def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
     counts = [hopeless.num_tokens(0.1, 4) for _ in range(2 * PROBE_EVERY)]
     assert counts.count(1) == 2 and counts.count(0) == 2 * PROBE_EVERY - 2  # probes only
     assert Acceptance().num_tokens(0.0, 5) == 5  # free tokens: as many as allowed
+
+
+def _brute_counts(outputs: list[list[int]], depth: int) -> dict[tuple[int, ...], dict[int, int]]:
+    counts: dict[tuple[int, ...], dict[int, int]] = {}
+    for tokens in outputs:
+        for end in range(1, len(tokens)):
+            for n in range(1, min(depth, end) + 1):
+                follows = counts.setdefault(tuple(tokens[end - n : end]), {})
+                follows[tokens[end]] = follows.get(tokens[end], 0) + 1
+    return counts
+
+
+def test_the_suffix_cache_counts_what_followed_and_forgets_the_oldest():
+    from weft.speculative.suffix import SuffixCache
+
+    rng = random.Random(3)
+    outputs = [[rng.randrange(6) for _ in range(rng.randint(0, 30))] for _ in range(12)]
+    cache = SuffixCache(depth=3, max_requests=5)
+    for key, tokens in enumerate(outputs):
+        cache.add(key, tokens)
+        kept = [t for t in outputs[max(0, key - 4) : key + 1]]
+        assert cache.counts.follows == _brute_counts(kept, 3)
+
+
+def test_suffix_drafts_follow_the_most_frequent_continuation_while_it_is_likely():
+    from weft.speculative.suffix import SuffixCache, SuffixDrafter
+
+    cache = SuffixCache(depth=4, max_requests=10)
+    call = [7, 8, 9, 10, 11, 12]  # an agent's tool call, made three times with one variation
+    cache.add(0, [1, 2, *call, 3])
+    cache.add(1, [4, *call, 5])
+    cache.add(2, [6, 7, 8, 9, 20, 21])
+    drafter = SuffixDrafter(cache, depth=4, min_prob=0.5, spec_factor=4.0)
+    # after 7 8: 9 always (3/3), then 10 twice in three (p = 2/3), 11 and 12 always
+    assert drafter.propose([30, 31, 7, 8], 8) == [9, 10, 11, 12]  # then 3 or 5: 1/3 < 0.5
+    strict = SuffixDrafter(cache, depth=4, min_prob=0.7, spec_factor=4.0)
+    assert strict.propose([30, 31, 7, 8], 8) == [9]  # 2/3 < 0.7 stops the walk
+    short = SuffixDrafter(cache, depth=4, min_prob=0.5, spec_factor=1.0)
+    assert short.propose([30, 31, 7, 8], 8) == [9, 10]  # at most the matched length (2)
+    own = SuffixDrafter(SuffixCache(4, 10), depth=4, min_prob=0.1, spec_factor=2.0)
+    assert own.propose([5, 6, 5, 6, 5], 4) == [6, 5, 6, 5]  # its own repetition (matched 3: up to 6)

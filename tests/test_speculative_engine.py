@@ -204,6 +204,20 @@ def test_outputs_are_those_of_decoding_without_speculation(engines, expected, dr
     assert sum(c.num_accepted_tokens for c in per_request if c is not None) == num_accepted
 
 
+def test_suffix_decoding_learns_from_earlier_outputs_and_changes_none(engines, expected, tiny_llama):
+    """Suffix decoding: the same outputs; a second run of the same requests drafts from the
+    first run's outputs (the cache of recent outputs) and accepts far more."""
+    on = LLM(str(tiny_llama), speculative_config={"method": "suffix", "num_speculative_tokens": K}, **OPTIONS)
+    eager(on.engine)
+    first = run(on.engine, requests())
+    assert fields(first) == fields(expected)
+    accepted_first = on.engine.speculation.tally.num_accepted_tokens  # type: ignore[union-attr]
+    again = run(on.engine, requests())
+    assert fields(again) == fields(expected)
+    accepted_again = on.engine.speculation.tally.num_accepted_tokens - accepted_first  # type: ignore[union-attr]
+    assert accepted_again > 2 * accepted_first + 50
+
+
 def test_right_drafts_take_fewer_steps(engines, expected):
     """The point of it all: with right drafts, k + 1 tokens per step."""
     _, on = engines

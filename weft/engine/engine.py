@@ -383,6 +383,7 @@ class LLMEngine:
         self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
         if self.speculation is not None:  # every accepted draft is a sampled token too
             accepted = self.speculation.tally.num_accepted_tokens - accepted
+            self.speculation.retire(item.seq for item in launched.sched.scheduled)
         self.num_sampled_tokens += len(launched.seqs) - launched.num_failed_rows(rows.errors) + accepted
         groups = (self._group_of(item.seq) for item in launched.sched.scheduled)
         return [g for g in groups if g is not None]

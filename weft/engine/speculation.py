@@ -22,13 +22,19 @@ from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
 from weft.speculative.policy import StepCost
+from weft.speculative.suffix import SuffixCache
 from weft.tokenizer import Tokenizer
 
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.new_drafter: DrafterFactory = drafter_factory(config, tokenizer)  # tests, benchmarks: their own
+        self.cache = None  # suffix decoding's outputs of recent sequences
+        if config.method == "suffix":
+            self.cache = SuffixCache(
+                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
+            )
+        self.new_drafter: DrafterFactory = drafter_factory(config, tokenizer, self.cache)  # tests: their own
         self.tally = Tally()  # the engine's, over every verification
         self.cost = StepCost()  # what a token costs a decode step (weft/speculative/policy.py)
         self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed
@@ -53,6 +59,14 @@ class Speculation:
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    def retire(self, seqs: Iterable[Sequence]) -> None:
+        """Sequences that finished this step: suffix decoding keeps their outputs for later ones."""
+        if self.cache is None:
+            return
+        for seq in seqs:
+            if seq.is_finished and seq.drafts is not None:
+                self.cache.add(seq.seq_id, seq.output_token_ids)
 
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
         """A step took `seconds`: a decode step (one known token per row, and drafts) refines what

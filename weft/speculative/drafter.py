@@ -17,6 +17,7 @@ from weft.speculative.config import SpeculativeConfig
 from weft.speculative.ngram import NgramIndex
 from weft.speculative.policy import Acceptance
 from weft.speculative.rows import DraftRow, Row
+from weft.speculative.suffix import SuffixCache, SuffixDrafter
 from weft.speculative.text_lookup import TextLookup
 from weft.tokenizer import Tokenizer
 
@@ -52,9 +53,16 @@ class NgramDrafter:
 DrafterFactory = Callable[[], Drafter]
 
 
-def drafter_factory(config: SpeculativeConfig, tokenizer: Tokenizer | None = None) -> DrafterFactory:
-    """A new drafter per sequence, of the configured method (with text lookup where `tokenizer` is
-    byte-level)."""
+def drafter_factory(
+    config: SpeculativeConfig, tokenizer: Tokenizer | None = None, cache: SuffixCache | None = None
+) -> DrafterFactory:
+    """A new drafter per sequence, of the configured method: prompt lookup (with text lookup where
+    `tokenizer` is byte-level), or suffix decoding over the sequence and `cache`."""
+    if config.method == "suffix":
+        assert cache is not None, "suffix decoding needs the engine's cache of recent outputs"
+        depth, spec_factor = config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor
+        min_prob = config.suffix_decoding_min_token_prob
+        return lambda: SuffixDrafter(cache, depth, min_prob, spec_factor)
     min_n, max_n = config.prompt_lookup_min, config.prompt_lookup_max
     if tokenizer is None or not tokenizer.is_byte_level:
         return lambda: NgramDrafter(min_n, max_n)
