@@ -127,3 +127,44 @@ def build_chat_checkpoint(out: Path, tokenizer_dir: Path, arch: str = "qwen2", s
     shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
     shutil.copy(tokenizer_dir / "tokenizer_config.json", out / "tokenizer_config.json")
     return out
+
+
+def build_markov_checkpoint(out: Path, table: dict[str, dict[str, float]], hidden_size: int = 16) -> Path:
+    """A Llama whose next-token logits depend on the last token alone, as `table` gives them:
+    previous token -> {next token: logit}, tokens named by their text (single bytes, or
+    "<|endoftext|>"); every other next token gets -1e4 (probability 0 in float32), and a previous
+    token missing from the table gives uniform logits. The tokenizer is byte-level with no merges,
+    so each character is one token. Attention and MLP write nothing (o_proj and down_proj are
+    zero): the final hidden state is the normed embedding of the last token, which picks its
+    row of the output projection."""
+    import transformers
+
+    tok = train_tiny_tokenizer(259)  # the 3 special tokens and the 256 bytes: no merges
+    ids = {text: tok.token_to_id(text) for text in {t for row in table.values() for t in (*row, "")} if text}
+    ids.update({prev: tok.token_to_id(prev) for prev in table})
+    assert all(i is not None for i in ids.values()), "table tokens must be single bytes or special tokens"
+    vocab = 320
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    scale = hidden_size**0.5  # the final norm turns a one-hot embedding into sqrt(hidden) times it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.model.layers[0].input_layernorm.weight.fill_(1.0)
+        model.model.layers[0].post_attention_layernorm.weight.fill_(1.0)
+        assert len(table) < hidden_size
+        for slot, (prev, row) in enumerate(table.items()):
+            model.model.embed_tokens.weight[ids[prev], slot] = 1.0
+            model.lm_head.weight[:, slot] = -1e4 / scale
+            for text, logit in row.items():
+                model.lm_head.weight[ids[text], slot] = logit / scale
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text('{"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}')
+    return out

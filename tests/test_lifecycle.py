@@ -90,32 +90,38 @@ class World:
 
 
 def check_invariants(world: World) -> None:
-    kv, pool = world.kv, world.kv.pool
+    check_kv_cache(world.kv, world.sched)
+    for seq in world.live:
+        assert seq.num_computed_tokens <= seq.num_tokens
+        assert not (seq.is_finished and (seq in world.sched.running or seq in world.sched.waiting))
+
+
+def check_kv_cache(kv: KVCacheManager, sched: Scheduler) -> None:
+    """Reference counts, the free queue, the prefix-cache hashes and the block tables agree with
+    the sequences the scheduler holds."""
+    pool, block_size = kv.pool, kv.block_size
     refs = Counter(b.block_id for table in kv.tables.values() for b in table.blocks)
     for block in pool.blocks:
         assert block.ref_cnt == refs[block.block_id], f"block {block.block_id}: ref count drifted"
         assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0), "free queue out of sync"
     for block_hash, block in pool.cached.items():
-        assert block.block_hash == block_hash and len(block.token_ids) == BLOCK_SIZE
+        assert block.block_hash == block_hash and len(block.token_ids) == block_size
     # Running sequences hold blocks, and so do queued forks sharing their parent's (with a
     # computed prefix); nothing else.
-    holders = list(world.sched.running) + [s for s in world.sched.waiting if s.num_computed_tokens > 0]
+    holders = list(sched.running) + [s for s in sched.waiting if s.num_computed_tokens > 0]
     assert set(kv.tables) == {s.seq_id for s in holders}, "only running sequences and forks hold blocks"
     check_block_table_rows(kv)
     for seq in holders:
         table = kv.tables[seq.seq_id]
         assert table.block_ids == [b.block_id for b in table.blocks], "cached block ids drifted"
-        assert len(table.blocks) * BLOCK_SIZE >= seq.num_computed_tokens
-        assert len(table.blocks) <= -(-seq.num_tokens // BLOCK_SIZE), "blocks past its tokens (drafts'?)"
+        assert len(table.blocks) * block_size >= seq.num_computed_tokens
+        assert len(table.blocks) <= -(-seq.num_tokens // block_size), "blocks past its tokens (drafts'?)"
         parent = None
         for i, block_hash in enumerate(table.hashes):
-            tokens = tuple(seq.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            tokens = tuple(seq.token_ids[i * block_size : (i + 1) * block_size])
             parent = hash((parent, tokens))
             assert block_hash == parent, "a sequence's hash chain does not match its tokens"
-        assert len(table.hashes) * BLOCK_SIZE <= seq.num_computed_tokens
-    for seq in world.live:
-        assert seq.num_computed_tokens <= seq.num_tokens
-        assert not (seq.is_finished and (seq in world.sched.running or seq in world.sched.waiting))
+        assert len(table.hashes) * block_size <= seq.num_computed_tokens
 
 
 def check_block_table_rows(kv: KVCacheManager) -> None:

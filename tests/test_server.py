@@ -797,6 +797,18 @@ NONSENSE = {"type": "nonsense"}
         ("/v1/chat/completions",
          {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": NONSENSE}}},
          "response_format", "invalid json_schema: "),
+        ("/v1/completions", {"prompt": "x", "smc": {"num_particles": 4}}, "smc",
+         "smc needs an output constraint"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a|b", "smc": {"num_particles": 0}},
+         "smc.num_particles", "smc.num_particles must be"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a|b", "smc": {"bogus": 1}}, "smc.bogus",
+         "smc.bogus: "),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a|b", "top_k": 5, "smc": {}}, "top_k",
+         "top_k cannot be used with smc"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a|b", "stream": True, "smc": {}}, "stream",
+         "smc cannot be streamed"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a|b", "n": 3, "smc": {"num_particles": 64}},
+         "smc.num_particles", "n=3 runs of smc.num_particles=64"),
     ],
 )  # fmt: skip
 def test_errors_name_the_requests_own_field(server, path, body, param, start):
@@ -806,6 +818,40 @@ def test_errors_name_the_requests_own_field(server, path, body, param, start):
     assert error["param"] == param and error["message"].startswith(start), error
     assert "SamplingParams" not in error["message"]
     assert not error["message"][len(start) :].startswith(start)  # said once, not "invalid x: invalid x:"
+
+
+NAMES = ["ROMEO", "JULIET", "KING HENRY", "QUEEN MARGARET"]
+
+
+def test_smc_particles_and_their_weights_through_the_client(client, offline, server):
+    """weft's `smc`: each choice carries its log_weight, the response each run's log-marginal;
+    the same request offline gives the same particles and weights (same seed); every body matches
+    the server's document (checked as it arrives)."""
+    smc = {"num_particles": 4, "output": "weighted", "end_of_text": False}
+    response = client.completions.create(
+        model=MODEL, prompt=["\n\n", "ROMEO:\n"], n=2, max_tokens=8, seed=3,
+        extra_body={"guided_choice": NAMES, "smc": smc},
+    )  # fmt: skip
+    assert sorted(c.index for c in response.choices) == list(range(16))
+    params = SamplingParams(choice=NAMES, n=2, max_tokens=8, seed=3, smc=smc)
+    expected = offline.generate(["\n\n", "ROMEO:\n"], params)
+    got = sorted(response.choices, key=lambda c: c.index)
+    want = [c for out in expected for c in out.outputs]
+    assert [c.text for c in got] == [c.text for c in want]
+    assert [c.model_extra["log_weight"] for c in got] == pytest.approx([c.log_weight for c in want])
+    runs = response.model_extra["smc"]
+    assert len(runs) == 4 and all(r["num_particles"] == 4 for r in runs)
+    assert [r["log_marginal"] for r in runs] == pytest.approx(
+        [r.log_marginal for o in expected for r in o.smc]
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Who speaks?"}], max_tokens=8, seed=1,
+        extra_body={"guided_choice": NAMES, "smc": {"num_particles": 8}},
+    )  # fmt: skip
+    assert len(chat.choices) == 1 and chat.choices[0].message.content in NAMES
+    assert chat.choices[0].model_extra["log_weight"] <= 0.0
+    assert len(chat.model_extra["smc"]) == 1
+    assert server.wait_idle()["weft_kv_blocks_used"] == 0
 
 
 def test_a_malformed_body_is_not_blamed_on_a_field(server):

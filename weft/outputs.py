@@ -21,7 +21,7 @@ class CompletionOutput:
 
     _FIELDS = (
         "index", "text", "token_ids", "finish_reason", "stop_reason", "cumulative_logprob", "logprobs",
-        "error", "constraint_logmass", "text_offsets", "forced", "message",
+        "error", "constraint_logmass", "text_offsets", "forced", "message", "log_weight",
     )  # fmt: skip  # in the order of the constructor's arguments
     __slots__ = tuple(sorted(name if name != "logprobs" else "_logprobs" for name in _FIELDS))
 
@@ -39,6 +39,7 @@ class CompletionOutput:
         text_offsets: list[int] | None = None,
         forced: list[bool] | None = None,
         message: AssistantMessage | None = None,
+        log_weight: float | None = None,
     ) -> None:
         self.index, self.text, self.token_ids = index, text, token_ids
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
@@ -58,6 +59,8 @@ class CompletionOutput:
         # From LLM.chat: the reply read as an assistant message (content, reasoning_content and the
         # tool calls it made), where tools were given or the template has a reasoning section.
         self.message = message
+        # With SamplingParams.smc: the log of this particle's normalized weight in its run.
+        self.log_weight = log_weight
 
     @property
     def logprobs(self) -> list[PositionLogprobs] | None:
@@ -120,6 +123,17 @@ class SpeculationCounts:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SMCRun:
+    """One SMC run of a request (`SamplingParams.smc`; a request makes `n` of them)."""
+
+    # log(mean final weight of the particles): an estimate of the log of the probability that the
+    # model, unconstrained (at the sampling temperature), produces a string of the language
+    log_marginal: float
+    num_resampling_steps: int
+    num_particles: int
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -132,6 +146,10 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # With speculative decoding: the request's drafts and accepted draft tokens, over its sequences.
     speculation: SpeculationCounts | None = None
+    # With SamplingParams.smc, once finished: each run's log-marginal estimate and resampling steps
+    # ("sample": completion i is run i's; "weighted": run r's particles are completions
+    # r * num_particles .. (r + 1) * num_particles - 1).
+    smc: list[SMCRun] | None = None
 
 
 @dataclass(slots=True)

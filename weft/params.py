@@ -163,6 +163,21 @@ class ChoiceSelection(StrEnum):
     EXACT = "exact"
 
 
+class Resampling(StrEnum):
+    """How SMC draws the particles that survive a resampling step (`SMCParams.resampling`)."""
+
+    SYSTEMATIC = "systematic"  # one uniform draw, N evenly spaced points: the least added noise
+    STRATIFIED = "stratified"  # one uniform draw in each of N equal strata
+    MULTINOMIAL = "multinomial"  # N independent draws
+
+
+class SMCOutput(StrEnum):
+    """What an SMC run returns (`SMCParams.output`)."""
+
+    SAMPLE = "sample"  # one particle, drawn in proportion to its weight
+    WEIGHTED = "weighted"  # every particle, with its normalized weight
+
+
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # seeds are int64 (sample i of n uses seed + i)
 
 
@@ -298,6 +313,51 @@ def _json_schema_mode(value: JsonSchemaMode | str) -> JsonSchemaMode:
     return _enum(JsonSchemaMode, value, "json_schema_mode")
 
 
+def _resampling(value: Resampling | str) -> Resampling:
+    return _enum(Resampling, value, "resampling")
+
+
+def _smc_output(value: SMCOutput | str) -> SMCOutput:
+    return _enum(SMCOutput, value, "output")
+
+
+@attrs.frozen(kw_only=True)
+class SMCParams:
+    """Sequential Monte Carlo over grammar-constrained particles (`weft/engine/smc.py`).
+
+    Masking the logits to a constraint renormalizes at every step, which samples the strings of
+    the language in other proportions than the model gives them. SMC runs `num_particles`
+    particles, weighs each by the probability mass the constraint kept at each of its steps, and
+    resamples them when the effective sample size of the live ones falls below `ess_threshold`
+    times their number; its output follows the model's own distribution (at the sampling
+    temperature) conditioned on the language, the more exactly the more particles.
+    `output`: "sample" returns one particle drawn in proportion to its weight, "weighted" every
+    particle with its normalized weight. `end_of_text`: True weighs each particle by the model's
+    probability of ending the text where the language ends too (the target is the model's whole
+    output conditioned on being a string of the language; one more step per particle); False ends
+    a particle where its grammar ends, as weft's constrained outputs do (the target is then the
+    model's output up to that point: right for a base model whose text goes on after it)."""
+
+    num_particles: int = attrs.field(default=16, validator=_int_at_least(1))
+    ess_threshold: float = attrs.field(
+        default=0.5, converter=_float, validator=_number(lambda t: 0.0 <= t <= 1.0, "must be in [0, 1]")
+    )
+    resampling: Resampling = attrs.field(default=Resampling.SYSTEMATIC, converter=_resampling)
+    output: SMCOutput = attrs.field(default=SMCOutput.SAMPLE, converter=_smc_output)
+    end_of_text: bool = attrs.field(default=True, validator=_FLAG)
+
+
+def _smc(value: SMCParams | dict[str, Any] | None) -> SMCParams | None:
+    """`smc` as an `SMCParams` or a dict of its fields (an unknown key is an error naming it)."""
+    if not isinstance(value, dict):
+        return value
+    known = [a.name for a in attrs.fields(SMCParams)]
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise ParamError("", "smc", f"has no field {unknown[0]!r}; it takes {', '.join(known)}")
+    return SMCParams(**value)
+
+
 def _structured(rules: OutputRules) -> StructuredSpec | None:
     return structured_spec(
         rules.json_schema,
@@ -402,6 +462,14 @@ class SamplingParams(OutputRules):
     fast_forward: bool = attrs.field(default=True, validator=_FLAG)
     # False: this request never drafts, even where the engine speculates (`speculative_config`)
     speculative: bool = attrs.field(default=True, validator=_FLAG)
+    # Sequential Monte Carlo over `num_particles` particles (`SMCParams`); needs a constraint
+    smc: SMCParams | None = attrs.field(
+        default=None,
+        converter=_smc,
+        validator=_rule(
+            lambda v: v is None or isinstance(v, SMCParams), "must be None, an SMCParams or a dict"
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         """The rules that tie two fields together."""
@@ -435,6 +503,8 @@ class SamplingParams(OutputRules):
             self.choice_selection.value,
             "'exact' needs a `choice` list to select from",
         )
+        if self.smc is not None:
+            _check_smc(self)
 
     @property
     def num_samples(self) -> int:
@@ -455,6 +525,50 @@ class SamplingParams(OutputRules):
 
     def replace(self, **changes: Any) -> SamplingParams:
         return attrs.evolve(self, **changes)
+
+
+def _check_smc(params: SamplingParams) -> None:
+    """What SMC needs: a constraint to weigh against, and a proposal that is the masked model at the
+    sampling temperature (whatever else changes the distribution it could not weigh)."""
+    owner = "SamplingParams"
+    _check(
+        params.structured is not None and not params.exact_choice,
+        owner,
+        "smc",
+        "no constraint",
+        "needs an output constraint (json_schema, json_object, regex, grammar or choice) to weigh against",
+    )
+    _check(params.temperature > 0.0, owner, "temperature", 0.0, "must be > 0 with smc (particles sample)")
+    unweighable = {
+        "best_of": params.best_of is not None,
+        "top_k": params.top_k != 0,
+        "top_p": params.top_p != 1.0,
+        "min_p": params.min_p != 0.0,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "logits_processors": bool(params.logits_processors),
+        "min_tokens": params.min_tokens != 0,
+        "stop": bool(params.stop),
+        "stop_token_ids": bool(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+    }
+    for name, given in unweighable.items():
+        _check(
+            not given,
+            owner,
+            name,
+            getattr(params, name),
+            "cannot be used with smc: particles are weighed against the model's distribution at the "
+            "temperature, under the constraint alone, and end at its end (leave it unset)",
+        )
+    _check(
+        params.logprobs_mode == LogprobsMode.RAW,
+        owner,
+        "logprobs_mode",
+        params.logprobs_mode.value,
+        "must be 'raw' with smc (its logprobs are the model's at the sampling temperature)",
+    )
 
 
 FLOAT_FIELDS = (

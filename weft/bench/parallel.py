@@ -10,7 +10,12 @@ Steps, in order:
      (c) transformers generate(num_return_sequences=n);
   3. for each width in `--beam-widths`: weft beam_search against transformers
      generate(num_beams=width), EOS ignored by both so that both run every step;
-  4. print time and peak KV per run. weft's peak is the most KV blocks in use at once (times the
+  4. for each N in `--smc-particles`: one request of SMC over N particles under a regex (weighted
+     output, so that every particle's tokens are counted) against n = N samples of the same
+     prompt under the same regex: generated tokens/s of both and their peak KV;
+  5. the SMC task with an exact answer (weft/bench/smc_task.py, the bundled model): masking's
+     total variation to the target, and SMC's at each N, `--smc-runs` runs pooled;
+  6. print time and peak KV per run. weft's peak is the most KV blocks in use at once (times the
      block size, in tokens); transformers' is its dense cache, one row per sequence. The ideal is
      the prompt once plus every sequence's own tokens.
 
@@ -38,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config.json of the model shape")
     p.add_argument("--samples", default="1,4,16,32", help="values of n, comma-separated (default: 1,4,16,32)")
     p.add_argument("--beam-widths", default="2,4,8", help="comma-separated (default: 2,4,8)")
+    p.add_argument(
+        "--smc-particles", default="4,16,64", help="SMC particle counts (default: 4,16,64; '' none)"
+    )
+    p.add_argument("--smc-runs", type=int, default=20, help="SMC runs pooled for the TV task (default: 20)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per sequence (default: 64)")
     add_repeats_argument(p)
@@ -45,15 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
 
 
-def run_weft(llm, requests: list[tuple[list[int], object]]) -> tuple[float, int]:
-    """Run the requests to completion in one engine; (seconds, peak KV blocks in use)."""
+def run_weft(llm, requests: list[tuple[list[int], object]], outputs: list | None = None) -> tuple[float, int]:
+    """Run the requests to completion in one engine; (seconds, peak KV blocks in use). The
+    finished outputs go to `outputs` when given."""
     engine = llm.engine
     start = time.perf_counter()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"bench-{i}", prompt, params)
     peak = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        finished = [o for o in engine.step() if o.finished]
+        if outputs is not None:
+            outputs += finished
         peak = max(peak, int(llm.stats()["kv_blocks_used"]))
     return time.perf_counter() - start, peak
 
@@ -108,11 +120,58 @@ def measure_beams(llm, hf, prompt: list[int], width: int, args: argparse.Namespa
     return row
 
 
+SMC_REGEX = "[a-z]+( [a-z]+)*"  # words: a constraint that keeps a random model going for max_tokens
+
+
+def measure_smc(llm, prompt: list[int], particles: int, args: argparse.Namespace) -> dict[str, float]:
+    """SMC over `particles` particles against n = `particles` samples, the same prompt, regex and
+    length: generated tokens/s and peak KV of each."""
+    from weft import SamplingParams
+
+    samples = SamplingParams(
+        regex=SMC_REGEX, n=particles, temperature=1.0, seed=0, max_tokens=args.output_len
+    )
+    smc = samples.replace(n=1, smc={"num_particles": particles, "output": "weighted"})
+    assert samples.structured is not None
+    llm.engine.grammars.validate(samples.structured)  # compiled (and cached) before the timing
+    block = llm.config.cache.block_size
+    row: dict[str, float] = {"N": particles, "ideal_kv_tokens": args.prompt_len + particles * args.output_len}
+    for name, params in (("samples", samples), ("smc", smc)):
+        best, peak, tokens = float("inf"), 0, 0
+        for _ in range(args.repeats):
+            outputs: list = []
+            seconds, blocks = run_weft(llm, [(prompt, params)], outputs)
+            best, peak = min(best, seconds), max(peak, blocks)
+            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            if name == "smc":
+                row["resampling_steps"] = outputs[0].smc[0].num_resampling_steps
+        row[f"{name}_tok_s"], row[f"{name}_kv_tokens"] = tokens / best, peak * block
+    return row
+
+
+def measure_smc_task(particle_counts: list[int], runs: int) -> dict[str, float]:
+    """The bundled model's task with an exact answer: masking's TV to the target and SMC's at
+    each N (`runs` runs of weighted particles pooled)."""
+    from weft import LLM, SamplingParams, default_model_path
+    from weft.bench.smc_task import NAMES, PROMPT, exact_choice_distributions, pooled, total_variation
+
+    goal, masking, _ = exact_choice_distributions(default_model_path(), PROMPT, NAMES)
+    row = {"masking_tv": total_variation(masking, goal)}
+    llm = LLM(show_progress=False, dtype=torch.float32, max_num_seqs=max(256, max(particle_counts)))
+    for n in particle_counts:
+        smc = {"num_particles": n, "output": "weighted", "end_of_text": False}
+        params = [SamplingParams(choice=NAMES, max_tokens=16, seed=n * i, smc=smc) for i in range(runs)]
+        estimate, _ = pooled(llm.generate([PROMPT] * runs, params, use_tqdm=False))
+        row[f"smc_{n}_tv"] = total_variation(estimate, goal)
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     from weft import LLM
 
     samples = [int(n) for n in args.samples.split(",") if n]
     widths = [int(w) for w in args.beam_widths.split(",") if w]
+    smc_counts = [int(n) for n in args.smc_particles.split(",") if n]
     print(
         f"weft bench parallel: {args.config} prompt={args.prompt_len} output={args.output_len} "
         f"repeats={args.repeats} threads={torch.get_num_threads()}",
@@ -121,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print("building a random-weight checkpoint ...", flush=True)
         path = build_checkpoint(args.config, torch.float32, Path(tmp))
-        most = max([*samples, *widths, 1])
+        most = max([*samples, *widths, *smc_counts, 1])
         llm = LLM(
             str(path),
             dtype=torch.float32,
@@ -149,9 +208,16 @@ def run(args: argparse.Namespace) -> int:
         for width in widths:
             print(f"  beam width {width} ...", flush=True)
             beam_rows.append(measure_beams(llm, hf, prompt, width, args))
+        smc_rows = []
+        for particles in smc_counts:
+            print(f"  SMC over {particles} particles ...", flush=True)
+            smc_rows.append(measure_smc(llm, prompt, particles, args))
+    task = measure_smc_task(smc_counts, args.smc_runs) if smc_counts else {}
     _print_tables(sample_rows, beam_rows)
+    _print_smc(smc_rows, task)
     if args.json:
-        args.json.write_text(json.dumps({"samples": sample_rows, "beams": beam_rows}, indent=2))
+        results = {"samples": sample_rows, "beams": beam_rows, "smc": smc_rows, "smc_task": task}
+        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 
@@ -191,4 +257,28 @@ def _print_tables(sample_rows: list[dict[str, float]], beam_rows: list[dict[str,
             f"| {r['width']} | {r['weft_s']:.2f} | {hf_s or 0:.2f} | {_ratio(hf_s, r['weft_s'])} "
             f"| {r['weft_kv_tokens']:.0f} | {r.get('hf_kv_tokens', 0):.0f} "
             f"| {r['weft_kv_tokens'] / r['ideal_kv_tokens']:.2f} |"
+        )
+
+
+def _print_smc(rows: list[dict[str, float]], task: dict[str, float]) -> None:
+    if not rows:
+        return
+    print(f"\nSMC over N particles against n = N samples (regex {SMC_REGEX!r}; tok/s of generated tokens)")
+    print(
+        "| N | samples tok/s | SMC tok/s | SMC / samples | resampling steps "
+        "| samples KV | SMC KV | SMC KV / ideal |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['N']} | {r['samples_tok_s']:.1f} | {r['smc_tok_s']:.1f} | "
+            f"{r['smc_tok_s'] / r['samples_tok_s']:.2f} | {r['resampling_steps']:.0f} | "
+            f"{r['samples_kv_tokens']:.0f} | {r['smc_kv_tokens']:.0f} | "
+            f"{r['smc_kv_tokens'] / r['ideal_kv_tokens']:.2f} |"
+        )
+    if task:
+        shown = ", ".join(f"N={k[4:-3]}: {v:.3f}" for k, v in task.items() if k.startswith("smc_"))
+        print(
+            "\nbundled-model choice task, TV to the exact target: "
+            f"masking {task['masking_tv']:.3f}; SMC {shown}"
         )

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from weft.engine.group import GroupUpdate, SequenceGroup, Spawner
 from weft.engine.sequence import FinishReason, Sequence
+from weft.outputs import RequestOutput
 from weft.params import BeamSearchParams, SamplingParams
 
 
@@ -101,6 +102,9 @@ class BeamSearch:
 
     def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
         return []
+
+    def annotate(self, output: RequestOutput) -> None:
+        pass
 
     def after_step(self, group: SequenceGroup) -> GroupUpdate:
         if self.done:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weft.arrays import column
+from weft.arrays import column, to_device
 from weft.config import EngineConfig
 from weft.engine.beam import BeamSearch
 from weft.engine.exact_choice import ExactChoice
@@ -43,6 +43,7 @@ from weft.engine.runner import InFlightTokens, ModelRunner, StepLogits
 from weft.engine.scheduler import Fanout, Scheduler, SchedulerOutput
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
+from weft.engine.smc import SMC
 from weft.engine.speculation import Speculation
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput
@@ -163,6 +164,9 @@ class LLMEngine:
             return beams, beam_params, beam_params
         if params.exact_choice:
             return ExactChoice(params.n, self._score_options), params, params
+        if params.smc is not None:  # particles track their positions: their weights come from them
+            smc = SMC(params.smc, params.n, self.spawner.rng_for(params))
+            return smc, params, params.replace(logprobs=0) if params.logprobs is None else params
         policy = ParallelSampling(params.num_samples, params.n)
         ranks = params.num_samples > params.n and params.logprobs is None
         return policy, params, params.replace(logprobs=0) if ranks else params
@@ -417,10 +421,20 @@ class LLMEngine:
         forced tokens), or None."""
         if step.prompt_hidden is None or step.prompt_targets is None:
             return None
-        num_top = max(span.num_top for span in step.prompt_spans)
-        kernels = self.model.kernels
+        spans = step.prompt_spans
+        num_top = max(span.num_top for span in spans)
+        temperatures = [span.temperature for span in spans]
+        scale = None  # [N] float32: SMC particles' forced tokens are weighed at their temperature
+        if any(t != 1.0 for t in temperatures):
+            per_row = np.repeat(np.array(temperatures, np.float32), [span.count for span in spans])
+            scale = to_device(per_row, step.prompt_hidden.device)
         return prompt_logprobs(
-            step.prompt_hidden, step.prompt_targets, num_top, self.model.compute_logits, kernels=kernels
+            step.prompt_hidden,
+            step.prompt_targets,
+            num_top,
+            self.model.compute_logits,
+            kernels=self.model.kernels,
+            temperature=scale,
         )
 
     def _apply(self, update: GroupUpdate) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weft.engine.group import NO_UPDATE, GroupUpdate, SequenceGroup, Spawner, check_logprob_limits
 from weft.engine.sequence import FinishReason, Sequence
-from weft.outputs import ChoiceScore
+from weft.outputs import ChoiceScore, RequestOutput
 from weft.params import SamplingParams
 
 # Scores options after a prompt: (prompt text or None, prompt ids, options) -> one score each.
@@ -64,3 +64,6 @@ class ExactChoice:
 
     def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
         return []
+
+    def annotate(self, output: RequestOutput) -> None:
+        pass

@@ -33,6 +33,11 @@ class Spawner:
         """Sample `index` of a seeded request uses `seed + index`; an unseeded one draws a seed."""
         return self._seeds.getrandbits(62) if params.seed is None else params.seed + index
 
+    def rng_for(self, params: SamplingParams) -> random.Random:
+        """A request's own random draws (beyond its sequences' noise): from its seed when it has
+        one, so that a seeded request reproduces."""
+        return random.Random(params.seed if params.seed is not None else self._seeds.getrandbits(62))
+
     def fork(self, parent: Sequence, index: int) -> Sequence:
         return parent.fork(self.next_id(), index, self.seed_for(parent.params, index))
 
@@ -74,6 +79,10 @@ class GroupPolicy(Protocol):
     def allows_lookahead(self) -> bool:
         """Whether the next step may be launched before this step's tokens are on the host: only
         when the policy decides nothing from them (`weft.engine.lookahead`)."""
+        ...
+
+    def annotate(self, output: RequestOutput) -> None:
+        """Add the policy's own fields to the request's finished output (SMC's weights)."""
         ...
 
 
@@ -130,6 +139,9 @@ class ParallelSampling:
                 child.finish(FinishReason.ERROR, error=first.error)
             return GroupUpdate()
         return GroupUpdate(forks=[(first, child) for child in pending])
+
+    def annotate(self, output: RequestOutput) -> None:
+        pass
 
     def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
         if self.num_returned == self.num_samples:
@@ -190,7 +202,7 @@ class SequenceGroup:
             outputs = [self._completion(seq, kind) if tracked_only else seq.completion(kind)]
         else:
             outputs = [self._completion(s, kind) for s in reported]
-        return RequestOutput(  # positional, as CompletionOutput (once per request per step)
+        output = RequestOutput(  # positional, as CompletionOutput (once per request per step)
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
@@ -200,6 +212,9 @@ class SequenceGroup:
             None if first is None or first.prompt_logprobs is None else self._prompt_logprobs(first),
             self._speculation(),
         )
+        if finished:
+            self.policy.annotate(output)
+        return output
 
     def _speculation(self) -> SpeculationCounts | None:
         """The drafts of the request's sequences and their accepted tokens; None without any."""

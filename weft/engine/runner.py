@@ -35,6 +35,13 @@ class PromptSpan:
         params = self.seq.params
         return (params.logprobs if self.forced else params.prompt_logprobs) or 0
 
+    @property
+    def temperature(self) -> float:
+        """The temperature of the distribution its logprobs report: 1 (the model's own), but for
+        the forced tokens of an SMC particle, weighed at its sampling temperature."""
+        params = self.seq.params
+        return params.temperature if self.forced and params.smc is not None else 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class InFlightTokens:

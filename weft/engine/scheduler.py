@@ -132,7 +132,9 @@ class Scheduler:
         from the prefix cache."""
         parent, seq.fork_parent = seq.fork_parent, None
         num_shared = seq.num_tokens - seq.num_pending_forced - 1  # forced tokens wanting logprobs: computed
-        if parent is None or not self.kv.holds(parent.seq_id) or parent.num_computed_tokens < num_shared:
+        if num_shared <= 0 or parent is None or not self.kv.holds(parent.seq_id):
+            return  # nothing to share (a one-token prompt), or nothing held to share it from
+        if parent.num_computed_tokens < num_shared:
             return
         self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
         seq.num_computed_tokens = num_shared

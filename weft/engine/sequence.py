@@ -106,6 +106,9 @@ class Sequence:
     # it leaves its top logprobs in `candidates` and parks it instead of appending a sampled token.
     defers_sampling: bool = False
     candidates: LogprobRef | None = None
+    # Set by a policy that weighs a text's end too (SMC): a finished grammar does not end the
+    # sequence, which then samples its end-of-sequence token, the one token the grammar allows there.
+    samples_end: bool = False
     # The token stop rules, resolved once from params and limits (`Sequence.create`): the ids that
     # end the sequence once it has min_tokens (stop tokens, and EOS unless ignored), and the total
     # token count at which it stops for length (max_tokens after the prompt, or max_model_len).
@@ -378,7 +381,7 @@ class Sequence:
                 return self.finish(FinishReason.STOP, stop_reason=last if last in stop_tokens else None)
         if num_tokens >= self.max_num_tokens:
             return self.finish(FinishReason.LENGTH)
-        if grammar_done:
+        if grammar_done and not self.samples_end:
             return self.finish(FinishReason.STOP)
         return None
 

@@ -75,6 +75,9 @@ class SamplingColumns:
     logprob_index: torch.Tensor | None  # [R] int64 of those rows; None when R == B
     processed_rows: torch.Tensor | None  # [R] bool, which of them want PROCESSED logprobs
     masked_rows: torch.Tensor | None  # [R] bool, which of them want MASKED logprobs
+    # [R] float32, the temperature of each logprob row's reported distribution: an SMC particle's
+    # (its weights use that distribution), 1 for the others; None when every row's is 1
+    logprob_temperature: torch.Tensor | None
 
     @classmethod
     def build(
@@ -92,6 +95,7 @@ class SamplingColumns:
         logprob_rows = tuple(i for i, p in enumerate(params) if p.logprobs is not None)
         processed = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
         masked = [p.logprobs is not None and p.logprobs_mode == LogprobsMode.MASKED for p in params]
+        tempered = [params[i].temperature if params[i].smc is not None else 1.0 for i in logprob_rows]
         return cls(
             temperature=column([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
             is_greedy=column(greedy, torch.bool),
@@ -109,6 +113,7 @@ class SamplingColumns:
             if any(processed)
             else None,
             masked_rows=column([masked[i] for i in logprob_rows], torch.bool) if any(masked) else None,
+            logprob_temperature=column(tempered, torch.float32) if any(t != 1.0 for t in tempered) else None,
         )
 
 
@@ -256,7 +261,7 @@ class Sampler:
     """Steps, in order:
     1. padding: ids past the tokenizer's vocabulary (rows of a padded embedding) are never sampled;
     2. keep the raw logits of the rows that ask for logprobs (the model's own distribution; a copy
-       only when a later step changes the logits in place);
+       only when a later step changes the logits in place; an SMC particle's at its temperature);
     3. the grammar mask of the constrained rows (`LogitsMask`, filled while the forward ran), and for
        the rows that want logprobs the model's log-probability mass on the tokens it allowed;
     4. ban EOS/stop tokens for rows below `min_tokens`;
@@ -282,6 +287,8 @@ class Sampler:
         if self.num_real_tokens is not None and self.num_real_tokens < logits.shape[-1]:
             logits[:, self.num_real_tokens :] = float("-inf")
         raw = self._raw_logits(logits, batch, mask)  # [R, V]: only the rows that want logprobs
+        if raw is not None and batch.columns.logprob_temperature is not None:
+            raw = raw / batch.columns.logprob_temperature[:, None]  # SMC particles: at their temperature
         logmass = None  # [R]: the model's log-probability mass on what the grammar allowed
         if mask is not None:
             mask.apply(logits)

@@ -4,10 +4,11 @@ streaming chunks, logprobs in both shapes, usage, and errors."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
-from weft.outputs import CompletionOutput, Logprob, PositionLogprobs
+from weft.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
 
@@ -41,6 +42,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def finite(value: float) -> float | None:
+    """A float as JSON takes it: -inf (a weight of zero) as null."""
+    return value if math.isfinite(value) else None
+
+
+def smc_runs(output: RequestOutput) -> list[dict[str, Any]]:
+    """weft's `smc` of a response: per run, the log-marginal estimate (null: no particle reached
+    the language) and the resampling steps."""
+    return [
+        {
+            "log_marginal": finite(run.log_marginal),
+            "num_resampling_steps": run.num_resampling_steps,
+            "num_particles": run.num_particles,
+        }
+        for run in output.smc or []
+    ]
 
 
 def finish_reason(completion: CompletionOutput) -> str | None:

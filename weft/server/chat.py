@@ -23,7 +23,7 @@ from weft.agents.tool_formats import ToolSpec
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
 from weft.schema_objects import JsonSchemaMode
-from weft.server.bodies import ChunkWriter, chat_logprobs, finish_reason, sse, usage
+from weft.server.bodies import ChunkWriter, chat_logprobs, finish_reason, finite, smc_runs, sse, usage
 from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError
 from weft.server.service import GenerationFailed, Service
@@ -96,17 +96,18 @@ class Chat:
                 raise GenerationFailed(c.error)
             message = plan.message(c.text, finished=c.finish_reason == "stop")
             reason = "tool_calls" if message.tool_calls else finish_reason(c)
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message.to_openai(),
-                    "logprobs": self._logprobs(body, c),
-                    "finish_reason": reason,
-                }
-            )
+            choice = {
+                "index": c.index,
+                "message": message.to_openai(),
+                "logprobs": self._logprobs(body, c),
+                "finish_reason": reason,
+            }
+            if c.log_weight is not None:
+                choice["log_weight"] = finite(c.log_weight)
+            choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         self.service.count(len(final.prompt_token_ids), completion_tokens)
-        return {
+        body_out = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
@@ -114,6 +115,9 @@ class Chat:
             "choices": choices,
             "usage": usage(len(final.prompt_token_ids), completion_tokens),
         }
+        if final.smc is not None:
+            body_out["smc"] = smc_runs(final)
+        return body_out
 
     @staticmethod
     def _logprobs(body: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:

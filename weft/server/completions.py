@@ -9,7 +9,15 @@ from typing import Any
 
 from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import OutputKind
-from weft.server.bodies import ChunkWriter, completion_logprobs, finish_reason, sse, usage
+from weft.server.bodies import (
+    ChunkWriter,
+    completion_logprobs,
+    finish_reason,
+    finite,
+    smc_runs,
+    sse,
+    usage,
+)
 from weft.server.engine_loop import RequestHandle, merge, now
 from weft.server.protocol import CompletionRequest
 from weft.server.service import GenerationFailed, Service
@@ -49,14 +57,14 @@ class Completions:
         choices = []
         for i, out in enumerate(finals):
             prompt = self._prompt(out)
-            for c in out.outputs:
+            for c in out.outputs:  # n per prompt (n runs, or their particles, with smc)
                 if c.error is not None:
                     raise GenerationFailed(c.error)
-                choices.append(self._choice(body, out, c, prompt, i * body.n + c.index))
+                choices.append(self._choice(body, out, c, prompt, i * len(out.outputs) + c.index))
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
         completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
         self.service.count(prompt_tokens, completion_tokens)
-        return {
+        body_out = {
             "id": request_id,
             "object": "text_completion",
             "created": now(),
@@ -64,6 +72,9 @@ class Completions:
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }
+        if body.smc is not None:
+            body_out["smc"] = [run for out in finals for run in smc_runs(out)]
+        return body_out
 
     def _prompt(self, out: RequestOutput) -> _Prompt:
         text = out.prompt if out.prompt is not None else self.service.tokenizer.decode(out.prompt_token_ids)
@@ -131,13 +142,16 @@ class Completions:
 
 
 def _choice(index: int, text: str, logprobs: dict[str, Any] | None, c: CompletionOutput) -> dict[str, Any]:
-    return {
+    choice = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason(c),
         "stop_reason": c.stop_reason,
     }
+    if c.log_weight is not None:
+        choice["log_weight"] = finite(c.log_weight)
+    return choice
 
 
 async def _tagged(handle: RequestHandle) -> AsyncIterator[tuple[int, RequestOutput]]:

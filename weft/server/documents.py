@@ -32,6 +32,15 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
     stop_reason: int | str | None = None
+    log_weight: float | None = None  # with smc: the particle's normalized log-weight (null: zero)
+
+
+class SMCRunSummary(BaseModel):
+    """weft's `smc` in a response: one per run (per prompt, `n` of them)."""
+
+    log_marginal: float | None  # log P(the model produces a string of the language); null: zero
+    num_resampling_steps: int
+    num_particles: int
 
 
 class CompletionResponse(BaseModel):
@@ -41,6 +50,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    smc: list[SMCRunSummary] | None = None  # with smc
 
 
 class FunctionCall(BaseModel):
@@ -82,6 +92,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls"] | None
+    log_weight: float | None = None  # with smc: the particle's normalized log-weight (null: zero)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -91,6 +102,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    smc: list[SMCRunSummary] | None = None  # with smc
 
 
 class OutputText(BaseModel):

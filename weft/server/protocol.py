@@ -4,7 +4,8 @@
 Fields follow the OpenAI API; the extras are named as vLLM names them (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, min_tokens, prompt_logprobs,
 include_stop_str_in_output, skip_special_tokens, structured_outputs and the legacy guided_*), and
-weft's own `speculative` (false: this request does not draft where the server speculates).
+weft's own `speculative` (false: this request does not draft where the server speculates) and
+`smc` (sequential Monte Carlo over constrained particles; not streamed).
 Unknown top-level fields are ignored, as OpenAI-compatible servers do, except names that look like
 a constraint (`guided_*`): a constraint weft does not understand is an error, never silently
 unconstrained output. So is any unknown key inside `structured_outputs`.
@@ -57,6 +58,18 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
+class SMCRequest(BaseModel):
+    """weft's `smc`: sequential Monte Carlo over constrained particles (`weft.params.SMCParams`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_particles: int = 16
+    ess_threshold: float = 0.5
+    resampling: Literal["systematic", "stratified", "multinomial"] = "systematic"
+    output: Literal["sample", "weighted"] = "sample"
+    end_of_text: bool = True
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -89,6 +102,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     speculative: bool = True  # weft's: False, this request never drafts where the server speculates
+    smc: SMCRequest | None = None  # weft's: sequential Monte Carlo over constrained particles
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -161,6 +175,10 @@ class _Common(BaseModel):
         }
         if self.logit_bias:
             fields["logits_processors"] = [logit_bias_processor(self.logit_bias, vocab_size)]
+        if self.smc is not None:
+            if self.stream:
+                raise RequestError("smc cannot be streamed (particles are weighed to the end)", "stream")
+            fields["smc"] = self.smc.model_dump()
         return fields
 
 
@@ -269,6 +287,9 @@ def _constraint_names(constraint: dict[str, Any], field: str | None) -> dict[str
     return {name: field for name in _CONSTRAINT_FIELDS if name in constraint} if field else {}
 
 
+_SMC_FIELDS = {name: f"smc.{name}" for name in SMCRequest.model_fields}
+
+
 def checked_params(make: Callable[[], SamplingParams], renames: dict[str, str]) -> SamplingParams:
     """`make()`, with a SamplingParams field's error (`SamplingParams.max_tokens must be ...`)
     turned into a RequestError naming the request's own field, in `param` and in the message
@@ -278,7 +299,7 @@ def checked_params(make: Callable[[], SamplingParams], renames: dict[str, str]) 
     except RequestError:  # the request's own fields, checked on the way (logit_bias, ...)
         raise
     except ParamError as exc:
-        field = renames.get(exc.field, exc.field)
+        field = renames.get(exc.field, _SMC_FIELDS.get(exc.field, exc.field))
         raise RequestError(f"{field} {exc.detail}", field) from None
     except ValueError as exc:  # not one field's: several constraints given
         raise RequestError(str(exc)) from None

@@ -77,6 +77,12 @@ class Service:
             raise RequestError(
                 f"n={params.n}, best_of={params.best_of}: at most {self.max_n} sequences per request", "n"
             )
+        if params.smc is not None and params.n * params.smc.num_particles > self.max_n:
+            raise RequestError(
+                f"n={params.n} runs of smc.num_particles={params.smc.num_particles}: at most "
+                f"{self.max_n} sequences per request",
+                "smc.num_particles",
+            )
 
     async def add_all(
         self,
