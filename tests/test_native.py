@@ -12,7 +12,7 @@ import torch
 import weft.native as native
 from weft import ops
 from weft.config import RopeConfig
-from weft.engine.factory import kernels_for
+from weft.engine.loading import kernels_for
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS
 from weft.model.attention import PagedAttention
 from weft.model.layers import Linear, RotaryEmbedding, WeightLayout, weight_layout

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weft import ops
-from weft.engine.factory import kernels_for
+from weft.engine.loading import kernels_for
 from weft.kernels import TORCH_KERNELS, TorchKernels
 from weft.params import SamplingParams
 from weft.sample.sampler import Sampler, SamplingBatch, SamplingColumns

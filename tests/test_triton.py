@@ -180,7 +180,7 @@ def test_engine_greedy_equals_torch_kernels(checkpoint_factory, monkeypatch):
 
 def test_kernel_choice_is_validated(monkeypatch):
     from weft.config import ConfigError
-    from weft.engine.factory import kernels_for
+    from weft.engine.loading import kernels_for
 
     monkeypatch.setenv("WEFT_KERNELS", "cuda-please")
     with pytest.raises(ConfigError, match="WEFT_KERNELS"):

@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(batch: int, vocab: int, workload: str, repeats: int) -> dict[str, Any]:
     from weft import SamplingParams
-    from weft.engine.factory import kernels_for
+    from weft.engine.loading import kernels_for
     from weft.kernels import TORCH_KERNELS
     from weft.sample.sampler import Sampler, SamplingBatch
 

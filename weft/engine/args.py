@@ -20,10 +20,12 @@ from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
 from weft.model.quantize import QUANTIZATIONS
 
 
-def cli(help: str, *, type: Any = None, choices: Sequence[str] | None = None) -> dict[str, Any]:
+def cli(
+    help: str, *, type: Any = None, choices: Sequence[str] | None = None, aliases: Sequence[str] = ()
+) -> dict[str, Any]:
     """An `EngineArgs` field's command-line option, as the field's metadata: its help text, the type
-    its value parses as (default: the type of the field's default) and its choices."""
-    return {"help": help, "type": type, "choices": choices}
+    its value parses as (default: the type of the field's default), its choices and other flags."""
+    return {"help": help, "type": type, "choices": choices, "aliases": tuple(aliases)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,13 @@ class EngineArgs:
         ),
     )
 
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=cli(
+            "processes the model is sharded over, one per GPU on CUDA, sharing the cores on CPU (default: 1)",
+            aliases=("-tp",),
+        ),
+    )
     speculative_config: dict[str, Any] | str | None = field(
         default=None,
         metadata=cli(
@@ -134,7 +143,8 @@ def add_engine_arguments(
             action = argparse.BooleanOptionalAction
             parser.add_argument(flag, action=action, default=default, help=meta["help"])
             continue
-        parser.add_argument(flag, type=parse, default=default, choices=meta["choices"], help=meta["help"])
+        flags = [*meta["aliases"], flag]
+        parser.add_argument(*flags, type=parse, default=default, choices=meta["choices"], help=meta["help"])
 
 
 def engine_options(namespace: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, Any]:

@@ -24,6 +24,7 @@ With lookahead (`weft/engine/lookahead.py`) step 7 of a step waits until the nex
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from weft.engine.smc import SMC
 from weft.engine.speculation import Speculation
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput
+from weft.parallel.group import RankFailure, TensorParallel
+from weft.parallel.workers import Workers
 from weft.params import BeamSearchParams, SamplingParams
 from weft.sample.prompt_logprobs import prompt_logprobs
 from weft.sample.sampler import Sampler, SamplingBatchBuilder
@@ -82,13 +85,31 @@ class ContextOverflow(ValueError):
         )
 
 
+@dataclass(eq=False)
+class Ranks:
+    """A tensor-parallel engine's group (this process is rank 0) and the processes of the others."""
+
+    tp: TensorParallel
+    workers: Workers
+
+    def stop(self) -> None:
+        self.workers.stop(self.tp)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer, ranks: Ranks | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.kv = KVCacheManager(config.cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(model, config.model, config.cache, config.device, config.dtype)
+        # model.config: a tensor-parallel rank's part of the model (its KV heads), else config.model
+        self.runner = ModelRunner(model, model.config, config.cache, config.device, config.dtype)
+        self.ranks = ranks  # tensor parallel: the other ranks follow each step
+        self.failure: str | None = None  # why this engine stopped for good (a tensor-parallel rank died)
+        if ranks is not None:
+            weakref.finalize(self, ranks.stop)
         num_real_tokens = min(tokenizer.vocab_size, config.model.vocab_size)
         self.sampler = Sampler(num_real_tokens, model.kernels)
         self.sampling_batches = SamplingBatchBuilder()
@@ -135,6 +156,8 @@ class LLMEngine:
         bad prompt or parameters this engine cannot serve. A structured request waits for its
         grammar to compile off the loop; an invalid grammar finishes it with
         `finish_reason="error"` and the backend's message."""
+        if self.failure is not None:
+            raise RuntimeError(f"this engine has stopped: {self.failure}; build a new one")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._encode_prompt(prompt)
@@ -187,6 +210,11 @@ class LLMEngine:
     def _score_options(
         self, prompt: str | None, prompt_ids: list[int], options: list[str]
     ) -> list[ChoiceScore]:
+        if self.ranks is not None:
+            raise ValueError(
+                "exact scoring (LLM.score, choice_selection='exact') runs on one rank: "
+                "use tensor_parallel_size=1, or choice_selection='greedy'"
+            )
         return self.scorer.score(self._attribute(prompt, prompt_ids, options))
 
     def _attribute(self, prompt: str | None, prompt_ids: list[int], options: list[str]) -> list[Attributed]:
@@ -257,6 +285,34 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step (`_step`). When a tensor-parallel rank dies, every request fails with why, the
+        other ranks are stopped, and the engine refuses new requests."""
+        try:
+            return self._step()
+        except RankFailure as exc:
+            return self._fail_everything(exc)
+
+    def _fail_everything(self, exc: RankFailure) -> list[RequestOutput]:
+        assert self.ranks is not None
+        dead = self.ranks.workers.failure(wait_s=2.0)
+        self.failure = f"tensor-parallel {dead or 'communication failed'}: {exc}"
+        self.ranks.stop()
+        self.in_flight = None
+        self.awaiting, self.started = [], []
+        groups = list(self.groups.values())
+        for group in groups:
+            for seq in group.sequences:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ERROR, error=self.failure)
+        return self._emit(groups)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank). Also done when the
+        engine is collected or the process exits."""
+        if self.ranks is not None:
+            self.ranks.stop()
+
+    def _step(self) -> list[RequestOutput]:
         """One step: schedule, launch, then read back and apply what came back. With lookahead
         (`weft/engine/lookahead.py`) the step launched here may stay in flight until the next call,
         which then reads it back after launching its own."""

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import replace
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -25,44 +25,26 @@ from weft.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
-    KernelChoice,
     ModelConfig,
     SchedulerConfig,
-    read_optional_json,
     resolve_device,
-    resolve_dtype,
 )
 from weft.engine.args import EngineArgs
-from weft.engine.engine import LLMEngine
+from weft.engine.engine import LLMEngine, Ranks
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import settle_heap
+from weft.engine.loading import load
+from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
-from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
-from weft.model.loader import load_config, load_model, open_source
-from weft.model.quantize import check_quantization
-from weft.native import use_kernels
+from weft.model.loader import load_config, open_source
+from weft.parallel.group import TensorParallel, free_port
+from weft.parallel.shard import Shard
+from weft.parallel.workers import RankSpec, Workers
 from weft.speculative.config import SpeculativeConfig
 from weft.tokenizer import Tokenizer
 
-DEFAULT_MAX_MODEL_LEN = 8192
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
-
-
-def kernels_for(device: torch.device) -> TorchKernels:
-    """The kernel set for `device`, chosen here where the device is (on CPU this builds weft's
-    kernels on first use, so the first step does not)."""
-    choice = KernelChoice.from_env()
-    if choice.triton is True and device.type != "cuda" and not choice.interpreted:
-        raise ConfigError(
-            f"WEFT_KERNELS=triton on {device.type}: Triton compiles for CUDA GPUs only; set "
-            "TRITON_INTERPRET=1 to run its kernels in the interpreter (slow; for tests) or unset WEFT_KERNELS"
-        )
-    if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
-        from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
-
-        return TRITON_KERNELS
-    return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
 
 
 def speculative_config(value: dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -83,56 +65,91 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     speculative = speculative_config(args.speculative_config)  # a bad option fails before loading
     path = resolve_model_path(args.model)
     device = resolve_device(args.device)
-    source = open_source(path)  # the directory, or the GGUF file opened once
-    model_config = load_config(source)
-    if not isinstance(source, GgufCheckpoint):
-        model_config = _with_generation_eos(model_config, path)
-    kernels = kernels_for(device)
-    dtype = resolve_dtype(
-        args.dtype,
-        device,
-        model_config.checkpoint_dtype,
-        kernels.packs_linear_weights(device, torch.bfloat16),
-    )
-    quantization = check_quantization(args.quantization)
-    quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
-    matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
-    tokenizer = _load_tokenizer(source, args.tokenizer)
-    max_len = _max_model_len(args.max_model_len, model_config)
-    model = load_model(
-        source,
-        model_config,
-        dtype,
-        device,
-        max_len,
-        args.show_progress,
-        matmul,
-        quantization,
-        kernels=kernels,
-    )
-    if args.show_progress:  # what runs the model, chosen once here
-        info = kernels.describe(device, dtype, matmul)
-        print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
-    activations = kernels.activation_dtype(device, dtype)
+    ranks = start_ranks(args, path, device)  # tensor parallel: ranks 1..N-1 load their parts meanwhile
+    try:
+        engine = _build(args, path, device, ranks, speculative)
+    except BaseException:
+        if ranks is not None:
+            ranks.workers.stop()  # (they may be waiting for what rank 0 failed to send)
+        raise
+    settle_heap()  # the collector out of the step's way (weft/engine/heap.py)
+    return engine
+
+
+def _build(
+    args: EngineArgs,
+    path: Path,
+    device: torch.device,
+    ranks: Ranks | None,
+    speculative: SpeculativeConfig | None,
+) -> LLMEngine:
+    """Steps 2-6, as rank 0 with `ranks`."""
+    loaded = load(args, path, device, None if ranks is None else ranks.tp)
+    tokenizer = _load_tokenizer(loaded.source, args.tokenizer)
     cache = CacheConfig(
         block_size=args.block_size,
         num_blocks=args.num_kv_blocks
-        or _default_num_blocks(model_config, args, activations, device, max_len),
+        or _default_num_blocks(loaded.model.config, args, loaded.activations, device, loaded.max_len),
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    if args.show_progress:  # what runs the model, chosen once here
+        info = loaded.kernels.describe(device, loaded.dtype, loaded.matmul)
+        print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
     scheduler = SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), max_len
+        args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), loaded.max_len
     )
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
-        model_config, cache, scheduler, device, activations, args.seed, args.max_logprobs, dtype,
-        matmul, async_scheduling, speculative,
+        loaded.config, cache, scheduler, device, loaded.activations, args.seed, args.max_logprobs,
+        loaded.dtype, loaded.matmul, async_scheduling and ranks is None, speculative,
     )  # fmt: skip
-    engine = LLMEngine(config, model, tokenizer)
-    if device.type == "cuda" and not args.enforce_eager:
+    if ranks is not None:
+        ranks.tp.send(cache)  # the other ranks size their KV caches the same (their parts of it)
+    engine = LLMEngine(config, loaded.model, tokenizer, ranks)
+    if device.type == "cuda" and not args.enforce_eager and ranks is None:
         _capture_graphs(engine, args.show_progress)
-    settle_heap()  # the collector out of the step's way (weft/engine/heap.py)
     return engine
+
+
+def start_ranks(args: EngineArgs, path: Path, device: torch.device) -> Ranks | None:
+    """With `tensor_parallel_size` N > 1: check that the model divides and the machine has N
+    devices, start ranks 1..N-1 (each loads its part) and join them as rank 0; None for N = 1."""
+    n = args.tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    if n == 1:
+        return None
+    if device.type == "cuda":
+        available = torch.cuda.device_count()
+        if n > available:
+            raise ConfigError(
+                f"tensor_parallel_size={n} needs {n} GPUs, one per rank; this machine has {available}"
+            )
+    elif n > (os.cpu_count() or 1):
+        raise ConfigError(
+            f"tensor_parallel_size={n} needs a CPU core per rank at least; this machine has {os.cpu_count()}"
+        )
+    Shard(0, n).check(_full_config(path))
+    threads = max(1, torch.get_num_threads() // n) if device.type == "cpu" else torch.get_num_threads()
+    port = free_port()
+    options = {f.name: getattr(args, f.name) for f in fields(args)}
+    specs = [
+        RankSpec(rank, n, port, f"cuda:{rank}" if device.type == "cuda" else "cpu", threads, path, options)
+        for rank in range(1, n)
+    ]
+    workers = Workers.start(specs, worker_main)
+    try:
+        torch.set_num_threads(threads)  # this process is rank 0: its share of the cores
+        rank0 = torch.device("cuda:0") if device.type == "cuda" else device
+        tp = TensorParallel.connect(0, n, port, rank0, failure=workers.failure)
+    except BaseException:
+        workers.stop()
+        raise
+    return Ranks(tp, workers)
+
+
+def _full_config(path: Path) -> ModelConfig:
+    return load_config(open_source(path))
 
 
 def _capture_graphs(engine: LLMEngine, progress: bool) -> None:
@@ -208,24 +225,6 @@ def _load_tokenizer(source: Path | GgufCheckpoint, tokenizer: str | Path | None)
     if isinstance(source, GgufCheckpoint):
         return Tokenizer.from_gguf(source.metadata, str(source.path))
     return Tokenizer.from_dir(source)
-
-
-def _with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
-    """generation_config.json may name more end-of-sequence tokens than config.json."""
-    gen = read_optional_json(model_dir / "generation_config.json")
-    eos = gen.get("eos_token_id")
-    extra = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
-    return replace(config, eos_token_ids=merged)
-
-
-def _max_model_len(requested: int | None, config: ModelConfig) -> int:
-    if requested is not None and requested > config.max_position_embeddings:
-        raise ConfigError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings})"
-        )
-    return min(requested or DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
 
 
 def _default_num_blocks(

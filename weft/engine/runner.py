@@ -16,6 +16,7 @@ from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.llama import KVCache, LlamaForCausalLM
+from weft.sample.prompt_logprobs import CHUNK_ROWS as PROMPT_CHUNK_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,21 @@ class ModelInput:
 
 
 @dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step's inputs as host values: what rank 0 hands the other tensor-parallel ranks."""
+
+    input_ids: list[int]  # [T]
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B]
+    block_tables: np.ndarray  # [B, max_blocks] int64
+    logits_indices: list[int]  # [S]
+    prompt_rows: list[int]  # [N]
+    prompt_targets: list[int]  # [N]
+    pending: list[int]  # [2P]: (input row, its row in the step in flight) pairs
+    block_copies: list[tuple[int, int]]  # copy-on-write: (source block, destination block)
+
+
+@dataclass(frozen=True, slots=True)
 class StepLogits:
     logits: torch.Tensor  # [S, V] float32, the sampling rows
     prompt_hidden: torch.Tensor | None  # [N, hidden] for prompt logprobs (see ModelInput)
@@ -98,6 +114,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
+        self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -105,6 +122,14 @@ class ModelRunner:
         return math.prod(shape) * model_config.num_layers * torch.tensor([], dtype=dtype).element_size()
 
     def prepare(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> ModelInput:
+        plan, spans = self.plan(sched, in_flight)
+        return self.inputs(plan, spans, in_flight)
+
+    def plan(
+        self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None
+    ) -> tuple[StepPlan, list[PromptSpan]]:
+        """The step's inputs as host values (what every tensor-parallel rank needs), and the spans
+        of the rows whose next token's logprobs are wanted."""
         input_ids: list[int] = []
         pending: list[int] = []  # (input row, its row in `in_flight`) of the inputs it samples
         query_lens: list[int] = []
@@ -136,21 +161,32 @@ class ModelRunner:
             elif item.samples:
                 logits_indices.append(len(input_ids) - 1)
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
+        plan = StepPlan(
+            input_ids, query_lens, context_lens, tables, logits_indices, prompt_rows, prompt_targets,
+            pending, sched.block_copies,
+        )  # fmt: skip
+        return plan, spans
+
+    def inputs(
+        self, plan: StepPlan, spans: list[PromptSpan], in_flight: InFlightTokens | None = None
+    ) -> ModelInput:
+        """The step's inputs as device tensors."""
         attn, positions = self.attention.build_metadata(
-            query_lens, context_lens, tables, self.block_size, self.device
+            plan.query_lens, plan.context_lens, plan.block_tables, self.block_size, self.device
         )
-        ids = column(input_ids, np.int64, self.device)
-        if pending:  # the tokens the step in flight samples, taken on the device
+        ids = column(plan.input_ids, np.int64, self.device)
+        if plan.pending:  # the tokens the step in flight samples, taken on the device
             assert in_flight is not None
-            where = column(pending, np.int64, self.device).view(-1, 2)  # [P, 2]
+            where = column(plan.pending, np.int64, self.device).view(-1, 2)  # [P, 2]
             ids[where[:, 0]] = in_flight.tokens[where[:, 1]]
+        prompt_rows = plan.prompt_rows
         return ModelInput(
             input_ids=ids,
             positions=positions,
             attn=attn,
-            logits_indices=column(logits_indices, np.int64, self.device),
+            logits_indices=column(plan.logits_indices, np.int64, self.device),
             prompt_rows=column(prompt_rows, np.int64, self.device) if prompt_rows else None,
-            prompt_targets=column(prompt_targets, np.int64, self.device) if prompt_rows else None,
+            prompt_targets=column(plan.prompt_targets, np.int64, self.device) if prompt_rows else None,
             prompt_spans=spans,
         )
 
@@ -158,13 +194,30 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> StepLogits:
         """Run one step: logits [S, V] float32 for the sampling sequences, in order, and the hidden
         states of the rows whose prompt logprobs are wanted (their logits are computed in chunks).
-        `in_flight`: the step still running whose sampled tokens some inputs are."""
-        self.copy_blocks(sched.block_copies)
-        inputs = self.prepare(sched, in_flight)
+        `in_flight`: the step still running whose sampled tokens some inputs are. With tensor
+        parallelism the plan goes to the other ranks first, which run the same step (`follow`)."""
+        plan, spans = self.plan(sched, in_flight)
+        if self.tp is not None:
+            self.tp.send(plan)
+        self.copy_blocks(plan.block_copies)
+        inputs = self.inputs(plan, spans, in_flight)
         hidden = self._forward(inputs)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
         return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """Another tensor-parallel rank: run the step rank 0 planned, taking part in every collective
+        rank 0's `execute` and its prompt logprobs make, in the same order."""
+        self.copy_blocks(plan.block_copies)
+        inputs = self.inputs(plan, [])
+        hidden = self._forward(inputs)  # [T, hidden]
+        self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.prompt_rows is not None:  # as `prompt_logprobs` computes them on rank 0, in chunks
+            prompt_hidden = hidden[inputs.prompt_rows]
+            for start in range(0, prompt_hidden.shape[0], PROMPT_CHUNK_ROWS):
+                self.model.compute_logits(prompt_hidden[start : start + PROMPT_CHUNK_ROWS])
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:  # [T, hidden]
         """A replayed decode graph where one fits the step, else the eager forward."""

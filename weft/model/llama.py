@@ -11,8 +11,9 @@ one [2 * intermediate, hidden] matrix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -23,7 +24,15 @@ from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, WeightLayout
 from weft.model.prefill_gemm import Shape
 
+if TYPE_CHECKING:
+    from weft.parallel.group import TensorParallel
+
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel layer's sum over the ranks
+
+
+def _alone(x: torch.Tensor) -> torch.Tensor:
+    return x  # one rank: nothing to sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +59,7 @@ class Attention(nn.Module):
         kernels = backend.kernels
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.reduce: Reduce = _alone  # tensor parallel: the output projection's sum over the ranks
 
     def forward(
         self,
@@ -68,7 +78,7 @@ class Attention(nn.Module):
         q = qkv[:, :num_q]  # [T, H, D]
         kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
         out = self.backend(q, kv, kv_cache, meta, self.scale)
-        return self.o(out)
+        return self.reduce(self.o(out))
 
 
 class MLP(nn.Module):
@@ -77,6 +87,7 @@ class MLP(nn.Module):
         self.kernels = kernels
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down = Linear(config.intermediate_size, config.hidden_size)
+        self.reduce: Reduce = _alone  # tensor parallel: the down projection's sum over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         rows = self.kernels.mlp_chunk_rows
@@ -89,7 +100,7 @@ class MLP(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up(x)  # [T, 2I]: gate | up
-        return self.down(self.kernels.silu_mul(gate_up))  # [T, I] -> [T, hidden]
+        return self.reduce(self.down(self.kernels.silu_mul(gate_up)))  # [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -136,6 +147,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
         )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)
+        # Tensor parallel (weft/parallel/shard.py): `config` is this rank's part (heads, MLP columns,
+        # vocabulary rows from `vocab_start`), and the layers that split their inputs sum over `tp`.
+        self.tp: TensorParallel | None = None
+        self.vocab_start = 0
+
+    def shard(self, tp: TensorParallel, vocab_start: int) -> None:
+        """Make this model one rank's part of a tensor-parallel model."""
+        self.tp, self.vocab_start = tp, vocab_start
+        for layer in self.layers:
+            layer = cast(DecoderLayer, layer)
+            layer.attn.reduce = tp.all_reduce_
+            layer.mlp.reduce = tp.all_reduce_
 
     def forward(
         self,
@@ -144,9 +167,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
-        x = self.embed(input_ids)  # [T, hidden]
-        if self.activation_dtype is not None:
-            x = x.to(self.activation_dtype)  # half-precision weights, float32 activations (CPU kernels)
+        x = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
         group = meta.decode_group
         if self.stack is not None and group is not None:
@@ -168,6 +189,17 @@ class LlamaForCausalLM(nn.Module):
             normed = layer(x, normed, next_norm, rope, kv_cache, meta)
         return normed
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        if self.tp is None:
+            x = self.embed(input_ids)
+            # half-precision weights, float32 activations (CPU kernels)
+            return x if self.activation_dtype is None else x.to(self.activation_dtype)
+        local = input_ids - self.vocab_start  # [T]: this rank's rows, the others read as zeros
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        x = self.embed(local.masked_fill(outside, 0))
+        x = x.to(self.activation_dtype or x.dtype).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce_(x)
+
     def fuse_stack(self) -> None:
         """Let steps whose rows each attend as one query (decode) run every layer in one call of the
         kernel set's `decoder_stack_`, where it has one and the layers fit it."""
@@ -175,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
         device = self.lm_head.weight.device
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
-        if not all(_stackable(layer) for layer in layers):
-            return
+        if not all(_stackable(layer) for layer in layers) or self.tp is not None:
+            return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
@@ -197,7 +229,9 @@ class LlamaForCausalLM(nn.Module):
         return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        return self.lm_head(hidden).float()
+        """Tensor parallel: each rank's vocabulary range, gathered on rank 0 (the others get theirs)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_columns(logits)
 
 
 def _stackable(layer: DecoderLayer) -> bool:

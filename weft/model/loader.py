@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -43,6 +44,8 @@ from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import MixedRows, QuantizedRows, Weight, cat_rows, dequantized, logical_shape
 from weft.model.registry import resolve_architecture
+from weft.parallel.group import TensorParallel
+from weft.parallel.shard import Shard
 
 EMBED = "model.embed_tokens.weight"
 
@@ -167,6 +170,7 @@ def load_model(
     quantization: str | None = None,
     *,
     kernels: TorchKernels,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Steps, with the device's kernel set (`weft.engine.factory.kernels_for`): read the tensors,
     build the model on the meta device, load the converted weights,
@@ -174,20 +178,25 @@ def load_model(
     kernel set streams fastest. `matmul_dtype` bfloat16 with bfloat16 panels: bfloat16 products
     (which never take the dense GEMM: it would multiply in float32, at half their rate).
     `quantization` ("q8_0", "q4_k"): float matrices become blocks of that type as they are read
-    (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels."""
+    (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels. `tp`: this process is
+    one rank of a tensor-parallel model, which loads its part (weft/parallel/shard.py)."""
     arch = resolve_architecture(config)
+    cut = None if tp is None else _Cut.of(tp, model_dir, quantization, config)
+    config = config if cut is None else cut.shard.config(config)  # a rank: its heads, columns, vocabulary
     layout = weight_layout(kernels, device, dtype)
     packs_table = config.tie_word_embeddings and layout is WeightLayout.PANELS
     bf16_dot = layout is WeightLayout.PANELS and dtype == matmul_dtype == torch.bfloat16
     int8_dot = layout is WeightLayout.PANELS and matmul_dtype == torch.int8  # quantized matrices: qdot.cpp
     with torch.device("meta"):
         model = arch.model_class(config, arch.spec, max_positions, kernels)
+    if tp is not None and cut is not None:
+        model.shard(tp, cut.shard.vocab_start(cut.full))
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
     _check_quantization(quantization, layout)
     weights = _read_weights(
-        model_dir, config, dtype, packs_table, show_progress, panels, int8_dot, quantization
+        model_dir, config, dtype, packs_table, show_progress, panels, int8_dot, quantization, cut
     )
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
@@ -201,6 +210,20 @@ def load_model(
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)  # off meta
+    _place_weights(model, config, layout, packs_table)
+    _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
+    if layout is WeightLayout.PANELS:
+        apply_dense_rows(_body_linears(model), dense_rows)
+        model.dense_rows = dense_rows
+    model.set_bf16_dot(bf16_dot)
+    model.fuse_stack()
+    return model
+
+
+def _place_weights(
+    model: LlamaForCausalLM, config: ModelConfig, layout: WeightLayout, packs_table: bool
+) -> None:
+    """Tie the embedding table (one tensor) and put every matrix in `layout`."""
     if packs_table:
         model.embed.read_from_panels(model.lm_head)  # one tensor
     elif config.tie_word_embeddings:
@@ -209,13 +232,33 @@ def load_model(
         for module in model.modules():
             if isinstance(module, Linear) and module.layout is not layout:
                 module.set_layout(layout)
-    _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
-    if layout is WeightLayout.PANELS:
-        apply_dense_rows(_body_linears(model), dense_rows)
-        model.dense_rows = dense_rows
-    model.set_bf16_dot(bf16_dot)
-    model.fuse_stack()
-    return model
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A tensor-parallel rank's part of each tensor, as it is read."""
+
+    shard: Shard
+    full: ModelConfig  # the whole model's configuration
+
+    @classmethod
+    def of(cls, tp: TensorParallel, source: Source, quantization: str | None, config: ModelConfig) -> _Cut:
+        cut = cls(Shard(tp.rank, tp.world_size), config)
+        _check_shardable(source, quantization, cut.shard, config)
+        return cut
+
+    def __call__(self, name: str, tensor: Weight) -> Weight:
+        assert isinstance(tensor, torch.Tensor)  # quantized checkpoints are refused with tensor parallel
+        return self.shard.tensor(name, tensor, self.full)
+
+
+def _check_shardable(source: Source, quantization: str | None, shard: Shard, config: ModelConfig) -> None:
+    shard.check(config)
+    if quantization is not None or (isinstance(source, GgufCheckpoint) and source.quantized):
+        raise CheckpointError(
+            f"tensor_parallel_size={shard.world_size} runs float checkpoints (safetensors, or GGUF files of "
+            "F32/F16/BF16 tensors); a quantized model runs on one rank: leave tensor_parallel_size at 1"
+        )
 
 
 def _check_quantization(quantization: str | None, layout: WeightLayout) -> None:
@@ -267,13 +310,17 @@ def _read_weights(
     keeps_blocks: bool = False,
     dot: bool = False,
     quantization: str | None = None,
+    cut: _Cut | None = None,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
     panels as soon as it is read (`dot`: dot panels, if it came in blocks), so that it never sits in
     memory twice beside the other weights; with `keeps_blocks`, quantized GGUF matrices stay in
-    their blocks (packed in `_expect_quantized`); with `quantization`, float matrices become blocks."""
+    their blocks (packed in `_expect_quantized`); with `quantization`, float matrices become blocks;
+    with `cut`, each tensor is cut to a tensor-parallel rank's part as it is read."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
+        if cut is not None:
+            tensor = cut(name, tensor)
         if quantization is not None and quantizes(name, tensor, config.tie_word_embeddings):
             assert isinstance(tensor, torch.Tensor)
             tensor = quantize_rows(tensor, "q8_0" if name == EMBED else quantization)

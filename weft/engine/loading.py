@@ -1,0 +1,99 @@
+"""Loading a model on its device: the configuration, the kernel set, the dtype and the weights,
+settled the same way for an engine (`weft.engine.factory`) and for each tensor-parallel rank
+(`weft.engine.rank`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from weft.config import ConfigError, KernelChoice, ModelConfig, read_optional_json, resolve_dtype
+from weft.engine.args import EngineArgs
+from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
+from weft.model.gguf_checkpoint import GgufCheckpoint
+from weft.model.llama import LlamaForCausalLM
+from weft.model.loader import Source, load_config, load_model, open_source
+from weft.model.quantize import check_quantization
+from weft.native import use_kernels
+from weft.parallel.group import TensorParallel
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def kernels_for(device: torch.device) -> TorchKernels:
+    """The kernel set for `device`, chosen here where the device is (on CPU this builds weft's
+    kernels on first use, so the first step does not)."""
+    choice = KernelChoice.from_env()
+    if choice.triton is True and device.type != "cuda" and not choice.interpreted:
+        raise ConfigError(
+            f"WEFT_KERNELS=triton on {device.type}: Triton compiles for CUDA GPUs only; set "
+            "TRITON_INTERPRET=1 to run its kernels in the interpreter (slow; for tests) or unset WEFT_KERNELS"
+        )
+    if choice.triton is True or (choice.triton is None and device.type == "cuda" and triton_available()):
+        from weft.cuda.kernels import TRITON_KERNELS  # imports triton: only when chosen
+
+        return TRITON_KERNELS
+    return NATIVE_CPU_KERNELS if use_kernels(device) else TORCH_KERNELS
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A model loaded on its device, with what was settled on the way."""
+
+    source: Source
+    config: ModelConfig  # the whole model's (a tensor-parallel rank's model has its part: model.config)
+    model: LlamaForCausalLM
+    device: torch.device
+    kernels: TorchKernels
+    dtype: torch.dtype  # the weights'
+    matmul: torch.dtype  # what the products multiply in
+    max_len: int
+
+    @property
+    def activations(self) -> torch.dtype:
+        return self.kernels.activation_dtype(self.device, self.dtype)
+
+
+def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel | None = None) -> Loaded:
+    """Steps 2-4: the configuration, then the model on its device (with `tp`, this rank's part)."""
+    source = open_source(path)  # the directory, or the GGUF file opened once
+    model_config = load_config(source)
+    if not isinstance(source, GgufCheckpoint):
+        model_config = with_generation_eos(model_config, path)
+    kernels = kernels_for(device)
+    dtype = resolve_dtype(
+        args.dtype,
+        device,
+        model_config.checkpoint_dtype,
+        kernels.packs_linear_weights(device, torch.bfloat16),
+    )
+    quantization = check_quantization(args.quantization)
+    quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
+    matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
+    max_len = _max_model_len(args.max_model_len, model_config)
+    progress = args.show_progress and (tp is None or tp.rank == 0)
+    model = load_model(
+        source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp
+    )
+    return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len)
+
+
+def with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """generation_config.json may name more end-of-sequence tokens than config.json."""
+    gen = read_optional_json(model_dir / "generation_config.json")
+    eos = gen.get("eos_token_id")
+    extra = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    merged = tuple(dict.fromkeys(config.eos_token_ids + extra))
+    return replace(config, eos_token_ids=merged)
+
+
+def _max_model_len(requested: int | None, config: ModelConfig) -> int:
+    if requested is not None and requested > config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    return min(requested or DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
