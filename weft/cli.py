@@ -371,7 +371,8 @@ def _read_json_or_file(value: str | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
     try:
         if args.command == "generate":
             return run_generate(args)
@@ -380,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from weft.server import cli as server_cli
 
+            if args.data_parallel_size > 1:  # replicas behind a router (weft/server/replicas.py)
+                from weft.server import replicas
+
+                return replicas.run(args, raw[raw.index("serve") + 1 :])
             return server_cli.run(args)
         if args.command == "quantize":
             return run_quantize(args)

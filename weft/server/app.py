@@ -90,7 +90,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app, service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
-    @app.get("/health", responses={200: ok(Health)})
+    unavailable = {
+        "model": Health,
+        "description": '{"status": "loading"} or {"status": "draining"} (weft/server/gate.py)',
+    }
+
+    @app.get("/health", responses={200: ok(Health), 503: unavailable})
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -167,7 +172,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "a missing or wrong API key"),
         (404, "an unknown model"),
         (413, "a body over --max-body-bytes"),
-        (503, "--max-pending requests already in flight"),
+        (503, "--max-pending requests already in flight, or the server is loading or draining"),
     )
 }
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ from weft.agents.reasoning import REASONING_FORMATS
 from weft.agents.tool_formats import FORMATS
 from weft.engine.args import EngineArgs, add_engine_arguments, engine_options
 from weft.schema_objects import JsonSchemaMode
-from weft.server.engine_loop import EngineLoop
+from weft.server import replicas
+from weft.server.gate import Gate, Phase
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,18 +62,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="/v1/responses kept in memory for previous_response_id and GET, the oldest dropped first "
         "(default: 1000; 0: none)",
     )
+    replicas.add_arguments(p)
     add_engine_arguments(p.add_argument_group("engine options (the keyword arguments of LLM)"))
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Steps: bind the port at once (the gate answers 503 "loading"), load the model, serve; on
+    SIGTERM (or a first SIGINT) drain: new requests get 503, those in flight finish, then exit."""
     import uvicorn
 
+    gate = Gate()
+    server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level))
+    http = _serve_in_thread(server)
+    _wait_started(server, http)
+    if not server.started:
+        print(f"weft serve: could not serve on {args.host}:{args.port} (see the error above)", flush=True)
+        return 1
+    name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")
+    stop = _on_signals(server, gate)
+    try:
+        app = _build(args, name)
+    except BaseException:
+        server.should_exit = True
+        http.join()
+        raise
+    if gate.phase is Phase.DRAINING:  # told to stop while loading
+        http.join()
+        app.state.engine_loop.engine.shutdown()
+        stop()
+        print("weft serve: stopped while loading", flush=True)
+        return 0
+    gate.open(app)
+    print(f"weft serve: {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    app.state.engine_loop.run(until=http.done)  # the engine steps in this (main) thread
+    http.join()
+    app.state.engine_loop.engine.shutdown()  # tensor parallel: the other ranks
+    stop()
+    print("weft serve: stopped after finishing the requests in flight", flush=True)
+    return 0
+
+
+def _build(args: argparse.Namespace, name: str) -> Any:
     from weft.engine.factory import build_engine
     from weft.server.app import ServerConfig, build_app
 
     engine = build_engine(EngineArgs(**engine_options(args)))
-    name = args.served_model_name or (Path(args.model).name if args.model else "weft-default")
     config = ServerConfig(
         model_name=name,
         api_key=args.api_key or os.environ.get("WEFT_API_KEY") or None,
@@ -81,40 +117,54 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_stored_responses=args.max_stored_responses,
-        engine_thread=False,  # the engine steps in the main thread: see serve_forever
+        engine_thread=False,  # the engine steps in the main thread: see `run`
     )
-    app = build_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    print(f"weft serve: {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    if not serve_forever(server, app.state.engine_loop):
-        print(f"weft serve: could not serve on {args.host}:{args.port} (see the error above)", flush=True)
-        return 1
-    print("weft serve: stopped after finishing the requests in flight", flush=True)
-    return 0
+    return build_app(engine, config)
 
 
-def serve_forever(server: Any, engine_loop: EngineLoop) -> bool:
-    """uvicorn's event loop in a thread, the engine in this (main) thread. SIGINT/SIGTERM tell
-    uvicorn to stop accepting and drain the requests in flight (a second SIGINT: at once); the
-    engine steps until uvicorn has finished. Returns whether uvicorn served at all (False: it
-    could not start, e.g. the port was taken)."""
-    done = threading.Event()
+class _HTTPThread(threading.Thread):
+    """uvicorn's event loop, in a thread of its own (`done` set when it returns)."""
 
-    def serve() -> None:
+    def __init__(self, server: Any) -> None:
+        super().__init__(name="weft-http", daemon=True)
+        self.server = server
+        self.done = threading.Event()
+
+    def run(self) -> None:
         try:
-            server.run()
+            self.server.run()
         finally:
-            done.set()
+            self.done.set()
 
-    def on_signal(sig: int, frame: object) -> None:
-        if server.should_exit and sig == signal.SIGINT:
-            server.force_exit = True
+
+def _serve_in_thread(server: Any) -> _HTTPThread:
+    thread = _HTTPThread(server)
+    thread.start()
+    return thread
+
+
+def _wait_started(server: Any, http: _HTTPThread) -> None:
+    while not server.started and not http.done.wait(0.01):
+        pass
+
+
+def _on_signals(server: Any, gate: Gate) -> Callable[[], None]:
+    """SIGTERM, or a first SIGINT: drain (the gate turns new requests away; uvicorn exits once the
+    last one in flight has finished). A second SIGINT: exit at once. Returns what undoes it."""
+
+    def drained() -> None:
         server.should_exit = True
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    thread = threading.Thread(target=serve, name="weft-http", daemon=True)
-    thread.start()
-    engine_loop.run(until=done)
-    thread.join()
-    return bool(server.started)
+    def on_signal(sig: int, frame: object) -> None:
+        if gate.phase is Phase.DRAINING and sig == signal.SIGINT:
+            server.should_exit = server.force_exit = True
+            return
+        gate.drain(drained)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
