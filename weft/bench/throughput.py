@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_repeats_argument(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="N > 1: weft on one rank against N ranks (CPU), and the collectives' cost (default: 1)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument(
         "--plot", type=Path, default=None, help="write a PNG of decode tokens/s against batch size per dtype"
@@ -217,6 +223,10 @@ def generate_exactly(model, prompts: list[list[int]], output_len: int, **options
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tensor_parallel_size > 1:
+        from weft.bench import tensor_parallel
+
+        return tensor_parallel.run(args)
     dtypes = [name.strip() for name in args.dtype.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     device = torch.device(args.device)

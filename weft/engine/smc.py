@@ -7,9 +7,10 @@ particle samples from the masked model at the request's temperature, and its log
 at every sampled token the log of the probability mass (at that temperature, before the mask)
 the mask kept, and at every forced token that token's own log-probability: exactly the
 `constraint_logmass` of each of its positions (weft/engine/positions.py; the sampler reports an
-SMC row's logprobs at its temperature). A particle whose grammar finished samples its
-end-of-sequence token too (`Sequence.samples_end`), so that its weight holds the probability
-that the text ends there. The weight of a particle is then, in expectation over its future, the
+SMC row's logprobs at its temperature). With `end_of_text` (the default) a particle whose
+grammar finished samples its end-of-sequence token too (`Sequence.samples_end`), so that its
+weight holds the probability that the text ends there; without, it ends where its grammar ends,
+as masking's outputs do. The weight of a particle is then, in expectation over its future, the
 probability under the model that its prefix ends as a string of the language, which is what
 makes resampling valid at any step.
 
@@ -17,9 +18,8 @@ After every engine step, per run (`after_step`):
   1. start: the particles are forks of the first, each with its own noise stream, drawing their
      first token from the row of the prompt's last token (as the samples of `n` do);
   2. weigh: each particle adds the constraint log-mass of its new positions;
-  3. a particle that finished keeps its weight if its text is a string of the language (its
-     grammar finished and it sampled end-of-sequence), else its weight is -inf (max_tokens, an
-     error), and it stops stepping;
+  3. a particle that finished keeps its weight if its text is a string of the language (it
+     stopped), else its weight is -inf (max_tokens, an error), and it stops stepping;
   4. when every live particle has stepped since the last check and the effective sample size of
      their normalized weights is below `ess_threshold` times their number, resample them: each
      survives as often as the resampling scheme draws it (forked, sharing its KV blocks
