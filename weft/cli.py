@@ -392,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from weft import demo
 
             return demo.run(args.model, args.seed)
+        if args.bench == "throughput" and args.tensor_parallel_size > 1:
+            from weft.bench import tensor_parallel  # one rank against N (weft/bench/tensor_parallel.py)
+
+            return tensor_parallel.run(args)
         benches = {name: module for name, module, _ in _benches()}
         return benches[args.bench].run(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -223,10 +223,6 @@ def generate_exactly(model, prompts: list[list[int]], output_len: int, **options
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tensor_parallel_size > 1:
-        from weft.bench import tensor_parallel
-
-        return tensor_parallel.run(args)
     dtypes = [name.strip() for name in args.dtype.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     device = torch.device(args.device)

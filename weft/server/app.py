@@ -90,23 +90,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app, service)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
-    unavailable = {
-        "model": Health,
-        "description": '{"status": "loading"} or {"status": "draining"} (weft/server/gate.py)',
-    }
-
-    @app.get("/health", responses={200: ok(Health), 503: unavailable})
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/v1/models", responses={200: ok(ModelList), 401: ERRORS[401]})
-    async def models() -> dict[str, Any]:
-        card = {"id": service.model_name, "object": "model", "created": now(), "owned_by": "weft"}
-        return {"object": "list", "data": [{**card, "max_model_len": service.max_model_len}]}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+    _add_status_routes(app, service)
 
     @app.post("/v1/completions", responses={200: ok(CompletionResponse, CHUNKS), **ERRORS})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -125,6 +109,27 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     _add_responses_routes(app, service, responses)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _add_status_routes(app: FastAPI, service: Service) -> None:
+    """/health, /v1/models and /metrics."""
+    unavailable = {
+        "model": Health,
+        "description": '{"status": "loading"} or {"status": "draining"} (weft/server/gate.py)',
+    }
+
+    @app.get("/health", responses={200: ok(Health), 503: unavailable})
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", responses={200: ok(ModelList), 401: ERRORS[401]})
+    async def models() -> dict[str, Any]:
+        card = {"id": service.model_name, "object": "model", "created": now(), "owned_by": "weft"}
+        return {"object": "list", "data": [{**card, "max_model_len": service.max_model_len}]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 CHUNKS = "the JSON chunks as `data`, then `data: [DONE]`"
