@@ -19,6 +19,7 @@ from conftest import SHARED_DATA
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
 from weft.model.gguf_checkpoint import GgufCheckpoint, GgufError, hf_name, unpermute_rotary_rows
+from weft.model.gguf_file import GgufFile
 from weft.tokenizer import Tokenizer
 
 SHARED = SHARED_DATA
@@ -146,6 +147,24 @@ def test_int8_products_are_for_quantized_matrices(checkpoint_factory):
         LLM(str(checkpoint_factory()), show_progress=False, matmul_precision="int8")
 
 
+def test_the_header_reader_reads_what_gguf_reads():
+    """weft's GGUF reader against the gguf package's, on llama.cpp's Q4_K_M file (F32, Q4_K and Q6_K
+    tensors): every key's value and types, every tensor's name, shape, type and data."""
+    from gguf import GGUFReader
+
+    path = GGUF_DIR / FILES["q4_k_m"]
+    ours, theirs = GgufFile(path), GGUFReader(str(path))
+    expected = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # the reader's own
+    assert list(ours.fields) == list(expected)
+    for key, field in expected.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types, key
+    assert {t.tensor_type.name for t in ours.tensors} == {"F32", "Q4_K", "Q6_K"}
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, list(a.shape), a.tensor_type) == (b.name, list(b.shape), b.tensor_type)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
 def test_weft_quantize_writes_gguf_files_llama_cpp_reads(tmp_path, capsys):
     """`weft quantize`: Q8_0 of llama.cpp's own Q8_0 file gives back its tensors byte for byte and
     every key; of its Q4_K_M file, every matrix in Q8_0 blocks (read back by gguf: the same tensors,
@@ -158,17 +177,17 @@ def test_weft_quantize_writes_gguf_files_llama_cpp_reads(tmp_path, capsys):
     source, again = GGUF_DIR / FILES["q8_0"], tmp_path / "again-q8_0.gguf"
     assert main(["quantize", str(source), str(again), "--type", "q8_0"]) == 0
     assert "15 matrices in Q8_0" in capsys.readouterr().out
-    old, new = GGUFReader(str(source)), GGUFReader(str(again))
+    old, new = GgufFile(source), GGUFReader(str(again))  # weft's reader of the input, gguf's of the output
     assert [t.name for t in old.tensors] == [t.name for t in new.tensors]
     for a, b in zip(old.tensors, new.tensors, strict=True):
         assert a.tensor_type == b.tensor_type, a.name
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
     keys = {k: f.contents() for k, f in old.fields.items()}
-    assert keys == {k: f.contents() for k, f in new.fields.items()}
+    assert keys == {k: f.contents() for k, f in new.fields.items() if not k.startswith("GGUF.")}
 
     source, q8 = GGUF_DIR / FILES["q4_k_m"], tmp_path / "from-q4_k_m.gguf"
     assert main(["quantize", str(source), str(q8)]) == 0
-    old, new = GGUFReader(str(source)), GGUFReader(str(q8))
+    old, new = GgufFile(source), GGUFReader(str(q8))
     assert new.fields["general.file_type"].contents() == 7  # llama.cpp's MOSTLY_Q8_0
     for a, b in zip(old.tensors, new.tensors, strict=True):
         assert (a.name, list(a.shape)) == (b.name, list(b.shape))

@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's one-file format): the configuration, the weights, the tokenizer and
-the chat template of a model, read from one `.gguf` file with the `gguf` package.
+the chat template of a model, read from one `.gguf` file (its header by weft/model/gguf_file.py, the
+blocks' formats and dequantization from the `gguf` package).
 
 Steps of `GgufCheckpoint(path)`:
   1. read the header (metadata and the tensor index; the tensor data stays memory-mapped) and
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from weft.config import ConfigError, ModelConfig
+from weft.model.gguf_file import GgufFile
 from weft.model.quantized import QuantizedRows, Weight, as_q8_0
 
 GGUF_MAGIC = b"GGUF"
@@ -102,12 +104,10 @@ class GgufCheckpoint:
     """One GGUF file, opened for reading (see the module's steps)."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(str(path))
-        except Exception as exc:  # the gguf package raises ValueError, struct errors, IndexError ...
+            self.reader = GgufFile(path)
+        except Exception as exc:  # ValueError, struct errors, a GGML type gguf does not know ...
             raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.metadata: dict[str, Any] = {key: field.contents() for key, field in self.reader.fields.items()}
         arch = self.metadata.get("general.architecture")

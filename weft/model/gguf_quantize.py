@@ -24,7 +24,7 @@ from weft.native import kernels_available
 
 # general.file_type of each type (llama.cpp's llama_ftype: what its quantizer writes)
 FILE_TYPES = {"q8_0": 7, "q4_k": 14}  # MOSTLY_Q8_0, MOSTLY_Q4_K_S
-_SKIPPED_KEYS = ("GGUF.", "general.architecture", "general.file_type")  # the reader's own; written anew
+_SKIPPED_KEYS = ("general.architecture", "general.file_type")  # written anew
 
 
 def quantize_gguf(source: Path, target: Path, kind: str, show_progress: bool = True) -> int:
