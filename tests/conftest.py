@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors in its in
 # long prompt takes does not depend on the machine (tests/test_prefill_gemm.py measures it).
 os.environ.setdefault("WEFT_DENSE_ROWS", "1024")
 
+import background
+import other_builds
 from checkpoints import build_checkpoint
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -39,6 +42,31 @@ def require_native_kernels() -> None:
         if os.environ.get("CI"):
             pytest.fail("the CPU kernels must build in CI (g++ and ninja are expected there)")
         pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected slow subprocess checks now, in the background (tests/background.py)."""
+    names = {item.originalname for item in session.items if isinstance(item, pytest.Function)}
+    if "test_mypy_clean" in names:
+        background.start("mypy", [sys.executable, "-m", "mypy"])
+    if "test_other_builds_of_the_kernels_pass_the_same_tests" not in names:
+        return
+    if os.environ.get(other_builds.CHILD_BUILD) or not other_builds.is_x86():
+        return
+    import weft.native
+    from weft.kernels import cpu_isa_path
+
+    if not weft.native.kernels_available():
+        return
+    selected = {item.callspec.params["path"] for item in session.items if hasattr(item, "callspec")}
+    for path, (_, _, isa, _) in other_builds.BUILDS.items():
+        if isa != cpu_isa_path() and path in selected:
+            out = Path(tempfile.mkdtemp(prefix=f"weft-build-{path}-"))
+            background.start(f"build-{path}", other_builds.command(path, out))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
 
 
 @pytest.fixture(scope="session", autouse=True)

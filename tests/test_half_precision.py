@@ -14,16 +14,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
+import background
 import pytest
 import torch
 from conftest import require_native_kernels
+from other_builds import BUILDS, CHILD_BUILD, command, is_x86
 
 import weft.native as native
 from weft import LLM, SamplingParams
-from weft.config import ConfigError, NativeConfig, resolve_dtype
+from weft.config import ConfigError, resolve_dtype
 from weft.kernels import cpu_isa_path
 from weft.model.layers import Linear, WeightLayout
 from weft.model.prefill_gemm import NEVER
@@ -31,7 +34,6 @@ from weft.model.prefill_gemm import NEVER
 HALF = [torch.bfloat16, torch.float16]
 VOCAB = 384  # the tiny checkpoints' vocabulary
 TORCH_HALF_ERROR = {"float16": 1e-2, "bfloat16": 1.5e-1}
-CHILD_BUILD = "WEFT_TEST_CHILD_BUILD"  # set in the child processes that test another build
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,105 +95,22 @@ def test_half_precision_kernel_rejects_half_precision_activations():
         torch.ops.weft.packed_linear(torch.randn(2, 8), float16, None, 32, True)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux; empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-# Every ISA path of weft/native: -march and extra flags, the build_info it must report, and the CPU
-# flags that running it needs (without them the build is only compiled).
-BUILDS = {
-    "scalar": ("x86-64", "", "scalar", {"sse2"}),
-    "avx2": ("x86-64-v3", "", "avx2", {"avx2", "fma", "f16c"}),
-    "avx512": ("skylake-avx512", "", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    "avx512_bf16": ("cooperlake", "", "avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-}
-# What a child runs against another build: every test of the panels, the bfloat16 products and the
-# model-level parity here, the prefill GEMM's two paths, the other kernels' vector paths, the exact
-# quantized panels and the int8 products (vpdpbusd, vpmaddubsw on AVX-512BW and AVX2, scalar).
-CHILD_TESTS = [
-    ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
-    ("both_paths", "test_prefill_gemm.py"),
-    (
-        "gumbel or row_logprobs or top_p_filter or silu or attention or packed_linear or rms_norm",
-        "test_native.py",
-    ),
-    ("q8_0", "test_quant.py"),
-    ("", "test_qdot.py"),
-]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", list(BUILDS))
-def test_other_builds_of_the_kernels_pass_the_same_tests(tmp_path, path):
+def test_other_builds_of_the_kernels_pass_the_same_tests(path):
     """Each ISA path this machine's own build does not take: built, and where this CPU can run it,
-    this file's accuracy tests and the other kernels' tests run against it in a child process."""
-    if os.uname().machine not in ("x86_64", "AMD64"):
+    this file's accuracy tests and the other kernels' tests run against it in child processes; where
+    it cannot, compiled (tests/other_builds.py, started in the background at collection)."""
+    if not is_x86():
         pytest.skip("these are x86 builds")
     if os.environ.get(CHILD_BUILD):
         pytest.skip("a child process testing another build builds no further ones")
-    arch, cflags, isa, needs = BUILDS[path]
-    if isa == cpu_isa_path():
-        pytest.skip(f"this machine's own build takes the {isa} path: every test here runs against it")
-    env = {
-        **os.environ,
-        "CI": "true",
-        CHILD_BUILD: "1",
-        "WEFT_NATIVE_ARCH": arch,
-        "WEFT_NATIVE_CFLAGS": cflags,
-    }
-    env["WEFT_CACHE_DIR"] = str(tmp_path)
-    if not needs <= cpu_flags():
-        _compile_only(env, tmp_path)
-        return
-    code = "import weft.native as n, weft.kernels as k; n.kernels_available(); print(k.cpu_isa_path())"
-    info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert info.returncode == 0 and info.stdout.split() == [isa], info.stdout + info.stderr[-3000:]
-    tests = Path(__file__).parent
-    for selection, test_file in CHILD_TESTS:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            selection,
-            str(tests / test_file),
-        ]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-        assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
-
-
-def _compile_only(env: dict[str, str], out: Path) -> None:
-    """Compile every source of a build this CPU cannot run (the same flags, no link, no load): as two
-    translation units of half the sources each, compiled at once (torch's headers, parsed once per
-    unit, are most of the time)."""
-    from torch.utils.cpp_extension import include_paths
-
-    cflags, _ = native.build_flags(
-        NativeConfig(
-            True, out, arch=env["WEFT_NATIVE_ARCH"], extra_cflags=tuple(env["WEFT_NATIVE_CFLAGS"].split())
-        )
-    )
-    includes = [f"-I{path}" for path in include_paths()]
-    compilers = []
-    for i, sources in enumerate((native.SOURCES[::2], native.SOURCES[1::2])):
-        unit = out / f"unit{i}.cpp"
-        unit.write_text("".join(f'#include "{source}"\n' for source in sources))
-        cmd = ["c++", "-std=c++17", "-fPIC", *cflags, *includes, "-c", str(unit), "-o", f"{unit}.o"]
-        compilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    for compiler in compilers:
-        _, errors = compiler.communicate(timeout=600)
-        assert compiler.returncode == 0, errors[-3000:]
+    if BUILDS[path][2] == cpu_isa_path():
+        pytest.skip(f"this machine's own build takes the {path} path: every test here runs against it")
+    if not background.started(f"build-{path}"):  # a run that did not go through the collection hook
+        background.start(f"build-{path}", command(path, Path(tempfile.mkdtemp(prefix=f"weft-{path}-"))))
+    code, output = background.finish(f"build-{path}")
+    assert code == 0, output[-6000:]
 
 
 def bfloat16_rounded_reference(llm: LLM) -> LLM:

@@ -1,0 +1,67 @@
+"""Slow checks that are a subprocess each (mypy, the kernels' other ISA builds), started as soon as
+the session's tests are collected and awaited by their tests: they run on the core the suite leaves
+idle (most tests keep one core busy, waiting on servers, tokenizers and Python), instead of one after
+another at the end.
+
+`conftest.pytest_collection_finish` calls `start(name, command)` for each job whose test was
+selected; the test calls `finish(name)` for its exit status and output. The jobs' output goes to
+files, so a chatty job never blocks on a full pipe; every job still running when the session ends
+is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 1200
+
+
+@dataclass
+class Job:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+_jobs: dict[str, Job] = {}
+_logs = Path(tempfile.mkdtemp(prefix="weft-test-jobs-"))
+
+
+def start(name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+    """Start `command` (in the repository's root) unless a job of that name is running or done."""
+    if name in _jobs:
+        return
+    log = _logs / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env or dict(os.environ), stdout=out, stderr=subprocess.STDOUT
+        )
+    _jobs[name] = Job(process, log)
+
+
+def started(name: str) -> bool:
+    return name in _jobs
+
+
+def finish(name: str, timeout_s: float = TIMEOUT_S) -> tuple[int, str]:
+    """Wait for the job `name`: its exit status and its output (stdout and stderr together)."""
+    job = _jobs[name]
+    try:
+        code = job.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        job.process.kill()
+        job.process.wait()
+        output = job.log.read_text(errors="replace")
+        return -1, f"{name}: still running after {timeout_s:.0f} s, killed\n{output}"
+    return code, job.log.read_text(errors="replace")
+
+
+def stop_all() -> None:
+    for job in _jobs.values():
+        if job.process.poll() is None:
+            job.process.kill()
+            job.process.wait()

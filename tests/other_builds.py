@@ -1,0 +1,112 @@
+"""The kernels' other ISA builds: each path this machine's own build does not take is built with its
+flags and, where this CPU can run it, the kernels' accuracy tests run against it in child pytest
+processes; where it cannot, every source is compiled with the same flags.
+
+`python tests/other_builds.py PATH OUT` checks one build (exit status 0 when it passes); the suite
+starts one such job per path at collection (tests/background.py) and
+`test_half_precision.test_other_builds_of_the_kernels_pass_the_same_tests` awaits them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+CHILD_BUILD = "WEFT_TEST_CHILD_BUILD"  # set in the child processes that test another build
+
+# Every ISA path of weft/native: -march and extra flags, the build_info it must report, and the CPU
+# flags that running it needs (without them the build is only compiled).
+BUILDS = {
+    "scalar": ("x86-64", "", "scalar", {"sse2"}),
+    "avx2": ("x86-64-v3", "", "avx2", {"avx2", "fma", "f16c"}),
+    "avx512": ("skylake-avx512", "", "avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx512_bf16": ("cooperlake", "", "avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+}
+# What a child runs against another build: every test of the panels, the bfloat16 products and the
+# model-level parity of test_half_precision.py, the prefill GEMM's two paths, the other kernels'
+# vector paths, the exact quantized panels and the int8 products (vpdpbusd, vpmaddubsw on AVX-512BW
+# and AVX2, scalar).
+CHILD_TESTS = [
+    ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
+    ("both_paths", "test_prefill_gemm.py"),
+    (
+        "gumbel or row_logprobs or top_p_filter or silu or attention or packed_linear or rms_norm",
+        "test_native.py",
+    ),
+    ("q8_0", "test_quant.py"),
+    ("", "test_qdot.py"),
+]
+
+
+def is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def command(path: str, out: Path) -> list[str]:
+    """The command that checks the build `path`, its files under `out`."""
+    return [sys.executable, str(Path(__file__).resolve()), path, str(out)]
+
+
+def check(path: str, out: Path) -> None:
+    """Build `path` under `out` and test it (or compile it only); AssertionError when it fails."""
+    arch, cflags, isa, needs = BUILDS[path]
+    env = {**os.environ, "CI": "true", CHILD_BUILD: "1", "WEFT_NATIVE_ARCH": arch}
+    env |= {"WEFT_NATIVE_CFLAGS": cflags, "WEFT_CACHE_DIR": str(out)}
+    if not needs <= cpu_flags():
+        compile_only(arch, cflags, out)
+        print(f"{path}: compiled (this CPU cannot run it)")
+        return
+    code = "import weft.native as n, weft.kernels as k; n.kernels_available(); print(k.cpu_isa_path())"
+    info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert info.returncode == 0 and info.stdout.split() == [isa], info.stdout + info.stderr[-3000:]
+    for selection, test_file in CHILD_TESTS:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection]
+        cmd.append(str(TESTS / test_file))
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+        print(f"{path}: {test_file} -k {selection!r}: {result.stdout.strip().splitlines()[-1]}")
+
+
+def compile_only(arch: str, cflags: str, out: Path) -> None:
+    """Compile every source of a build this CPU cannot run (the same flags, no link, no load): as two
+    translation units of half the sources each, compiled at once (torch's headers, parsed once per
+    unit, are most of the time)."""
+    from torch.utils.cpp_extension import include_paths
+
+    import weft.native as native
+    from weft.config import NativeConfig
+
+    flags, _ = native.build_flags(NativeConfig(True, out, arch=arch, extra_cflags=tuple(cflags.split())))
+    includes = [f"-I{path}" for path in include_paths()]
+    compilers = []
+    for i, sources in enumerate((native.SOURCES[::2], native.SOURCES[1::2])):
+        unit = out / f"unit{i}.cpp"
+        unit.write_text("".join(f'#include "{source}"\n' for source in sources))
+        cmd = ["c++", "-std=c++17", "-fPIC", *flags, *includes, "-c", str(unit), "-o", f"{unit}.o"]
+        compilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for compiler in compilers:
+        _, errors = compiler.communicate(timeout=600)
+        assert compiler.returncode == 0, errors[-3000:]
+
+
+if __name__ == "__main__":
+    sys.path.insert(1, str(TESTS.parent))  # weft from this checkout, installed or not
+    target, directory = sys.argv[1], Path(sys.argv[2])
+    directory.mkdir(parents=True, exist_ok=True)
+    check(target, directory)
