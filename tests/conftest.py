@@ -46,10 +46,14 @@ def require_native_kernels() -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the selected slow subprocess checks now, in the background (tests/background.py)."""
-    names = {item.originalname for item in session.items if isinstance(item, pytest.Function)}
-    if "test_mypy_clean" in names:
+    if session.config.option.collectonly:
+        return
+    tests = [item for item in session.items if isinstance(item, pytest.Function)]
+    if any(item.originalname == "test_mypy_clean" for item in tests):
         background.start("mypy", [sys.executable, "-m", "mypy"])
-    if "test_other_builds_of_the_kernels_pass_the_same_tests" not in names:
+    name = "test_other_builds_of_the_kernels_pass_the_same_tests"
+    selected = {item.callspec.params["path"] for item in tests if item.originalname == name}
+    if not selected:
         return
     if os.environ.get(other_builds.CHILD_BUILD) or not other_builds.is_x86():
         return
@@ -58,7 +62,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     if not weft.native.kernels_available():
         return
-    selected = {item.callspec.params["path"] for item in session.items if hasattr(item, "callspec")}
     for path, (_, _, isa, _) in other_builds.BUILDS.items():
         if isa != cpu_isa_path() and path in selected:
             out = Path(tempfile.mkdtemp(prefix=f"weft-build-{path}-"))
