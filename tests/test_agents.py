@@ -4,6 +4,7 @@ back whole and streamed, and tiny random models over real tokenizers pushed into
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -152,9 +153,19 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed():
 # ---- the grammar, on real tokenizers ----
 
 
+@functools.cache
+def _tokenizer(name: str) -> Tokenizer:
+    return Tokenizer.from_dir(shared_data(f"tokenizers/{name}"))
+
+
+@functools.cache
+def _backend(tokenizer_name: str) -> LLGuidanceBackend:
+    tok = _tokenizer(tokenizer_name)
+    return LLGuidanceBackend(tok.tokenizer.to_str(), tok.vocab_size, [tok.eos_token_id or 0])
+
+
 def _matcher_accepts(tokenizer_name: str, plan_constraint: dict, text: str) -> tuple[bool, bool]:
-    tok = Tokenizer.from_dir(shared_data(f"tokenizers/{tokenizer_name}"))
-    backend = LLGuidanceBackend(tok.tokenizer.to_str(), tok.vocab_size, [tok.eos_token_id or 0])
+    tok, backend = _tokenizer(tokenizer_name), _backend(tokenizer_name)
     matcher = backend.new_matcher(backend.compile(SamplingParams(**plan_constraint).structured))
     accepted = all(matcher.consume([t]) for t in tok.encode(text, add_special_tokens=False))
     return accepted, accepted and bool(matcher.matcher.is_accepting())
@@ -182,14 +193,14 @@ GRAMMAR_CASES = [  # tokenizer, format, reply, accepted as a prefix, complete
 @pytest.mark.parametrize("tokenizer,fmt,text,accepted,complete", GRAMMAR_CASES)
 def test_the_grammar_allows_text_and_exactly_the_valid_calls(tokenizer, fmt, text, accepted, complete):
     tools = [ToolSpec.of(t) for t in TOOLS]
-    specials = Tokenizer.from_dir(shared_data(f"tokenizers/{tokenizer}")).added_tokens
+    specials = _tokenizer(tokenizer).added_tokens
     plan = plan_reply(constraint={}, tools=tools, tool_format=FORMATS[fmt], added_tokens=specials)
     assert _matcher_accepts(tokenizer, plan.constraint, text) == (accepted, complete)
 
 
 def test_one_call_only_without_parallel_tool_calls():
     tools = [ToolSpec.of(t) for t in TOOLS]
-    specials = Tokenizer.from_dir(shared_data("tokenizers/qwen2.5")).added_tokens
+    specials = _tokenizer("qwen2.5").added_tokens
     plan = plan_reply(
         constraint={},
         tools=tools,
@@ -226,7 +237,7 @@ SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required"
     ],
 )
 def test_a_json_answer_holds_only_after_the_reasoning(reasoning, prompt, text, accepted, complete):
-    specials = Tokenizer.from_dir(shared_data("tokenizers/qwen2.5")).added_tokens
+    specials = _tokenizer("qwen2.5").added_tokens
     plan = plan_reply(
         constraint={"json_schema": SCHEMA}, reasoning=reasoning, prompt=prompt, added_tokens=specials
     )

@@ -93,7 +93,7 @@ class GgufFile:
         from gguf import GGUFValueType
 
         self.mapping = np.memmap(path, dtype=np.uint8, mode="r")
-        cursor = _Cursor(memoryview(self.mapping))
+        cursor = _Cursor(self.mapping.data)  # memoryview of the mapped bytes
         if bytes(cursor.buffer[:4]) != MAGIC:
             raise ValueError("the file does not start with GGUF's magic bytes")
         cursor.offset = 4
