@@ -933,7 +933,7 @@ def _contract_test():
     from hypothesis import HealthCheck, settings
 
     @schemathesis.pytest.from_fixture("api_document").parametrize()
-    @settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=15, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
     def test_the_server_keeps_the_contract_its_document_states(case):
         """Every operation of /openapi.json with generated bodies, valid and not: no 5xx, and each
         status, content type and body as the document states. (Not checked: that every body the

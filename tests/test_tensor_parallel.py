@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft import LLM, BeamSearchParams, SamplingParams
+from weft import LLM, BeamSearchParams, SamplingParams, default_model_path
 from weft.config import ConfigError
 from weft.engine.args import EngineArgs
 from weft.engine.loading import kernels_for, load
@@ -132,9 +132,11 @@ def test_the_shard_cuts_every_tensor_by_heads_columns_and_vocabulary(checkpoint_
 # ---- engines at world size 2 against one rank ----------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "bundled"])
 def test_two_ranks_compute_what_one_rank_does(checkpoint_factory, arch):
-    one, two = pair(checkpoint_factory(arch))
+    """Every architecture's tiny checkpoint, and the bundled model: prompt logprobs, greedy tokens
+    and their logprobs, and seeded samples on two ranks as on one."""
+    one, two = pair(default_model_path() if arch == "bundled" else checkpoint_factory(arch))
     try:
         exact = SamplingParams(temperature=0, max_tokens=32, logprobs=4, prompt_logprobs=4, ignore_eos=True)
         a, b = one.generate(PROMPTS, exact), two.generate(PROMPTS, exact)

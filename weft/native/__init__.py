@@ -18,6 +18,7 @@ The kernels run on CPU tensors only; CUDA always takes the torch path.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import sys
 import threading
@@ -74,6 +75,22 @@ def build_dir(config: NativeConfig) -> Path:
     return config.cache_dir / f"kernels-{digest.hexdigest()[:16]}"
 
 
+def units(directory: Path, count: int) -> list[Path]:
+    """The sources as at most `count` translation units (one per core the build can use): where
+    there are fewer cores than sources, unity files under `directory` that include several each, so
+    that torch's headers, most of a source's compile time, are parsed once per core."""
+    if count >= len(SOURCES):
+        return list(SOURCES)
+    paths = []
+    for i in range(max(1, count)):
+        unit = directory / f"unit{i}.cpp"
+        text = "".join(f'#include "{source}"\n' for source in SOURCES[i::count])
+        if not unit.is_file() or unit.read_text() != text:
+            unit.write_text(text)
+        paths.append(unit)
+    return paths
+
+
 def _load(config: NativeConfig) -> bool:
     if not config.enabled:
         return False
@@ -94,7 +111,7 @@ def _load(config: NativeConfig) -> bool:
         cflags, ldflags = build_flags(config)
         cpp_extension.load(
             name=_NAME,
-            sources=[str(source) for source in SOURCES],
+            sources=[str(unit) for unit in units(directory, os.cpu_count() or 1)],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             build_directory=str(directory),
