@@ -21,7 +21,7 @@ import json
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     results.append(_oracle(name, model_off, _speculating(path, k), batch, k, args))
     _table(results)
     if args.json:
-        args.json.write_text(json.dumps([{**r.__dict__, "ratio": r.ratio} for r in results], indent=2))
+        args.json.write_text(json.dumps([{**asdict(r), "ratio": r.ratio} for r in results], indent=2))
     return 0
 
 
