@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serving import await_health
 
 from weft.parallel.group import free_port
 
@@ -66,14 +67,7 @@ class Replicas:
                 self.replicas.append((pid, line.rsplit(" ", 1)[1].strip()))
         # the rest of the output (the router logs) read and dropped, so that no pipe ever fills
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, "weft serve exited (the router failed to start?)"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError("the router did not come up")
+        await_health(self.url, self.process, deadline - time.monotonic(), "weft serve (the router)")
 
     def complete(self, prompt: str, max_tokens: int = 4) -> httpx.Response:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from conftest import shared_data
 from pydantic import BaseModel, Field
+from serving import await_health
 
 from weft import LLM, SamplingParams
 
@@ -59,16 +60,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"weft serve exited: {self.process.stdout.read()}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("weft serve did not come up in 120 s")
+        await_health(self.url, self.process, 120)
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
         http = httpx.Client(timeout=60, event_hooks={"response": [self._check_sync]})
