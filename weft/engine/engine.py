@@ -384,8 +384,11 @@ class LLMEngine:
             return []
         if self.scheduler.num_unfinished == 0:  # nothing else to do: wait a little for one
             wait([a.grammar for a in self.awaiting], timeout=0.01, return_when=FIRST_COMPLETED)
-        done = [a for a in self.awaiting if a.grammar.done()]
-        self.awaiting = [a for a in self.awaiting if not a.grammar.done()]
+        done: list[AwaitingGrammar] = []  # one done() per future: one completing now lands in one list
+        pending: list[AwaitingGrammar] = []
+        for item in self.awaiting:
+            (done if item.grammar.done() else pending).append(item)
+        self.awaiting = pending
         for item in done:
             first = item.group.sequences[0]
             error = compile_error(item.grammar)
