@@ -139,8 +139,8 @@ def test_half_precision_checkpoint_computes_what_a_float32_load_of_it_does(check
     close ones, on every machine. qwen2 has q/k/v biases; the batch mixes prompt lengths, so steps
     mix prefill and decode."""
     path = checkpoint_factory(arch, dtype=dtype)
-    half = LLM(str(path), dtype=dtype, show_progress=False, matmul_precision="float32")
-    full = LLM(str(path), dtype="float32", show_progress=False)
+    half = LLM(str(path), dtype=dtype, show_progress=False, device="cpu", matmul_precision="float32")
+    full = LLM(str(path), dtype="float32", show_progress=False, device="cpu")
     model = half.engine.model
     assert model.lm_head.layout is WeightLayout.PANELS and model.lm_head.weight.dtype == getattr(torch, dtype)
     assert half.kernels["weights"] == dtype and half.kernels["activations"] == "float32"
@@ -167,15 +167,25 @@ def test_bfloat16_products_compute_what_rounded_inputs_do(checkpoint_factory, ar
     on average (0.014)."""
     path = checkpoint_factory(arch, dtype="bfloat16")
     dot = LLM(
-        str(path), dtype="bfloat16", show_progress=False, matmul_precision="bfloat16", max_logprobs=VOCAB
+        str(path),
+        dtype="bfloat16",
+        show_progress=False,
+        device="cpu",
+        matmul_precision="bfloat16",
+        max_logprobs=VOCAB,
     )
     assert dot.engine.model.bf16_dot and dot.engine.model.stack is not None
     assert dot.kernels["matmul"].startswith("bfloat16 products") and dot.kernels["activations"] == "float32"
     rounded = bfloat16_rounded_reference(
-        LLM(str(path), dtype="float32", show_progress=False, max_logprobs=VOCAB)
+        LLM(str(path), dtype="float32", show_progress=False, device="cpu", max_logprobs=VOCAB)
     )
     exact = LLM(
-        str(path), dtype="bfloat16", show_progress=False, matmul_precision="float32", max_logprobs=VOCAB
+        str(path),
+        dtype="bfloat16",
+        show_progress=False,
+        device="cpu",
+        matmul_precision="float32",
+        max_logprobs=VOCAB,
     )
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
     logits = {
@@ -200,21 +210,21 @@ def test_matmul_precision_is_chosen_by_the_cpu_and_checked(checkpoint_factory, m
     and for other weights; bfloat16 products of float16 weights, or a precision the plain torch
     kernels cannot give, are a ConfigError that says what to do."""
     path = checkpoint_factory("llama", dtype="bfloat16")
-    auto = LLM(str(path), dtype="bfloat16", show_progress=False)
+    auto = LLM(str(path), dtype="bfloat16", show_progress=False, device="cpu")
     native_bf16 = cpu_isa_path() == "avx512_bf16"
     assert auto.engine.model.bf16_dot is native_bf16 and auto.kernels["isa"] == cpu_isa_path()
     how = "(vdpbf16ps)" if native_bf16 else None
     assert auto.kernels["matmul"].endswith(how) if how else auto.kernels["matmul"].startswith("float32")
-    forced = LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="bfloat16")
+    forced = LLM(str(path), dtype="bfloat16", show_progress=False, device="cpu", matmul_precision="bfloat16")
     assert forced.engine.model.bf16_dot and ("emulated" in forced.kernels["matmul"]) is not native_bf16
-    assert LLM(str(path), dtype="float32", show_progress=False).kernels["matmul"] == "float32"
+    assert LLM(str(path), dtype="float32", show_progress=False, device="cpu").kernels["matmul"] == "float32"
     with pytest.raises(ConfigError, match="needs bfloat16 weights"):
-        LLM(str(path), dtype="float16", show_progress=False, matmul_precision="bfloat16")
+        LLM(str(path), dtype="float16", show_progress=False, device="cpu", matmul_precision="bfloat16")
     with pytest.raises(ConfigError, match="is not supported"):
-        LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="fp8")
+        LLM(str(path), dtype="bfloat16", show_progress=False, device="cpu", matmul_precision="fp8")
     monkeypatch.setitem(native._state, "ok", False)
     with pytest.raises(ConfigError, match="run in the weights' dtype"):
-        LLM(str(path), dtype="bfloat16", show_progress=False, matmul_precision="float32")
+        LLM(str(path), dtype="bfloat16", show_progress=False, device="cpu", matmul_precision="float32")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -226,9 +236,9 @@ def test_half_precision_kernel_path_agrees_with_torch_half_precision(checkpoint_
     (the test above), so the difference is the torch path's rounding."""
     path = checkpoint_factory("llama", dtype=dtype)
     prompts = [[5, 6, 7, 8, 9], [3] * 21]
-    kernel = LLM(str(path), dtype=dtype, show_progress=False, max_logprobs=VOCAB)
+    kernel = LLM(str(path), dtype=dtype, show_progress=False, device="cpu", max_logprobs=VOCAB)
     monkeypatch.setitem(native._state, "ok", False)
-    plain = LLM(str(path), dtype=dtype, show_progress=False, max_logprobs=VOCAB)
+    plain = LLM(str(path), dtype=dtype, show_progress=False, device="cpu", max_logprobs=VOCAB)
     assert plain.kernels["activations"] == dtype
     for prompt in prompts:
         ids = torch.tensor(prompt)
@@ -255,10 +265,10 @@ def test_auto_dtype_is_the_checkpoints_own_where_the_kernels_stream_it(checkpoin
     assert resolve_dtype("auto", cpu, torch.float32, fast_half_on_cpu=True) == torch.float32
     assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16
     assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
-    llm = LLM(str(checkpoint_factory("llama", dtype="bfloat16")), show_progress=False)
+    llm = LLM(str(checkpoint_factory("llama", dtype="bfloat16")), show_progress=False, device="cpu")
     assert llm.kernels["weights"] == "bfloat16" and llm.kernels["linear"].startswith("weft panels")
     monkeypatch.setitem(native._state, "ok", False)
-    plain = LLM(str(checkpoint_factory("llama", dtype="bfloat16")), show_progress=False)
+    plain = LLM(str(checkpoint_factory("llama", dtype="bfloat16")), show_progress=False, device="cpu")
     assert plain.kernels == {
         "kernels": "torch",
         "weights": "float32",

@@ -117,3 +117,22 @@ def test_beams_and_scores_are_the_same_beside_it(pair):
         [b.token_ids for b in o.sequences] for o in expected
     ]
     assert ahead.score("ROMEO:", [" yes", " no"]) == in_turn.score("ROMEO:", [" yes", " no"])
+
+
+def test_a_sequence_that_ends_for_length_is_not_computed_again(pair, monkeypatch):
+    """The host knows when a pending token is a sequence's last (max_tokens): the step after it
+    does not compute that row, and a step whose every row ends so is read back at once."""
+    in_turn, ahead = pair
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    rows: list[int] = []
+    execute = ahead.engine.runner.execute
+    monkeypatch.setattr(
+        ahead.engine.runner,
+        "execute",
+        lambda sched, in_flight=None: rows.append(len(sched.scheduled)) or execute(sched, in_flight),
+    )
+    got = ahead.generate(["ROMEO:", "All:"], [params, params.replace(max_tokens=3)], use_tqdm=False)
+    want = in_turn.generate(["ROMEO:", "All:"], [params, params.replace(max_tokens=3)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert rows == [2, 2, 2, 1, 1, 1]  # 6 + 3 rows: one per token, none for a token past the end
+    assert ahead.engine.in_flight is None

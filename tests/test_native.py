@@ -456,8 +456,8 @@ def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arc
     from weft import LLM, SamplingParams
 
     path = str(checkpoint_factory(arch))
-    fused = LLM(path, show_progress=False, dtype="float32")
-    layered = LLM(path, show_progress=False, dtype="float32")
+    fused = LLM(path, show_progress=False, device="cpu", dtype="float32")
+    layered = LLM(path, show_progress=False, device="cpu", dtype="float32")
     assert (fused.engine.model.stack is not None) == (arch != "qwen3")
     layered.engine.model.stack = None
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -471,7 +471,7 @@ def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arc
 def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
     from weft import LLM
 
-    model = LLM(str(tiny_llama), show_progress=False, dtype="float32").engine.model
+    model = LLM(str(tiny_llama), show_progress=False, device="cpu", dtype="float32").engine.model
     assert model.stack is not None
     caches = [torch.zeros(2, 4, 2, 2, 16) for _ in model.layers]
     x = torch.randn(1, 64)
@@ -612,12 +612,13 @@ def test_a_long_prefill_runs_its_mlp_in_chunks_with_the_same_result(checkpoint_f
     path = str(checkpoint_factory("llama", dtype=dtype))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
     prompts = [list(range(5, 45)), list(range(50, 63))]
-    whole = LLM(path, show_progress=False, dtype=dtype).generate(prompts, params, use_tqdm=False)
+    options = {"show_progress": False, "device": "cpu", "dtype": dtype}
+    whole = LLM(path, **options).generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(type(NATIVE_CPU_KERNELS), "mlp_chunk_rows", 7)
     chunks: list[int] = []
     forward = MLP._forward
     monkeypatch.setattr(MLP, "_forward", lambda self, x: chunks.append(x.shape[0]) or forward(self, x))
-    chunked = LLM(path, show_progress=False, dtype=dtype).generate(prompts, params, use_tqdm=False)
+    chunked = LLM(path, **options).generate(prompts, params, use_tqdm=False)
     assert max(chunks) == 7 and 53 % 7 in chunks  # the 53-row prefill step, in chunks
     for a, b in zip(whole, chunked, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

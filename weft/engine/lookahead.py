@@ -9,8 +9,10 @@ scheduled and launched with those inputs taken from the device (`InFlightTokens`
 is the step in flight read back and its tokens appended, while the device computes the next one
 (the idea of vLLM v1's async scheduling and SGLang's overlap scheduler).
 
-What it costs: a sequence that finishes (EOS, a stop string, a length) is computed one step too
-many, and that row's token is dropped. What it keeps: every output is the same, token for token,
+What it costs: a sequence that finishes on a token's value (EOS, a stop string or token) is
+computed one step too many, and that row's token is dropped; one that reaches its length is not
+scheduled again (the host knows its last token is pending), and a step whose every row ends so is
+read back at once. What it keeps: every output is the same, token for token,
 as with the step done in turn (a row's tokens do not depend on the rest of its batch), and each
 step still reads the device back once. Steps that need their tokens on the host before the next
 is scheduled are done in turn: grammar rows (the mask of the next step), penalties and logits
@@ -30,8 +32,8 @@ from weft.engine.sequence import FIRST_FINISHED
 
 def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) -> bool:
     """Whether the next step can be scheduled before this one's tokens are on the host: no row needs
-    its token on the host first, and some row still runs (its sequence not finished by the step
-    read back before it)."""
+    its token on the host first, and some row still runs after it (its sequence not finished by the
+    step read back before it, and its sampled token not its last for length)."""
     if launched.fanouts or launched.spans:
         return False
     running = False
@@ -49,7 +51,7 @@ def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) 
         group = groups.get(seq.request_id) if seq.request_id is not None else None
         if group is None or not group.policy.allows_lookahead():
             return False
-        running = running or seq.status < FIRST_FINISHED
+        running = running or (seq.status < FIRST_FINISHED and len(seq.token_ids) + 1 < seq.max_num_tokens)
     return running
 
 
