@@ -555,6 +555,32 @@ def test_row_logprobs_matches_torch(num_top, vocab):
         torch.ops.weft.row_logprobs(x, torch.full((7,), vocab), 1, torch.empty(0))
 
 
+@pytest.mark.parametrize("vocab", [40, 100, 49152])
+def test_constraint_logmass_matches_torch(vocab):
+    """The two-pass kernel gives log(allowed mass) as the tensor version does, in float64: rows
+    whose allowed tokens hold most of the mass, almost none of it (e^-120, where exp's clamp at -87
+    would lose it without the third pass), none at all (-inf), a NaN row, -inf logits among the
+    allowed ones, row indices, and widths with and without a tail past the vector loop."""
+    gen = torch.Generator().manual_seed(vocab)
+    raw = torch.randn(8, vocab, generator=gen) * 3  # [R, V]
+    masked = torch.where(torch.rand(9, vocab, generator=gen) < 0.3, 0.0, float("-inf"))  # [B, V]
+    masked[:, 0] = 0.0
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8])
+    raw[1, 0] = 40.0  # an allowed token with most of the mass
+    raw[2] = torch.where(masked[2] > float("-inf"), raw[2] - 120.0, raw[2])  # allowed mass ~ e^-120
+    masked[3] = float("-inf")  # nothing allowed
+    raw[4, vocab // 2] = float("nan")
+    raw[5, ::2] = float("-inf")  # -inf logits, some of them allowed
+    native = NATIVE_CPU_KERNELS.constraint_logmass(raw, masked, rows)
+    reference = TORCH_KERNELS.constraint_logmass(raw.double(), masked.double(), rows).float()
+    torch.testing.assert_close(native, reference, atol=2e-5, rtol=1e-6, equal_nan=True)
+    assert native[3] == float("-inf") and native[4].isnan() and -125 < native[2] < -115
+    same_rows = NATIVE_CPU_KERNELS.constraint_logmass(raw, masked[rows], None)
+    assert torch.equal(same_rows.nan_to_num(), native.nan_to_num())
+    with pytest.raises(RuntimeError, match="outside masked"):
+        torch.ops.weft.constraint_logmass(raw, masked, torch.full((8,), 9))
+
+
 def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
     """The one-pass kernel draws the same keyed noise as `ops.gumbel_sample` (bit for bit before the
     logs), so it picks the same tokens: flat rows (the noise alone decides), wide rows (most tokens

@@ -792,6 +792,141 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_logprobs(const at::Tensor& x,
   return {out_ids, out_values, ranks};
 }
 
+// ---- The mass a grammar allowed ----------------------------------------------------------------
+
+// Below this (max over allowed - max over all), the allowed sum is taken again relative to its own
+// largest term: exp clamps at -87, and an allowed sum under e^-50 would carry that clamp's error.
+constexpr float kOwnShiftBelow = -50.f;
+
+struct TwoMaxima {
+  float all;      // NaN if the row holds one
+  float allowed;  // -inf if nothing is allowed
+};
+
+// One pass: the row's largest logit, and its largest among the tokens whose masked logit is > -inf.
+TwoMaxima two_maxima(const float* x, const float* masked, int64_t vocab) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  float all = minus_inf, allowed = minus_inf;
+  bool nan = false;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vninf = _mm512_set1_ps(minus_inf);
+  __m512 vall = vninf, vallowed = vninf;
+  __mmask16 unordered = 0;
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vall = _mm512_max_ps(vall, v);
+    const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_loadu_ps(masked + j), vninf, _CMP_GT_OQ);
+    vallowed = _mm512_mask_max_ps(vallowed, ok, vallowed, v);
+  }
+  all = _mm512_reduce_max_ps(vall);
+  allowed = _mm512_reduce_max_ps(vallowed);
+  nan = unordered != 0;
+#elif defined(WEFT_AVX2)
+  const __m256 vninf = _mm256_set1_ps(minus_inf);
+  __m256 vall = vninf, vallowed = vninf, unordered = _mm256_setzero_ps();
+  for (; j + 8 <= vocab; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vall = _mm256_max_ps(vall, v);
+    const __m256 ok = _mm256_cmp_ps(_mm256_loadu_ps(masked + j), vninf, _CMP_GT_OQ);
+    vallowed = _mm256_max_ps(vallowed, _mm256_blendv_ps(vninf, v, ok));
+  }
+  all = reduce_max8(vall);
+  allowed = reduce_max8(vallowed);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; j < vocab; ++j) {
+    nan |= std::isnan(x[j]);
+    all = std::max(all, x[j]);
+    if (masked[j] > minus_inf) allowed = std::max(allowed, x[j]);
+  }
+  return {nan ? std::numeric_limits<float>::quiet_NaN() : all, allowed};
+}
+
+// sum_j exp(x[j] - shift) over every token (into *all, if not null) and over the allowed ones.
+void shifted_sums(const float* x, const float* masked, int64_t vocab, float shift, float* all, float* allowed) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  float sum_all = 0.f, sum_allowed = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vshift = _mm512_set1_ps(shift), vninf = _mm512_set1_ps(minus_inf);
+  __m512 acc_all = _mm512_setzero_ps(), acc_allowed = _mm512_setzero_ps();
+  for (; j + 16 <= vocab; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vshift));
+    acc_all = _mm512_add_ps(acc_all, e);
+    const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_loadu_ps(masked + j), vninf, _CMP_GT_OQ);
+    acc_allowed = _mm512_mask_add_ps(acc_allowed, ok, acc_allowed, e);
+  }
+  sum_all = _mm512_reduce_add_ps(acc_all);
+  sum_allowed = _mm512_reduce_add_ps(acc_allowed);
+#elif defined(WEFT_AVX2)
+  const __m256 vshift = _mm256_set1_ps(shift), vninf = _mm256_set1_ps(minus_inf);
+  __m256 acc_all = _mm256_setzero_ps(), acc_allowed = _mm256_setzero_ps();
+  for (; j + 8 <= vocab; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vshift));
+    acc_all = _mm256_add_ps(acc_all, e);
+    const __m256 ok = _mm256_cmp_ps(_mm256_loadu_ps(masked + j), vninf, _CMP_GT_OQ);
+    acc_allowed = _mm256_add_ps(acc_allowed, _mm256_and_ps(e, ok));
+  }
+  sum_all = reduce_add8(acc_all);
+  sum_allowed = reduce_add8(acc_allowed);
+#endif
+  for (; j < vocab; ++j) {
+    const float e = exp_approx(x[j] - shift);
+    sum_all += e;
+    if (masked[j] > minus_inf) sum_allowed += e;
+  }
+  if (all != nullptr) *all = sum_all;
+  *allowed = sum_allowed;
+}
+
+// log(sum over allowed of softmax(x)): -inf if nothing is allowed, NaN if x holds a NaN.
+float logmass_one(const float* x, const float* masked, int64_t vocab) {
+  const TwoMaxima m = two_maxima(x, masked, vocab);
+  if (std::isnan(m.all)) return m.all;
+  if (m.allowed == -std::numeric_limits<float>::infinity()) return m.allowed;  // nothing allowed
+  float sum_all = 0.f, sum_allowed = 0.f;
+  shifted_sums(x, masked, vocab, m.all, &sum_all, &sum_allowed);
+  if (m.allowed - m.all >= kOwnShiftBelow) return std::log(sum_allowed) - std::log(sum_all);
+  shifted_sums(x, masked, vocab, m.allowed, nullptr, &sum_allowed);  // rare: a third pass
+  return (m.allowed - m.all) + std::log(sum_allowed) - std::log(sum_all);
+}
+
+// [R] float32: for each row r of raw ([R, V] float32), the log of the probability mass softmax(raw[r])
+// puts on the tokens a grammar allowed, those whose logit in masked[rows[r]] ([B, V] float32, the
+// logits after the mask; rows [R] int64, or empty for rows r) is above -inf. Two passes over the row
+// (three where the allowed mass is under e^-50). TorchKernels.constraint_logmass in tensor operations.
+at::Tensor constraint_logmass(const at::Tensor& raw, const at::Tensor& masked, const at::Tensor& rows) {
+  TORCH_CHECK(on_cpu({raw, masked, rows}), "constraint_logmass: every tensor must be on the CPU");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kFloat && raw.stride(1) == 1,
+              "constraint_logmass: raw must be float32 [R, V] with contiguous rows");
+  TORCH_CHECK(masked.dim() == 2 && masked.scalar_type() == at::kFloat && masked.stride(1) == 1 &&
+                  masked.size(1) == raw.size(1),
+              "constraint_logmass: masked must be float32 [B, V] with contiguous rows");
+  const int64_t num_rows = raw.size(0), vocab = raw.size(1);
+  const bool indexed = rows.numel() > 0;
+  TORCH_CHECK(indexed ? (rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                         rows.size(0) == num_rows)
+                      : masked.size(0) == num_rows,
+              "constraint_logmass: rows must be [R] int64 (or empty, with masked [R, V])");
+  const int64_t* rp = indexed ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; indexed && r < num_rows; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < masked.size(0), "constraint_logmass: a row index is outside masked");
+  auto out = at::empty({num_rows}, raw.options());
+  const float* xp = raw.data_ptr<float>();
+  const float* mp = masked.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t m = indexed ? rp[r] : r;
+      op[r] = logmass_one(xp + r * raw.stride(0), mp + m * masked.stride(0), vocab);
+    }
+  });
+  return out;
+}
+
 // ---- Gumbel-max sampling keyed by (seed, position, token id) ----------------------------------
 // The same noise as ops.keyed_uniform (splitmix64 over the key, 23 bits, strictly inside (0, 1)),
 // bit for bit; the Gumbel transform -log(-log(u)) uses Cephes' logf (within 1-2 ulp of torch.log).
@@ -1165,6 +1300,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("row_logprobs(Tensor x, Tensor ids, int num_top, Tensor norm) -> (Tensor, Tensor, Tensor)");
   m.def("gumbel_argmax(Tensor logits, Tensor seeds, Tensor positions) -> Tensor");
   m.def("top_p_filter(Tensor logits, Tensor top_p) -> Tensor");
+  m.def("constraint_logmass(Tensor raw, Tensor masked, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -1179,4 +1315,5 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("row_logprobs", &row_logprobs);
   m.impl("gumbel_argmax", &gumbel_argmax);
   m.impl("top_p_filter", &top_p_filter);
+  m.impl("constraint_logmass", &constraint_logmass);
 }

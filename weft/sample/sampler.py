@@ -293,9 +293,7 @@ class Sampler:
         if mask is not None:
             mask.apply(logits)
             if raw is not None:
-                allowed = _rows(logits, batch.columns.logprob_index) > float("-inf")  # [R, V]
-                on_allowed = torch.logsumexp(raw.masked_fill(~allowed, float("-inf")), dim=-1)
-                logmass = on_allowed - torch.logsumexp(raw, dim=-1)
+                logmass = self.kernels.constraint_logmass(raw, logits, batch.columns.logprob_index)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         errors = self._run_processors(logits, batch)
