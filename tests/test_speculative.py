@@ -120,6 +120,31 @@ def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
     assert Acceptance().num_tokens(0.0, 5) == 5  # free tokens: as many as allowed
 
 
+def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():
+    """Per batch size: drafting steps first, then plain ones, then whichever kind produced more
+    tokens per second, with one step of the other kind every GATE_PROBE_EVERY; a change in which
+    kind is faster is followed, and batch sizes in one power of two share their measures."""
+    from weft.speculative.policy import GATE_PROBE_EVERY, DraftGate
+
+    def run(gate: DraftGate, batch: int, steps: int, drafting_tps: float, plain_tps: float) -> list[bool]:
+        allowed = []
+        for _ in range(steps):
+            drafts = gate.allows(batch)
+            allowed.append(drafts)
+            tokens = 2 * batch if drafts else batch
+            gate.record(batch, tokens, tokens / (drafting_tps if drafts else plain_tps), drafted=drafts)
+        return allowed
+
+    gate = DraftGate()
+    first = run(gate, 8, 4 + 4 * GATE_PROBE_EVERY, drafting_tps=500.0, plain_tps=800.0)
+    assert first[:4] == [True, True, False, False]  # each kind measured twice
+    assert first[4:].count(True) == 4 and first[4:].count(False) == 4 * GATE_PROBE_EVERY - 4  # probes
+    later = run(gate, 7, 8 * GATE_PROBE_EVERY, drafting_tps=1200.0, plain_tps=800.0)  # 7: 8's bucket
+    assert later[-4 * GATE_PROBE_EVERY :].count(False) == 4  # drafting again, plain probed
+    alone = run(DraftGate(), 1, 4 + 2 * GATE_PROBE_EVERY, drafting_tps=900.0, plain_tps=300.0)
+    assert alone[4:].count(False) == 2  # batch 1, where drafting pays: plain only as probes
+
+
 def _brute_counts(outputs: list[list[int]], depth: int) -> dict[tuple[int, ...], dict[int, int]]:
     counts: dict[tuple[int, ...], dict[int, int]] = {}
     for tokens in outputs:

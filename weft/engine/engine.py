@@ -319,8 +319,8 @@ class LLMEngine:
         touched = self._admit_compiled_grammars() + self.started
         self.started = []
         previous, self.in_flight = self.in_flight, None
-        drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
         started = time.perf_counter()
+        drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         launched = None
         if not sched.is_empty:

@@ -21,7 +21,7 @@ from weft.engine.sequence import Sequence, SequenceStatus
 from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
-from weft.speculative.policy import StepCost
+from weft.speculative.policy import DraftGate, StepCost
 from weft.speculative.suffix import SuffixCache
 from weft.tokenizer import Tokenizer
 
@@ -37,12 +37,16 @@ class Speculation:
         self.new_drafter: DrafterFactory = drafter_factory(config, tokenizer, self.cache)  # tests: their own
         self.tally = Tally()  # the engine's, over every verification
         self.cost = StepCost()  # what a token costs a decode step (weft/speculative/policy.py)
+        self.gate = DraftGate()  # which steps pay, drafting or plain, per batch size
         self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed
+        self._accepted_seen = 0  # the tally's accepted tokens at the last step observed
 
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the running sequences that may speculate this step, by seq_id."""
         k = self.config.num_speculative_tokens
         running = list(running)
+        if self.adaptive and not self.gate.allows(len(running)):
+            return {}
         share = self.cost.share(len(running)) if self.adaptive else 0.0
         drafts = {}
         for seq in running:
@@ -69,11 +73,16 @@ class Speculation:
                 self.cache.add(seq.seq_id, seq.output_token_ids)
 
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A step took `seconds`: a decode step (one known token per row, and drafts) refines what
-        a token costs."""
+        """A step took `seconds`, from its drafts' lookup to its tokens' acceptance: a decode step
+        (one known token per row, and drafts) refines what a token costs, and what a drafting
+        and a plain step produce per second."""
         num_drafts = sum(len(item.drafts) for item in sched.scheduled)
+        accepted = self.tally.num_accepted_tokens - self._accepted_seen
+        self._accepted_seen = self.tally.num_accepted_tokens
         if sched.num_batched_tokens - num_drafts == len(sched.scheduled):
             self.cost.record(sched.num_batched_tokens, seconds)
+            tokens = sum(item.samples for item in sched.scheduled) + accepted
+            self.gate.record(len(sched.scheduled), tokens, seconds, drafted=num_drafts > 0)
 
     @staticmethod
     def rows(sched: SchedulerOutput) -> list[SamplingRow]:

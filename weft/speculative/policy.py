@@ -15,6 +15,13 @@ decide it, each a few float operations per row:
 The j-th draft token is accepted with chance about a^j, so a sequence drafts the j with
 `a^j > c(B)`, at most `num_speculative_tokens`. A sequence that stops drafting (a <= c) tries one
 draft token again every `PROBE_EVERY` steps, so that text that turns repetitive is noticed.
+
+The line `t(T)` is a model, and a step's cost is not only its tokens: each draft row is sampled
+over the whole vocabulary, a verifying step runs in turn rather than ahead, drafts are looked up on
+the host. So a third measure has the last word, per batch size (to the power of two): `DraftGate`
+keeps the tokens per second of steps that verified drafts and of steps that did not, and lets a
+step draft only while drafting steps are the faster; it measures the other kind every
+`GATE_PROBE_EVERY` steps, so that a change either way is noticed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ DECAY = 0.95  # per decode step, of the step-cost fit
 PRIOR_SHARE = 0.02  # before any fit: one more token costs 2% of a one-row step
 ACCEPTANCE_DECAY = 0.8  # per verification, of a sequence's acceptance estimate
 PROBE_EVERY = 16  # steps between single-token probes of a sequence that stopped drafting
+GATE_DECAY = 0.5  # per measured step of a kind: a probe, 16 steps apart, must weigh
+GATE_PROBE_EVERY = 16  # steps of the faster kind between two of the other (DraftGate)
+GATE_MIN_STEPS = 2  # measured steps of each kind before the gate compares them
 
 
 @dataclass(slots=True)
@@ -95,3 +105,62 @@ class Acceptance:
             self.idle = 0
             return 1
         return 0
+
+
+@dataclass(slots=True)
+class Rate:
+    """Tokens per second over recent steps of one kind (exponentially weighted sums)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * GATE_DECAY + tokens
+        self.seconds = self.seconds * GATE_DECAY + seconds
+        self.steps += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class GateBucket:
+    drafting: Rate
+    plain: Rate
+    since_probe: int = 0  # steps of the faster kind since the other was last measured
+
+
+class DraftGate:
+    """Per batch size (to the power of two): whether this step may draft, by which kind of step,
+    drafting or plain, has been producing tokens faster (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, GateBucket] = {}
+
+    def _bucket(self, batch: int) -> GateBucket:
+        key = 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = GateBucket(Rate(), Rate())
+        return bucket
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` running sequences may draft."""
+        bucket = self._bucket(batch)
+        if bucket.drafting.steps < GATE_MIN_STEPS:
+            return True
+        if bucket.plain.steps < GATE_MIN_STEPS:
+            return False
+        drafting_pays = bucket.drafting.per_second >= bucket.plain.per_second
+        bucket.since_probe += 1
+        if bucket.since_probe >= GATE_PROBE_EVERY:
+            bucket.since_probe = 0
+            return not drafting_pays  # one step of the other kind, measured
+        return drafting_pays
+
+    def record(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A decode step of `batch` rows emitted `tokens` in `seconds`, verifying drafts or not."""
+        bucket = self._bucket(batch)
+        (bucket.drafting if drafted else bucket.plain).add(tokens, seconds)
