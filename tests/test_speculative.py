@@ -122,9 +122,10 @@ def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
 
 def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():
     """Per batch size: drafting steps first, then plain ones, then whichever kind produced more
-    tokens per second, with one step of the other kind every GATE_PROBE_EVERY; a change in which
-    kind is faster is followed, and batch sizes in one power of two share their measures."""
-    from weft.speculative.policy import GATE_PROBE_EVERY, DraftGate
+    tokens per second, with one step of the other kind every GATE_PROBE_EVERY steps times the
+    square of its slowness (at most GATE_PROBE_MOST); a change in which kind is faster is followed,
+    and batch sizes in one power of two share their measures."""
+    from weft.speculative.policy import GATE_PROBE_EVERY, GATE_PROBE_MOST, DraftGate
 
     def run(gate: DraftGate, batch: int, steps: int, drafting_tps: float, plain_tps: float) -> list[bool]:
         allowed = []
@@ -136,13 +137,15 @@ def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():
         return allowed
 
     gate = DraftGate()
-    first = run(gate, 8, 4 + 4 * GATE_PROBE_EVERY, drafting_tps=500.0, plain_tps=800.0)
-    assert first[:4] == [True, True, False, False]  # each kind measured twice
-    assert first[4:].count(True) == 4 and first[4:].count(False) == 4 * GATE_PROBE_EVERY - 4  # probes
+    close = run(gate, 8, 8 + 100 * GATE_PROBE_EVERY, drafting_tps=700.0, plain_tps=800.0)
+    assert close[:8] == [True] * 4 + [False] * 4  # each kind measured GATE_MIN_STEPS times
+    every = round(GATE_PROBE_EVERY * (800 / 700) ** 2)
+    assert close[8:].count(True) == pytest.approx(100 * GATE_PROBE_EVERY / every, abs=1)  # probes
     later = run(gate, 7, 8 * GATE_PROBE_EVERY, drafting_tps=1200.0, plain_tps=800.0)  # 7: 8's bucket
-    assert later[-4 * GATE_PROBE_EVERY :].count(False) == 4  # drafting again, plain probed
-    alone = run(DraftGate(), 1, 4 + 2 * GATE_PROBE_EVERY, drafting_tps=900.0, plain_tps=300.0)
-    assert alone[4:].count(False) == 2  # batch 1, where drafting pays: plain only as probes
+    tail = later[-4 * GATE_PROBE_EVERY :]
+    assert 1 <= tail.count(False) <= 2  # drafting again, plain probed every 16 * 1.5^2 = 36 steps
+    slow = run(DraftGate(), 1, 8 + 4 * GATE_PROBE_MOST, drafting_tps=900.0, plain_tps=100.0)
+    assert slow[8:].count(False) == 4  # plain 9x slower: probed every GATE_PROBE_MOST steps only
 
 
 def _brute_counts(outputs: list[list[int]], depth: int) -> dict[tuple[int, ...], dict[int, int]]:

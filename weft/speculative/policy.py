@@ -21,7 +21,8 @@ over the whole vocabulary, a verifying step runs in turn rather than ahead, draf
 the host. So a third measure has the last word, per batch size (to the power of two): `DraftGate`
 keeps the tokens per second of steps that verified drafts and of steps that did not, and lets a
 step draft only while drafting steps are the faster; it measures the other kind every
-`GATE_PROBE_EVERY` steps, so that a change either way is noticed.
+`GATE_PROBE_EVERY` steps times the square of how much slower it was (at most `GATE_PROBE_MOST`),
+so that a change either way is noticed at a cost of at most 1/64 of the throughput.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ DECAY = 0.95  # per decode step, of the step-cost fit
 PRIOR_SHARE = 0.02  # before any fit: one more token costs 2% of a one-row step
 ACCEPTANCE_DECAY = 0.8  # per verification, of a sequence's acceptance estimate
 PROBE_EVERY = 16  # steps between single-token probes of a sequence that stopped drafting
-GATE_DECAY = 0.5  # per measured step of a kind: a probe, 16 steps apart, must weigh
-GATE_PROBE_EVERY = 16  # steps of the faster kind between two of the other (DraftGate)
-GATE_MIN_STEPS = 2  # measured steps of each kind before the gate compares them
+GATE_DECAY = 0.7  # per measured step of a kind (a probe comes 16 to 128 steps after the last)
+GATE_PROBE_EVERY = 16  # steps of the faster kind between two of the other, when they are close
+GATE_PROBE_MOST = 128  # ... and at most, when the other is much slower (DraftGate.allows)
+GATE_MIN_STEPS = 4  # measured steps of each kind before the gate compares them
 
 
 @dataclass(slots=True)
@@ -153,9 +155,13 @@ class DraftGate:
             return True
         if bucket.plain.steps < GATE_MIN_STEPS:
             return False
-        drafting_pays = bucket.drafting.per_second >= bucket.plain.per_second
+        drafting, plain = bucket.drafting.per_second, bucket.plain.per_second
+        drafting_pays = drafting >= plain
+        # A probe of the slower kind costs (ratio - 1) / interval: probe less the slower it is.
+        ratio = max(drafting, plain) / max(min(drafting, plain), 1e-9)
+        interval = min(GATE_PROBE_EVERY * ratio * ratio, GATE_PROBE_MOST)
         bucket.since_probe += 1
-        if bucket.since_probe >= GATE_PROBE_EVERY:
+        if bucket.since_probe >= interval:
             bucket.since_probe = 0
             return not drafting_pays  # one step of the other kind, measured
         return drafting_pays
