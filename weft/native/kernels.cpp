@@ -873,13 +873,14 @@ void shifted_sums(const float* x, const float* masked, int64_t vocab, float shif
   sum_all = reduce_add8(acc_all);
   sum_allowed = reduce_add8(acc_allowed);
 #endif
+  double rest_all = 0., rest_allowed = 0.;  // the scalar build sums a whole row here: in double
   for (; j < vocab; ++j) {
     const float e = exp_approx(x[j] - shift);
-    sum_all += e;
-    if (masked[j] > minus_inf) sum_allowed += e;
+    rest_all += e;
+    if (masked[j] > minus_inf) rest_allowed += e;
   }
-  if (all != nullptr) *all = sum_all;
-  *allowed = sum_allowed;
+  if (all != nullptr) *all = static_cast<float>(sum_all + rest_all);
+  *allowed = static_cast<float>(sum_allowed + rest_allowed);
 }
 
 // log(sum over allowed of softmax(x)): -inf if nothing is allowed, NaN if x holds a NaN.
