@@ -62,7 +62,8 @@ class Replicas:
         while len(self.replicas) < 2:
             line = self.process.stdout.readline()
             assert line and time.monotonic() < deadline, f"weft serve exited or hung: {line!r}"
-            if line.startswith("weft serve: replica"):  # "weft serve: replica 0 (pid 123) on http://..."
+            if "weft serve: replica" in line:  # "weft serve: replica 0 (pid 123) on http://..."
+                # (in the line, not at its start: a replica's progress bar may end in "\r" before it)
                 pid = int(line.split("(pid ")[1].split(")")[0])
                 self.replicas.append((pid, line.rsplit(" ", 1)[1].strip()))
         # the rest of the output (the router logs) read and dropped, so that no pipe ever fills
