@@ -62,8 +62,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     if not weft.native.kernels_available():
         return
+    own = cpu_isa_path()
     for path, (_, _, isa, _) in other_builds.BUILDS.items():
-        if isa != cpu_isa_path() and path in selected:
+        if isa != own and path in selected:
             out = Path(tempfile.mkdtemp(prefix=f"weft-build-{path}-"))
             background.start(f"build-{path}", other_builds.command(path, out))
 

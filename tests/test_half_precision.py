@@ -166,27 +166,12 @@ def test_bfloat16_products_compute_what_rounded_inputs_do(checkpoint_factory, ar
     prompt position move by at most 0.25 (0.117 and 0.105 measured, logprobs down to -14) and by 0.03
     on average (0.014)."""
     path = checkpoint_factory(arch, dtype="bfloat16")
-    dot = LLM(
-        str(path),
-        dtype="bfloat16",
-        show_progress=False,
-        device="cpu",
-        matmul_precision="bfloat16",
-        max_logprobs=VOCAB,
-    )
+    options = {"show_progress": False, "device": "cpu", "max_logprobs": VOCAB}
+    dot = LLM(str(path), dtype="bfloat16", matmul_precision="bfloat16", **options)
     assert dot.engine.model.bf16_dot and dot.engine.model.stack is not None
     assert dot.kernels["matmul"].startswith("bfloat16 products") and dot.kernels["activations"] == "float32"
-    rounded = bfloat16_rounded_reference(
-        LLM(str(path), dtype="float32", show_progress=False, device="cpu", max_logprobs=VOCAB)
-    )
-    exact = LLM(
-        str(path),
-        dtype="bfloat16",
-        show_progress=False,
-        device="cpu",
-        matmul_precision="float32",
-        max_logprobs=VOCAB,
-    )
+    rounded = bfloat16_rounded_reference(LLM(str(path), dtype="float32", **options))
+    exact = LLM(str(path), dtype="bfloat16", matmul_precision="float32", **options)
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
     logits = {
         name: _prompt_logits(llm, ids) for name, llm in (("dot", dot), ("rounded", rounded), ("exact", exact))

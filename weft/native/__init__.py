@@ -79,10 +79,11 @@ def units(directory: Path, count: int) -> list[Path]:
     """The sources as at most `count` translation units (one per core the build can use): where
     there are fewer cores than sources, unity files under `directory` that include several each, so
     that torch's headers, most of a source's compile time, are parsed once per core."""
+    count = max(1, count)
     if count >= len(SOURCES):
         return list(SOURCES)
     paths = []
-    for i in range(max(1, count)):
+    for i in range(count):
         unit = directory / f"unit{i}.cpp"
         text = "".join(f'#include "{source}"\n' for source in SOURCES[i::count])
         if not unit.is_file() or unit.read_text() != text:
