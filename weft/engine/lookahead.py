@@ -51,7 +51,7 @@ def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) 
         group = groups.get(seq.request_id) if seq.request_id is not None else None
         if group is None or not group.policy.allows_lookahead():
             return False
-        running = running or (seq.status < FIRST_FINISHED and len(seq.token_ids) + 1 < seq.max_num_tokens)
+        running = running or (seq.status < FIRST_FINISHED and seq.tokens_left > 1)
     return running
 
 

@@ -167,7 +167,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if num_new <= 0 or (seq.num_pending and len(seq.token_ids) >= seq.max_num_tokens):
+            if num_new <= 0 or (seq.num_pending and seq.tokens_left <= 0):
                 # (nothing new, or the pending token is its last: it finishes for length when read back)
                 idx += 1
                 continue

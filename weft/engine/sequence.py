@@ -162,6 +162,13 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens this sequence may still append before it ends for length (`max_tokens` or
+        `max_model_len`); a pending token counts as appended, so 0 with one pending means that
+        token is its last."""
+        return self.max_num_tokens - len(self.token_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
@@ -314,7 +321,7 @@ class Sequence:
             self._drop_pending()
         self.token_ids.append(token_id)
         if self.matcher is None:  # most rows: one new token, no grammar
-            could_stop = token_id in self.stop_ids or len(self.token_ids) >= self.max_num_tokens
+            could_stop = token_id in self.stop_ids or self.tokens_left <= 0
             if could_stop and not self.is_finishing:
                 self._apply_token_stop_rules(False)
             positions = self.positions

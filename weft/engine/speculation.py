@@ -55,7 +55,7 @@ class Speculation:
             state = seq.drafts
             if state is None:
                 state = seq.drafts = DraftState(self.new_drafter(), self.tally)
-            room = seq.max_num_tokens - seq.num_tokens - 1  # the last token comes from a row, not a draft
+            room = seq.tokens_left - 1  # the last token comes from a row, not a draft
             wanted = state.acceptance.num_tokens(share, min(k, room)) if room > 0 else 0
             guessed = state.drafter.propose(seq.token_ids, wanted) if wanted > 0 else []
             if guessed and seq.matcher is not None:
