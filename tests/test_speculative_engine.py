@@ -4,6 +4,7 @@ decoding without them (tokens, text, logprobs, finish reasons), whatever the dra
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ import pytest
 import torch
 from test_sampler import assert_matches
 
+import weft.engine.engine as engine_module
 from weft import LLM, OutputKind, SamplingParams
 from weft.engine.engine import LLMEngine
 from weft.speculative.drafter import Drafter
@@ -241,6 +243,31 @@ def test_right_drafts_take_fewer_steps(engines, expected):
     # the prompt's step samples one token; every later step verifies K drafts and gains K + 1
     assert len(outputs) <= 1 + -(-39 // (K + 1)) and counts.mean_accepted_length > K
     assert counts.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("opens_every", [0, 3], ids=["closed", "opens-every-third-step"])
+def test_steps_stay_in_flight_while_the_gate_keeps_drafting_off(
+    tiny_llama, expected, opens_every, monkeypatch
+):
+    """With lookahead on, a step after which the gate keeps drafting off stays in flight, as without
+    speculation; a step the gate opens reads the one before back first (its drafts need the
+    tokens). Either way the outputs are those of decoding without speculation."""
+    speculative = {"num_speculative_tokens": K}
+    engine = LLM(str(tiny_llama), speculative_config=speculative, async_scheduling=True, **OPTIONS).engine
+    assert engine.speculation is not None
+    asked = itertools.count(1)
+    engine.speculation.gate.allows = lambda batch: opens_every > 0 and next(asked) % opens_every == 0
+    committed: list[bool] = []
+    real_commit = engine_module.commit
+
+    def counted(launched):
+        committed.append(any(item.drafts for item in launched.sched.scheduled))
+        return real_commit(launched)
+
+    monkeypatch.setattr(engine_module, "commit", counted)
+    assert fields(run(engine, requests())) == fields(expected)
+    assert committed and not any(committed)  # steps stayed in flight, never one that verified drafts
+    assert (engine.speculation.tally.num_drafts > 0) == (opens_every > 0)
 
 
 def test_preemption_and_aborts_leak_nothing(tiny_llama):

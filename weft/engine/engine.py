@@ -332,10 +332,13 @@ class LLMEngine:
         stays = False
         if launched is not None:
             self.scheduler.advance(launched.sched)  # after `previous`: its tokens are on the host
-            stays = (  # with speculation every step is done in turn: drafts need the tokens
+            stays = (  # with speculation, only while the gate keeps drafting off: drafts need the tokens
                 self.config.async_scheduling
-                and self.speculation is None
                 and can_stay_in_flight(launched, self.groups)
+                and (
+                    self.speculation is None
+                    or self.speculation.lets_stay_in_flight(launched.sched, len(self.scheduler.running))
+                )
             )
             if not stays:
                 touched += self._resolve(launched)

@@ -40,12 +40,16 @@ class Speculation:
         self.gate = DraftGate()  # which steps pay, drafting or plain, per batch size
         self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed
         self._accepted_seen = 0  # the tally's accepted tokens at the last step observed
+        self._next_allowed: bool | None = None  # the gate's answer for the next step, if asked early
 
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
         """Drafts of the running sequences that may speculate this step, by seq_id."""
         k = self.config.num_speculative_tokens
         running = list(running)
-        if self.adaptive and not self.gate.allows(len(running)):
+        allowed, self._next_allowed = self._next_allowed, None
+        if allowed is None and self.adaptive:
+            allowed = self.gate.allows(len(running))
+        if allowed is False:
             return {}
         share = self.cost.share(len(running)) if self.adaptive else 0.0
         drafts = {}
@@ -63,6 +67,15 @@ class Speculation:
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    def lets_stay_in_flight(self, sched: SchedulerOutput, batch: int) -> bool:
+        """Whether a step that verified no drafts may stay in flight (lookahead): only if the next
+        step, of about `batch` rows, will not draft (drafts are looked up in tokens on the host).
+        The gate is asked for the next step now, and `propose` keeps its answer."""
+        if not self.adaptive or any(item.drafts for item in sched.scheduled):
+            return False
+        self._next_allowed = self.gate.allows(batch)
+        return not self._next_allowed
 
     def retire(self, seqs: Iterable[Sequence]) -> None:
         """Sequences that finished this step: suffix decoding keeps their outputs for later ones."""
