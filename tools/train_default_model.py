@@ -18,6 +18,10 @@ The copying experiment of docs/default_model.md (about 50 minutes):
     python tools/train_default_model.py --out /tmp/copying --copy-share 0.25 --induction-rows 48 \
         --max-steps 1000
 
+and its two later runs, each from the checkpoint before it (`--init`; the options are in
+docs/default_model.md, "Why it does not copy yet"). `--init` starts from a checkpoint's tokenizer
+and weights; the final report adds the loss of a span's second showing (`second_showing_losses`).
+
 `transformers` is needed here (it is a test/dev dependency of weft), never at run time.
 """
 
@@ -66,6 +70,17 @@ class TrainConfig:
     copy_share: float = 0.0
     induction_rows: int = 0
     induction_len: int = 64
+    induction_span: int = 20  # the repeated random spans are 6 to this many tokens long (exclusive)
+    # share of each copy passage's words replaced by random ones, so that memory of the training
+    # text cannot predict its second showing: only copying can
+    word_swap: float = 0.0
+    passage_share: float = 0.5  # of the copy rows, the share of passages (the rest: records)
+    # start from this checkpoint (its tokenizer and weights) instead of from scratch
+    init: str | None = None
+    # which checkpoint is kept: "val" the best held-out loss; "copy" the best held-out copy rate
+    # among those whose held-out loss is within `max_val_rise` of the starting checkpoint's
+    select: str = "val"
+    max_val_rise: float = 0.04
 
 
 def train_tokenizer(text: str, vocab_size: int):  # -> tokenizers.Tokenizer
@@ -126,20 +141,22 @@ class CopyTasks:
         weft's style (`{"name": "...", "age": 7, "home": "..."}`), the names the text's speakers;
     and, in a batch of their own each step, short rows of random tokens repeated (`induction`)."""
 
-    def __init__(self, data: torch.Tensor, text: str, tok) -> None:  # tok: tokenizers.Tokenizer
-        import re
+    def __init__(
+        self, data: torch.Tensor, text: str, tok, word_swap: float = 0.0, passages: float = 0.5
+    ) -> None:
+        import re  # tok: tokenizers.Tokenizer
 
-        self.data, self.tok = data, tok
+        self.data, self.text, self.tok, self.word_swap, self.passages = data, text, tok, word_swap, passages
         self.vocab_size = tok.get_vocab_size()
         self.separator = torch.tensor(tok.encode("\n\n").ids, dtype=torch.long)
         self.names = sorted(set(re.findall(r"^([A-Z][A-Za-z ]+):$", text, flags=re.MULTILINE)))
         self.words = sorted({w for w in re.findall(r"\b[a-z]{4,9}\b", text)})
 
     def row(self, length: int, gen: torch.Generator) -> torch.Tensor:
-        make = self._passage if torch.rand((), generator=gen).item() < 0.5 else self._records
+        make = self._passage if torch.rand((), generator=gen).item() < self.passages else self._records
         return make(length, gen)[:length]
 
-    def induction(self, num_rows: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    def induction(self, num_rows: int, length: int, gen: torch.Generator, longest: int = 20) -> torch.Tensor:
         """[num_rows, length] rows of random tokens (6-19 of them), a blank line, the same tokens
         again, and so on: nothing but copying predicts them. Without these, 1,000 steps of the
         other rows taught the model the records' JSON layout but not to copy a single value;
@@ -147,7 +164,7 @@ class CopyTasks:
         from 8.3 to the floor of their first, unpredictable tokens)."""
         rows = []
         for _ in range(num_rows):
-            span = int(torch.randint(6, 20, (), generator=gen))
+            span = int(torch.randint(6, longest, (), generator=gen))
             tokens = torch.randint(len(SPECIAL_TOKENS), self.vocab_size, (span,), generator=gen)
             pieces = [tokens]
             while sum(p.numel() for p in pieces) < length:
@@ -156,18 +173,44 @@ class CopyTasks:
         return torch.stack(rows)
 
     def _passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
-        span = int(torch.randint(24, 120, (), generator=gen))
-        start = int(torch.randint(0, self.data.numel() - span, (), generator=gen))
-        passage = self.data[start : start + span]
+        if self.word_swap > 0:
+            passage = self._swapped_passage(gen)
+        else:
+            span = int(torch.randint(24, 120, (), generator=gen))
+            start = int(torch.randint(0, self.data.numel() - span, (), generator=gen))
+            passage = self.data[start : start + span]
         pieces = [passage]
         while sum(p.numel() for p in pieces) < length:
             pieces += [self.separator, passage]
         return torch.cat(pieces)
 
+    def _swapped_passage(self, gen: torch.Generator) -> torch.Tensor:
+        """A passage of the text from a line's start, `word_swap` of its words replaced by random
+        words of the text (capitalised where the word was): text the model has not memorised."""
+        import re
+
+        span = int(torch.randint(100, 500, (), generator=gen))
+        start = int(torch.randint(0, len(self.text) - span, (), generator=gen))
+        start = self.text.find("\n", start) + 1
+        passage = self.text[start : start + span]
+        draws = torch.rand(len(passage), generator=gen).tolist()
+        picks = torch.randint(len(self.words), (len(passage),), generator=gen).tolist()
+
+        def swap(match: re.Match) -> str:
+            i = match.start()
+            if draws[i] >= self.word_swap or match.group(0).isupper():  # speakers' names stay
+                return match.group(0)
+            word = self.words[picks[i]]
+            return word.title() if match.group(0)[0].isupper() else word
+
+        return torch.tensor(self.tok.encode(re.sub(r"[A-Za-z]+", swap, passage)).ids, dtype=torch.long)
+
     def _records(self, length: int, gen: torch.Generator) -> torch.Tensor:
         ids: list[int] = []
         while len(ids) < length:
             name = self.names[int(torch.randint(len(self.names), (), generator=gen))].title()
+            if self.word_swap > 0 and torch.rand((), generator=gen).item() < 0.5:
+                name = self.words[int(torch.randint(len(self.words), (), generator=gen))].title()
             home = self.words[int(torch.randint(len(self.words), (), generator=gen))]
             age = int(torch.randint(1, 100, (), generator=gen))
             record = f"name: {name}\nage: {age}\nhome: {home}\n"
@@ -192,6 +235,31 @@ def copy_rate(model, tok, text: str, num: int = 40, new_tokens: int = 24) -> flo
         hits += bool(tail) and passage[shown:].startswith(tail)
     model.train()
     return hits / num
+
+
+@torch.no_grad()
+def second_showing_losses(model, tok, text: str, separator: list[int]) -> dict[str, float]:
+    """Mean next-token loss over the second showing of a span shown twice (a blank line between):
+    random tokens 10, 20, 40 and 80 long (how far back the copying reaches), and held-out passages
+    of about 75 tokens (whether it copies text like its corpus), with the first showing's loss
+    beside them. A model that copies gets near 0 on every second showing."""
+    model.eval()
+    gen = torch.Generator().manual_seed(3)
+    spans = {
+        f"random_{n}": torch.randint(len(SPECIAL_TOKENS), tok.get_vocab_size(), (n,), generator=gen)
+        for n in (10, 20, 40, 80)
+    }
+    spans["heldout"] = torch.tensor(tok.encode(text[5000:5300]).ids)
+    losses = {}
+    for name, span in spans.items():
+        row = torch.cat([span, torch.tensor(separator), span])
+        logits = model(input_ids=row[None, :-1]).logits[0]  # [S, V]
+        each = torch.nn.functional.cross_entropy(logits.float(), row[1:], reduction="none")  # [S]
+        losses[name] = round(each[span.numel() + len(separator) :].mean().item(), 3)
+        if name == "heldout":
+            losses["heldout_first"] = round(each[: span.numel() - 1].mean().item(), 3)
+    model.train()
+    return losses
 
 
 def next_token_loss(model, rows: torch.Tensor) -> torch.Tensor:
@@ -244,6 +312,39 @@ def save(model, tok, out: Path, report: dict) -> None:
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
+def load_tokenizer(path: str):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+
+
+def load_model(path: str):  # -> transformers.LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+
+
+class Keeper:
+    """Which checkpoint is kept: the best held-out loss (`select="val"`), or the best held-out copy
+    rate whose held-out loss rose at most `max_val_rise` over the starting checkpoint's (ties: the
+    lower loss)."""
+
+    def __init__(self, cfg: TrainConfig, start_val_loss: float | None) -> None:
+        self.select = cfg.select
+        self.bound = math.inf if start_val_loss is None else start_val_loss * (1 + cfg.max_val_rise)
+        self.key: tuple[float, float] | None = None
+        self.state: dict[str, torch.Tensor] | None = None
+        self.step, self.val_loss = 0, math.inf
+
+    def offer(self, model, step: int, val_loss: float, rate: float | None) -> None:
+        if val_loss > self.bound:
+            return
+        key = (rate or 0.0, -val_loss) if self.select == "copy" else (0.0, -val_loss)
+        if self.key is None or key > self.key:
+            self.key, self.step, self.val_loss = key, step, val_loss
+            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -260,22 +361,51 @@ def main() -> None:
         default=TrainConfig.induction_rows,
         help="rows of repeated random tokens per step, beside the batch (0: none)",
     )
+    parser.add_argument(
+        "--word-swap",
+        type=float,
+        default=TrainConfig.word_swap,
+        help="share of copy passages' words replaced",
+    )
+    parser.add_argument(
+        "--init", default=None, help="start from this checkpoint directory (default: scratch)"
+    )
+    parser.add_argument(
+        "--passage-share", type=float, default=TrainConfig.passage_share, help="of the copy rows: passages"
+    )
+    parser.add_argument("--induction-len", type=int, default=TrainConfig.induction_len)
+    parser.add_argument("--induction-span", type=int, default=TrainConfig.induction_span)
+    parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    parser.add_argument("--select", choices=["val", "copy"], default=TrainConfig.select)
     args = parser.parse_args()
     cfg = TrainConfig(
-        max_steps=args.max_steps, copy_share=args.copy_share, induction_rows=args.induction_rows
+        max_steps=args.max_steps,
+        copy_share=args.copy_share,
+        induction_rows=args.induction_rows,
+        induction_len=args.induction_len,
+        induction_span=args.induction_span,
+        word_swap=args.word_swap,
+        passage_share=args.passage_share,
+        eval_every=args.eval_every,
+        init=args.init,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        select=args.select,
     )
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
 
     text = args.corpus.read_text(encoding="utf-8")
     split = int(len(text) * 0.9)
-    tok = train_tokenizer(text[:split], cfg.vocab_size)
+    tok = load_tokenizer(cfg.init) if cfg.init else train_tokenizer(text[:split], cfg.vocab_size)
     cfg.vocab_size = tok.get_vocab_size()
     train_ids = torch.tensor(tok.encode(text[:split]).ids, dtype=torch.long)
     val_ids = torch.tensor(tok.encode(text[split:]).ids, dtype=torch.long)
     print(f"corpus {len(text):,} chars; train {train_ids.numel():,} tokens, val {val_ids.numel():,} tokens")
 
-    model = build_model(cfg)
+    model = load_model(cfg.init) if cfg.init else build_model(cfg)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters")
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -286,18 +416,22 @@ def main() -> None:
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(cfg.seed)
-    copies = CopyTasks(train_ids, text[:split], tok) if cfg.copy_share > 0 else None
+    copies = (
+        CopyTasks(train_ids, text[:split], tok, cfg.word_swap, cfg.passage_share)
+        if cfg.copy_share > 0
+        else None
+    )
     untrained_val_loss = evaluate(model, val_ids, cfg)
-    print(f"untrained val loss {untrained_val_loss:.3f}")
+    print(f"{'starting' if cfg.init else 'untrained'} val loss {untrained_val_loss:.3f}")
+    keep = Keeper(cfg, untrained_val_loss if cfg.init else None)
     history = []
-    best_loss, best_state, best_step = float("inf"), None, 0
     for step in range(cfg.max_steps):
         for group in optim.param_groups:
             group["lr"] = lr_at(step, cfg)
         rows = batches(train_ids, cfg, gen, copies)
         loss = next_token_loss(model, rows)
         if copies is not None and cfg.induction_rows:
-            repeats = copies.induction(cfg.induction_rows, cfg.induction_len + 1, gen)
+            repeats = copies.induction(cfg.induction_rows, cfg.induction_len + 1, gen, cfg.induction_span)
             loss = loss + next_token_loss(model, repeats)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -305,21 +439,25 @@ def main() -> None:
         optim.step()
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
             val_loss = evaluate(model, val_ids, cfg)
-            history.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val_loss})
-            if val_loss < best_loss:  # keep the best checkpoint on the held-out text
-                best_loss, best_step = val_loss, step + 1
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            rate = copy_rate(model, tok, text[split:]) if cfg.select == "copy" else None
+            history.append(
+                {"step": step + 1, "train_loss": loss.item(), "val_loss": val_loss, "copy_rate": rate}
+            )
+            keep.offer(model, step + 1, val_loss, rate)
             elapsed = time.perf_counter() - started
+            shown = "" if rate is None else f" copy {rate:.0%}"
             print(
-                f"step {step + 1}/{cfg.max_steps} train {loss.item():.3f} val {val_loss:.3f} "
+                f"step {step + 1}/{cfg.max_steps} train {loss.item():.3f} val {val_loss:.3f}{shown} "
                 f"({elapsed:.0f}s)",
                 flush=True,
             )
-    assert best_state is not None
-    model.load_state_dict(best_state)
-    val_loss = best_loss
+    assert keep.state is not None, "no checkpoint met the selection rule: see the printed history"
+    model.load_state_dict(keep.state)
+    val_loss, best_step = keep.val_loss, keep.step
     held_out_copy_rate = copy_rate(model, tok, text[split:])
     print(f"held-out passages continued as shown: {held_out_copy_rate:.0%}")
+    second_showing = second_showing_losses(model, tok, text[split:], tok.encode("\n\n").ids)
+    print(f"loss of a second showing: {second_showing}")
     report = {
         "config": asdict(cfg),
         "corpus": args.corpus.name,
@@ -331,6 +469,7 @@ def main() -> None:
         "best_step": best_step,
         "val_perplexity": math.exp(val_loss),
         "held_out_copy_rate": held_out_copy_rate,
+        "second_showing_loss": second_showing,
         "train_seconds": round(time.perf_counter() - started, 1),
         "torch_threads": torch.get_num_threads(),
         "history": history,
