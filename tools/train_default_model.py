@@ -74,6 +74,7 @@ class TrainConfig:
     # share of each copy passage's words replaced by random ones, so that memory of the training
     # text cannot predict its second showing: only copying can
     word_swap: float = 0.0
+    word_swap_min: float | None = None  # if set, each passage's swap rate is drawn from [this, word_swap]
     passage_share: float = 0.5  # of the copy rows, the share of passages (the rest: records)
     # start from this checkpoint (its tokenizer and weights) instead of from scratch
     init: str | None = None
@@ -142,11 +143,18 @@ class CopyTasks:
     and, in a batch of their own each step, short rows of random tokens repeated (`induction`)."""
 
     def __init__(
-        self, data: torch.Tensor, text: str, tok, word_swap: float = 0.0, passages: float = 0.5
+        self,
+        data: torch.Tensor,
+        text: str,
+        tok,  # tokenizers.Tokenizer
+        word_swap: float = 0.0,
+        passages: float = 0.5,
+        word_swap_min: float | None = None,
     ) -> None:
-        import re  # tok: tokenizers.Tokenizer
+        import re
 
         self.data, self.text, self.tok, self.word_swap, self.passages = data, text, tok, word_swap, passages
+        self.word_swap_min = word_swap if word_swap_min is None else word_swap_min
         self.vocab_size = tok.get_vocab_size()
         self.separator = torch.tensor(tok.encode("\n\n").ids, dtype=torch.long)
         self.names = sorted(set(re.findall(r"^([A-Z][A-Za-z ]+):$", text, flags=re.MULTILINE)))
@@ -193,12 +201,14 @@ class CopyTasks:
         start = int(torch.randint(0, len(self.text) - span, (), generator=gen))
         start = self.text.find("\n", start) + 1
         passage = self.text[start : start + span]
+        low = self.word_swap_min
+        rate = low + (self.word_swap - low) * torch.rand((), generator=gen).item()
         draws = torch.rand(len(passage), generator=gen).tolist()
         picks = torch.randint(len(self.words), (len(passage),), generator=gen).tolist()
 
         def swap(match: re.Match) -> str:
             i = match.start()
-            if draws[i] >= self.word_swap or match.group(0).isupper():  # speakers' names stay
+            if draws[i] >= rate or match.group(0).isupper():  # speakers' names stay
                 return match.group(0)
             word = self.words[picks[i]]
             return word.title() if match.group(0)[0].isupper() else word
@@ -371,6 +381,12 @@ def main() -> None:
         "--init", default=None, help="start from this checkpoint directory (default: scratch)"
     )
     parser.add_argument(
+        "--word-swap-min",
+        type=float,
+        default=None,
+        help="draw each passage's swap rate from [this, --word-swap] (default: always --word-swap)",
+    )
+    parser.add_argument(
         "--passage-share", type=float, default=TrainConfig.passage_share, help="of the copy rows: passages"
     )
     parser.add_argument("--induction-len", type=int, default=TrainConfig.induction_len)
@@ -387,6 +403,7 @@ def main() -> None:
         induction_len=args.induction_len,
         induction_span=args.induction_span,
         word_swap=args.word_swap,
+        word_swap_min=args.word_swap_min,
         passage_share=args.passage_share,
         eval_every=args.eval_every,
         init=args.init,
@@ -417,7 +434,7 @@ def main() -> None:
     )
     gen = torch.Generator().manual_seed(cfg.seed)
     copies = (
-        CopyTasks(train_ids, text[:split], tok, cfg.word_swap, cfg.passage_share)
+        CopyTasks(train_ids, text[:split], tok, cfg.word_swap, cfg.passage_share, cfg.word_swap_min)
         if cfg.copy_share > 0
         else None
     )
