@@ -68,11 +68,11 @@ class Speculation:
                 drafts[seq.seq_id] = guessed
         return drafts
 
-    def lets_stay_in_flight(self, sched: SchedulerOutput, batch: int) -> bool:
-        """Whether a step that verified no drafts may stay in flight (lookahead): only if the next
-        step, of about `batch` rows, will not draft (drafts are looked up in tokens on the host).
-        The gate is asked for the next step now, and `propose` keeps its answer."""
-        if not self.adaptive or any(item.drafts for item in sched.scheduled):
+    def lets_stay_in_flight(self, proposed: bool, batch: int) -> bool:
+        """Whether a step may stay in flight (lookahead): only if no drafts were `proposed` for it
+        and the next step, of about `batch` rows, will not draft (drafts are looked up in tokens on
+        the host). The gate is asked for the next step now, and `propose` keeps its answer."""
+        if not self.adaptive or proposed:
             return False
         self._next_allowed = self.gate.allows(batch)
         return not self._next_allowed
