@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -151,8 +152,6 @@ class CopyTasks:
         passages: float = 0.5,
         word_swap_min: float | None = None,
     ) -> None:
-        import re
-
         self.data, self.text, self.tok, self.word_swap, self.passages = data, text, tok, word_swap, passages
         self.word_swap_min = word_swap if word_swap_min is None else word_swap_min
         self.vocab_size = tok.get_vocab_size()
@@ -195,8 +194,6 @@ class CopyTasks:
     def _swapped_passage(self, gen: torch.Generator) -> torch.Tensor:
         """A passage of the text from a line's start, `word_swap` of its words replaced by random
         words of the text (capitalised where the word was): text the model has not memorised."""
-        import re
-
         span = int(torch.randint(100, 500, (), generator=gen))
         start = int(torch.randint(0, len(self.text) - span, (), generator=gen))
         start = self.text.find("\n", start) + 1
