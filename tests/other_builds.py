@@ -67,7 +67,8 @@ def check(path: str, out: Path) -> None:
     """Build `path` under `out` and test it (or compile it only); AssertionError when it fails."""
     arch, cflags, isa, needs = BUILDS[path]
     env = {**os.environ, "CI": "true", CHILD_BUILD: "1", "WEFT_NATIVE_ARCH": arch}
-    env |= {"WEFT_NATIVE_CFLAGS": cflags, "WEFT_CACHE_DIR": str(out)}
+    # MAX_JOBS=1: one translation unit, torch's headers parsed once (the build runs beside the suite)
+    env |= {"WEFT_NATIVE_CFLAGS": cflags, "WEFT_CACHE_DIR": str(out), "MAX_JOBS": "1"}
     if not needs <= cpu_flags():
         compile_only(arch, cflags, out)
         print(f"{path}: compiled (this CPU cannot run it)")
@@ -90,10 +91,10 @@ def child_selection() -> str:
 
 
 def compile_only(arch: str, cflags: str, out: Path) -> None:
-    """Compile every source of a build this CPU cannot run (its flags, no link, no load): as two
-    translation units of half the sources each, compiled at once (torch's headers, parsed once per
-    unit, are most of the time), without optimization (an intrinsic the -march does not enable still
-    fails: always_inline functions are inlined at -O0 too)."""
+    """Compile every source of a build this CPU cannot run (its flags, no link, no load): as one
+    translation unit (torch's headers, parsed once per unit, are half the time; these builds run
+    beside the suite, where CPU time, not wall time, is what they cost), without optimization (an
+    intrinsic the -march does not enable still fails: always_inline functions are inlined at -O0 too)."""
     from torch.utils.cpp_extension import include_paths
 
     import weft.native as native
@@ -102,13 +103,10 @@ def compile_only(arch: str, cflags: str, out: Path) -> None:
     flags, _ = native.build_flags(NativeConfig(True, out, arch=arch, extra_cflags=tuple(cflags.split())))
     flags = ["-O0" if flag == "-O3" else flag for flag in flags]  # the same errors, half the time
     includes = [f"-I{path}" for path in include_paths()]
-    compilers = []
-    for unit in native.units(out, 2):
-        cmd = ["c++", "-std=c++17", "-fPIC", *flags, *includes, "-c", str(unit), "-o", f"{unit}.o"]
-        compilers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    for compiler in compilers:
-        _, errors = compiler.communicate(timeout=600)
-        assert compiler.returncode == 0, errors[-3000:]
+    (unit,) = native.units(out, 1)
+    cmd = ["c++", "-std=c++17", "-fPIC", *flags, *includes, "-c", str(unit), "-o", f"{unit}.o"]
+    compiler = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert compiler.returncode == 0, compiler.stderr[-3000:]
 
 
 if __name__ == "__main__":

@@ -92,6 +92,13 @@ def units(directory: Path, count: int) -> list[Path]:
     return paths
 
 
+def build_jobs() -> int:
+    """How many compilers the build runs at once: MAX_JOBS where set (torch's own build variable),
+    else one per core."""
+    jobs = os.environ.get("MAX_JOBS", "")
+    return int(jobs) if jobs.isdigit() and int(jobs) > 0 else os.cpu_count() or 1
+
+
 def _load(config: NativeConfig) -> bool:
     if not config.enabled:
         return False
@@ -112,7 +119,7 @@ def _load(config: NativeConfig) -> bool:
         cflags, ldflags = build_flags(config)
         cpp_extension.load(
             name=_NAME,
-            sources=[str(unit) for unit in units(directory, os.cpu_count() or 1)],
+            sources=[str(unit) for unit in units(directory, build_jobs())],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             build_directory=str(directory),
