@@ -6,6 +6,7 @@ SIGTERM drains everything. The router is in the test extra (CI always has it).""
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -57,18 +58,31 @@ class Replicas:
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.replicas: list[tuple[int, str]] = []  # (pid, url)
-        assert self.process.stdout is not None
+        # every line of the output read on a thread (the router's logs dropped, so that no pipe ever
+        # fills), so that a process that hangs without printing still fails at the deadline
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
         deadline = time.monotonic() + 240
         while len(self.replicas) < 2:
-            line = self.process.stdout.readline()
-            assert line and time.monotonic() < deadline, f"weft serve exited or hung: {line!r}"
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("weft serve printed no replica line for 240 s")
+            assert line, "weft serve exited before both replicas started"
             if "weft serve: replica" in line:  # "weft serve: replica 0 (pid 123) on http://..."
                 # (in the line, not at its start: a replica's progress bar may end in "\r" before it)
                 pid = int(line.split("(pid ")[1].split(")")[0])
                 self.replicas.append((pid, line.rsplit(" ", 1)[1].strip()))
-        # the rest of the output (the router logs) read and dropped, so that no pipe ever fills
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()
         await_health(self.url, self.process, deadline - time.monotonic(), "weft serve (the router)")
+
+    def _read(self, lines: queue.Queue[str]) -> None:
+        """Put each line of the output on `lines` until both replicas are up, then drop the rest;
+        an empty line where the output ends."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if len(self.replicas) < 2:
+                lines.put(line)
+        lines.put("")
 
     def complete(self, prompt: str, max_tokens: int = 4) -> httpx.Response:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
