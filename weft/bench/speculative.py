@@ -1,7 +1,9 @@
 """Speculative decoding: tokens/s with and without it, in one run, on the same requests.
 
 Workloads (the bundled model, prompts from the held-out tenth of Tiny Shakespeare):
-  copy    a passage, a blank line and its first 80 characters again: the output repeats the rest
+  copy    a passage, a blank line and its first lines again (up to the last line end in its first
+          80 characters, so that the copy starts where the first showing has a token boundary):
+          the output repeats the rest
           (greedy; what prompt lookup is for: edits, quotes, extractions);
   json    a record (`name`, `age`, `home`) then its facts as JSON under a JSON Schema (greedy): the
           values are copied from the prompt, the keys and punctuation forced by the grammar;
@@ -149,7 +151,7 @@ def _requests(workload: str, batch: int, max_tokens: int) -> list[tuple[Any, Any
     passages = [held[i * 1500 : i * 1500 + 300] for i in range(batch)]
     if workload == "copy":
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        return [(p + "\n\n" + p[:80], params) for p in passages]
+        return [(p + "\n\n" + p[: _line_start(p, 80)], params) for p in passages]
     if workload == "json":
         params = SamplingParams(temperature=0, max_tokens=max_tokens, json_schema=SCHEMA)
         records = [
@@ -163,6 +165,12 @@ def _requests(workload: str, batch: int, max_tokens: int) -> list[tuple[Any, Any
             for i, p in enumerate(passages)
         ]
     raise SystemExit(f"unknown workload {workload!r}: copy, json, open or oracle")
+
+
+def _line_start(text: str, most: int) -> int:
+    """Where the last line that starts within `text[:most]` starts (`most` when none does): a
+    prompt cut in a word would ask for a token the first showing never had."""
+    return text.rfind("\n", 0, most) + 1 or most
 
 
 def _timed(llm: Any, requests: list[tuple[Any, Any]]) -> tuple[float, list[Any]]:
