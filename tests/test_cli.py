@@ -267,8 +267,11 @@ def test_bench_speculative_runs_every_workload_with_identical_tokens(tmp_path):
     copy prompts show the passage again from a line's start (never cut inside a word)."""
     import json
 
+    from conftest import shared_data
+
     from weft.bench.speculative import _line_start, _requests
 
+    shared_data("corpora/tinyshakespeare.txt")  # the workloads' prompts (skips where it is absent)
     out = tmp_path / "speculative.json"
     args = ["--batch-sizes", "2", "--repeats", "1", "--max-tokens", "12", "--oracle-ks", "2"]
     assert main(["bench", "speculative", *args, "--oracle-configs", "", "--json", str(out)]) == 0
