@@ -117,6 +117,38 @@ def test_extreme_scales_and_activations():
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
 
 
+def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
+    """GGUF rows whose every quant is the largest its type holds (Q4_K 15 with 6-bit scales and mins
+    of 63, Q6_K 63 with scales of 127, Q8_0 -128) and whose float16 scales are 1."""
+    one = np.array([1.0], dtype=np.float16).view(np.uint8)
+    if kind == "q8_0":
+        block = np.concatenate([one, np.full(32, 0x80, dtype=np.uint8)])
+    elif kind == "q4_k":
+        block = np.concatenate([one, one, np.full(140, 0xFF, dtype=np.uint8)])
+    else:
+        block = np.concatenate([np.full(192, 0xFF, dtype=np.uint8), np.full(16, 127, dtype=np.uint8), one])
+    return torch.from_numpy(np.tile(block, (rows, k // (32 if kind == "q8_0" else 256))))
+
+
+@pytest.mark.parametrize(
+    ("kind", "mins"), [("q8_0", False), ("q4_k", False), ("q4_k", True), ("q6_k", False)]
+)
+def test_the_largest_quants_times_the_largest_activations_sum_exactly(kind, mins):
+    """Every quant at its type's extreme times activations that all round to +-127: the partial sums
+    the byte products keep in 16 bits (vpmaddubsw pairs, added across a sub-block's groups without
+    VNNI) reach their bound without saturating, on every tile height."""
+    k = 512
+    raw = largest_quants(kind, 40, k)
+    weight = reference_dequantize(raw, kind.upper()).double()
+    panels = QuantizedRows(kind, raw).pack(dot=True, mins=mins)
+    for rows in (1, 2, 3, 7):
+        x = torch.ones(rows, k)
+        x[1::2] = -1.0  # every other row all -127
+        out = torch.ops.weft.packed_linear(x, panels, None, 40)
+        expected = rounded_activations(x, kind) @ weight.T
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(("kind", "mins"), list(BLOCK_BYTES))
 def test_embedding_rows_from_dot_panels(kind, mins):
     """A tied table in dot panels: rows looked up exactly as the dequantization makes them."""
