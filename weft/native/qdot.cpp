@@ -137,15 +137,15 @@ inline vech pair_sums(vecb u, vecb s) {
 #endif
 }
 
-// Each 32-bit lane's two 16-bit sums added: vpmaddwd with ones.
-inline veci widen_pairs(vech p) {
+// Each 32-bit lane's two 16-bit products a * b added: vpmaddwd.
+inline veci madd_pairs(vech a, vech b) {
 #if defined(__AVX512BW__)
-  return reinterpret_cast<veci>(_mm512_madd_epi16(reinterpret_cast<__m512i>(p), _mm512_set1_epi16(1)));
+  return reinterpret_cast<veci>(_mm512_madd_epi16(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
 #elif defined(__AVX2__) && !defined(__AVX512F__)
-  return reinterpret_cast<veci>(_mm256_madd_epi16(reinterpret_cast<__m256i>(p), _mm256_set1_epi16(1)));
+  return reinterpret_cast<veci>(_mm256_madd_epi16(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
 #else
   veci w;
-  for (int l = 0; l < kLanes; ++l) w[l] = p[2 * l] + p[2 * l + 1];
+  for (int l = 0; l < kLanes; ++l) w[l] = a[2 * l] * b[2 * l] + a[2 * l + 1] * b[2 * l + 1];
   return w;
 #endif
 }
@@ -156,7 +156,7 @@ inline veci dot_bytes(veci acc, vecb u, vecb s) {
   return reinterpret_cast<veci>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u),
                                                     reinterpret_cast<__m512i>(s)));
 #else
-  return acc + widen_pairs(pair_sums(u, s));
+  return acc + madd_pairs(pair_sums(u, s), reinterpret_cast<vech>(veci{} + 0x10001));
 #endif
 }
 
@@ -236,34 +236,26 @@ struct Accumulators {
       for (int j = 0; j < kV; ++j) sub[i][j] = kSigned ? dot_signed(sub[i][j], w[j], xb) : dot_bytes(sub[i][j], w[j], xb);
     }
   }
-  // sub += the products of kGroups consecutive groups, weights(g, w) giving group g's unsigned quants
-  // (x at offset + 4 g). Without VNNI their 16-bit pair sums are added first and widened once (one
-  // vpmaddwd where dot's way takes kGroups); the caller bounds the sums: kGroups * 2 * max(w) * 127
-  // <= 32,767.
-  template <int kGroups, typename Weights>
-  void dot_groups(const ActRow (&x)[kRows], int64_t offset, Weights&& weights) {
-    if constexpr (kVnni) {
-      for (int g = 0; g < kGroups; ++g) {
-        vecb w[kV];
-        weights(g, w);
-        dot(x, offset + kDotGroup * g, w);
-      }
-    } else {
-      vech pairs[kRows][kV] = {};
+};
+
+// pairs[i][j] = the 16-bit pair sums of row i's products with kGroups consecutive groups
+// (weights(g, w): group g's unsigned quants; x at offset + 4 g), summed in 16 bits, where the caller
+// bounds them: kGroups * 2 * max(w) * 127 <= 32,767. One vpmaddubsw and one vpaddw a group and
+// vector, where dot_bytes takes a vpmaddwd and a vpaddd more.
+template <int kGroups, int kRows, int kV, typename Weights>
+inline void group_pair_sums(const ActRow (&x)[kRows], int64_t offset, Weights&& weights, vech (&pairs)[kRows][kV]) {
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j) pairs[i][j] = vech{};
 #pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of the sums and spills them
-      for (int g = 0; g < kGroups; ++g) {
-        vecb w[kV];
-        weights(g, w);
-        for (int i = 0; i < kRows; ++i) {
-          const vecb xb = broadcast4(x[i].q + offset + kDotGroup * g);
-          for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
-        }
-      }
-      for (int i = 0; i < kRows; ++i)
-        for (int j = 0; j < kV; ++j) sub[i][j] += widen_pairs(pairs[i][j]);
+  for (int g = 0; g < kGroups; ++g) {
+    vecb w[kV];
+    weights(g, w);
+    for (int i = 0; i < kRows; ++i) {
+      const vecb xb = broadcast4(x[i].q + offset + kDotGroup * g);
+      for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
     }
   }
-};
+}
 
 // ---- tile kernels (one per dot panel kind; tiles.h walks the product)
 
@@ -301,8 +293,9 @@ void dot_tile_q8_0(const Tile& t) {
   finish_tile<kRows, kV>(t, a.acc);
 }
 
+// Q4_K with vpdpbusd: each sub-block's int32 sums scaled in float32.
 template <int kRows, int kV>
-void dot_tile_q4_k(const Tile& t) {
+void dot_tile_q4_k_vnni(const Tile& t) {
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
@@ -325,11 +318,12 @@ void dot_tile_q4_k(const Tile& t) {
       }
       a.clear_sub();
       const int8_t* quants = sub + 2 * kPanel;
-      constexpr int kGroups = kSub / kDotGroup;  // 8: pair sums of at most 8 * 2 * 15 * 127 = 30,480
-      a.template dot_groups<kGroups>(x, sb * weft::kQ4KBlock + s * kSub, [&](int g, vecb (&w)[kV]) {
+      for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
         __builtin_prefetch(quants + 64 * g + kPrefetchBytes);
+        vecb w[kV];
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
-      });
+        a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
+      }
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
       for (int i = 0; i < kRows; ++i) {
         const float dx = x[i].d[xb], sum = dx * static_cast<float>(x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]);
@@ -339,6 +333,71 @@ void dot_tile_q4_k(const Tile& t) {
     }
   }
   finish_tile<kRows, kV>(t, a.acc);
+}
+
+// kLanes 6-bit values (scales or mins of a sub-block, one per column) as 16-bit multipliers for
+// madd_pairs: the value in both halves of its column's lane (`both`), or in the low half only.
+inline vech pair_multipliers(const int8_t* p, bool both) {
+  veci v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<uint8_t>(p[l]);
+  return reinterpret_cast<vech>(both ? v | v << 16 : v);
+}
+
+// Q4_K without VNNI (llama.cpp's AVX2 arithmetic): a sub-block's 16-bit pair sums are multiplied by
+// its scale in the widening vpmaddwd itself, and its mins by the activations' sums in another, so
+// that a super-block is summed in int32 (at most 8 * 2 * 30,480 * 63 < 2^31) and meets float32
+// once, not once per sub-block.
+template <int kRows, int kV>
+void dot_tile_q4_k_pairs(const Tile& t) {
+  vecf acc[kRows][kV] = {};
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const int v0 = first_vec<kV>(t);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  constexpr int64_t kSub = weft::kQ4KBlock / weft::kQ4KSubBlocks;  // 32: one activation block
+  constexpr int kGroups = kSub / kDotGroup;  // 8: pair sums of at most 8 * 2 * 15 * 127 = 30,480
+  for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
+    const int8_t* block = panel + sb * weft::kQ4KDotBlockBytes;
+    veci scaled[kRows][kV] = {}, mins[kRows][kV] = {};
+    for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
+      const int8_t* quants = sub + 2 * kPanel;
+      vech pairs[kRows][kV];
+      group_pair_sums<kGroups>(x, sb * weft::kQ4KBlock + s * kSub, [&](int g, vecb (&w)[kV]) {
+        __builtin_prefetch(quants + 64 * g + kPrefetchBytes);
+        for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
+      }, pairs);
+      const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
+      for (int j = 0; j < kV; ++j) {
+        const vech scale = pair_multipliers(sub + kLanes * (v0 + j), true);
+        const vech min = pair_multipliers(sub + kPanel + kLanes * (v0 + j), false);
+        for (int i = 0; i < kRows; ++i) {
+          const auto sum = reinterpret_cast<vech>(veci{} + (x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]));  // |sum| <= 4,064
+          scaled[i][j] += madd_pairs(pairs[i][j], scale);
+          mins[i][j] += madd_pairs(min, sum);
+        }
+      }
+    }
+    const int64_t xb = sb * (weft::kQ4KBlock / kActBlock);  // one activation scale a super-block
+    for (int j = 0; j < kV; ++j) {
+      const vecf d = widen_halves(block + 2 * kLanes * (v0 + j));
+      const vecf dmin = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
+      for (int i = 0; i < kRows; ++i) {
+        const float dx = x[i].d[xb];
+        acc[i][j] += __builtin_convertvector(scaled[i][j], vecf) * (d * dx) - __builtin_convertvector(mins[i][j], vecf) * (dmin * dx);
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, acc);
+}
+
+template <int kRows, int kV>
+void dot_tile_q4_k(const Tile& t) {
+  if constexpr (kVnni) {
+    dot_tile_q4_k_vnni<kRows, kV>(t);
+  } else {
+    dot_tile_q4_k_pairs<kRows, kV>(t);
+  }
 }
 
 template <int kRows, int kV, bool kMins>
