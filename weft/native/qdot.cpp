@@ -156,7 +156,7 @@ inline veci dot_bytes(veci acc, vecb u, vecb s) {
   return reinterpret_cast<veci>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u),
                                                     reinterpret_cast<__m512i>(s)));
 #else
-  return acc + madd_pairs(pair_sums(u, s), reinterpret_cast<vech>(veci{} + 0x10001));
+  return acc + madd_pairs(pair_sums(u, s), reinterpret_cast<vech>(veci{} + 0x10001));  // times (1, 1)
 #endif
 }
 
@@ -183,8 +183,8 @@ inline veci dot_signed(veci acc, vecb w, vecb x) {
 }
 
 // One vector of bytes from p (unaligned). Not a memcpy into an array of vectors: GCC merges those
-// into one copy through the stack, whose 16-byte stores then stall the 32-byte loads (Q8_0 ran at a
-// third of its speed on AVX2).
+// into one copy through the stack, whose 16-byte stores then stall the 32-byte loads (Q8_0 at one
+// row ran at a third of its speed from L2 on AVX2).
 inline vecb load_bytes(const int8_t* p) {
   typedef int8_t unaligned __attribute__((vector_size(sizeof(vecb)), aligned(1)));
   return *reinterpret_cast<const unaligned*>(p);
@@ -465,8 +465,8 @@ void dot_tile_q6_k(const Tile& t) {
 // Tiles with AVX-512: up to 6 rows x 32 columns (6 x 2 float and 6 x 2 int32 accumulators of the
 // 32 registers). With 8-lane vectors (16 registers), measured on a Zen 3 at 8-512 rows: Q8_0 one row
 // x 32 columns or half panels of 2 rows (its 2 x 4 whole tiles spill and run at half the speed);
-// the k-quants whole panels of up to 3 rows, where their quants are unpacked once for 3 rows (Q4_K
-// 1.6-1.9x, Q6_K 1.3-1.5x the half panels of 2 rows; 4 rows spill).
+// the k-quants whole panels of up to 3 rows, where their quants are unpacked once for 3 rows (Q6_K
+// 1.3-1.5x the half panels of 2 rows; 4 rows spill).
 struct Q8DotTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 1;
   static constexpr int kHalfRows = kLanes == 16 ? 0 : 2;
