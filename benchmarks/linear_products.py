@@ -8,13 +8,14 @@ with their scales), the int8-activation products of GGUF blocks (qdot.cpp: Q8_0,
 from the same weights, Q6_K of random blocks: its speed does not depend on the values), float32
 weights, and oneDNN's bfloat16 GEMM (`torch.mm` on bfloat16 tensors, bfloat16 output) for
 reference. Each is timed best of --repeats on the same random weights; the ISA path of weft's
-kernels is printed first. --paths picks some (substrings of the names).
+kernels is printed first. --paths picks some (substrings of the names); --copies N cycles through
+N copies of the weights, so that at one row the products stream them from memory as a model's
+layers do, and prints the GB/s of weights read beside each GFLOP/s.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from collections.abc import Callable
 
@@ -51,8 +52,25 @@ def random_q6_k_rows(n: int, k: int) -> torch.Tensor:  # GGUF Q6_K rows uint8 [N
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
-def _packed(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.ops.weft.packed_linear(x, panels, None, n)
+def rates(
+    pack: Callable[[], torch.Tensor],
+    run: Callable[[torch.Tensor, torch.Tensor], object],
+    k: int,
+    n: int,
+    rows: list[int],
+    args: argparse.Namespace,
+) -> list[str]:
+    """GFLOP/s of `run` at each row count over --copies packed copies of the weights (and the GB/s
+    of weights read, with more than one)."""
+    copies = [pack() for _ in range(args.copies)]
+    nbytes = sum(w.numel() * w.element_size() for w in copies)
+    cells = []
+    for r in rows:
+        x = torch.randn(r, k)
+        seconds = best_seconds(lambda: [run(x, w) for w in copies], args.repeats)  # noqa: B023
+        cell = f"{2 * r * k * n * len(copies) / seconds / 1e9:.0f}"
+        cells.append(cell + (f" ({nbytes / seconds / 1e9:.1f})" if len(copies) > 1 else ""))
+    return cells
 
 
 def main() -> None:
@@ -61,43 +79,68 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,32,128,1024,4096")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--paths", default="", help="comma-separated substrings of the path names to run")
+    p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="multiply by this many copies of the weights in turn (more than the L3 holds: the rate "
+        "from memory) and also print GB/s of weights read",
+    )
     args = p.parse_args()
     if not kernels_available():
         raise SystemExit("weft's CPU kernels are not available")
     k, n = (int(v) for v in args.shape.split("x"))
     weight = torch.randn(n, k) * 0.05
-    bf16 = torch.ops.weft.pack_linear_weight(weight.bfloat16())
-    f32 = torch.ops.weft.pack_linear_weight(weight)
-    q8 = torch.ops.weft.pack_q8_0(q8_0_rows(weight))
-    dot = {
-        "Q8_0": torch.ops.weft.pack_dot(q8_0_rows(weight), "q8_0"),
-        "Q4_K": torch.ops.weft.pack_dot(torch.ops.weft.quantize_q4_k(weight), "q4_k"),
-        "Q6_K": torch.ops.weft.pack_dot(random_q6_k_rows(n, k), "q6_k"),
-    }
     dense = weight.bfloat16().t().contiguous()
-    print(f"ISA path {cpu_isa_path()} ({torch.ops.weft.build_info()}), {torch.get_num_threads()} threads")
-    paths: dict[str, Callable[[torch.Tensor], object]] = {
-        "bf16 weights, float32 products": lambda x: torch.ops.weft.packed_linear(x, bf16, None, n),
-        "bf16 weights, bf16 products": lambda x: torch.ops.weft.packed_linear(x, bf16, None, n, True),
-        "Q8_0 weights": lambda x: torch.ops.weft.packed_linear(x, q8, None, n),
-        **{
-            f"{kind} weights, int8 activations": functools.partial(_packed, panels=panels, n=n)
-            for kind, panels in dot.items()
-        },
-        "float32 weights": lambda x: torch.ops.weft.packed_linear(x, f32, None, n),
-        "oneDNN bf16 GEMM": lambda x: torch.mm(x.bfloat16(), dense),
+    # name -> (pack the weights, multiply x by the packed weights)
+    packed = torch.ops.weft.packed_linear
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> object:
+        return packed(x, w, None, n)
+
+    paths: dict[str, tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], object]]] = {
+        "bf16 weights, float32 products": (
+            lambda: torch.ops.weft.pack_linear_weight(weight.bfloat16()),
+            product,
+        ),
+        "bf16 weights, bf16 products": (
+            lambda: torch.ops.weft.pack_linear_weight(weight.bfloat16()),
+            lambda x, w: packed(x, w, None, n, True),
+        ),
+        "Q8_0 weights": (
+            lambda: torch.ops.weft.pack_q8_0(q8_0_rows(weight)),
+            product,
+        ),
+        "Q8_0 weights, int8 activations": (
+            lambda: torch.ops.weft.pack_dot(q8_0_rows(weight), "q8_0"),
+            product,
+        ),
+        "Q4_K weights, int8 activations": (
+            lambda: torch.ops.weft.pack_dot(torch.ops.weft.quantize_q4_k(weight), "q4_k"),
+            product,
+        ),
+        "Q6_K weights, int8 activations": (
+            lambda: torch.ops.weft.pack_dot(random_q6_k_rows(n, k), "q6_k"),
+            product,
+        ),
+        "float32 weights": (
+            lambda: torch.ops.weft.pack_linear_weight(weight),
+            product,
+        ),
+        "oneDNN bf16 GEMM": (lambda: dense.clone(), lambda x, w: torch.mm(x.bfloat16(), w)),
     }
+    if k % 256:
+        print(f"(Q4_K and Q6_K blocks hold 256 input features; {k} is not a multiple: skipped)")
+        paths = {name: fn for name, fn in paths.items() if not name.startswith(("Q4_K", "Q6_K"))}
     wanted = [w for w in args.paths.split(",") if w]
     paths = {name: fn for name, fn in paths.items() if not wanted or any(w in name for w in wanted)}
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"| {k} x {n}, GFLOP/s | " + " | ".join(str(r) for r in rows) + " |")
+    print(f"ISA path {cpu_isa_path()} ({torch.ops.weft.build_info()}), {torch.get_num_threads()} threads")
+    unit = "GFLOP/s" + (f" (GB/s of weights read), over {args.copies} copies" if args.copies > 1 else "")
+    print(f"| {k} x {n}, {unit} | " + " | ".join(str(r) for r in rows) + " |")
     print("|---|" + "---:|" * len(rows))
-    for name, fn in paths.items():
-        cells = []
-        for r in rows:
-            x = torch.randn(r, k)
-            cells.append(f"{2 * r * k * n / best_seconds(lambda: fn(x), args.repeats) / 1e9:.0f}")  # noqa: B023
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, (pack, run) in paths.items():
+        print(f"| {name} | " + " | ".join(rates(pack, run, k, n, rows, args)) + " |")
 
 
 if __name__ == "__main__":
