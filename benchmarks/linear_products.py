@@ -52,6 +52,13 @@ def random_q6_k_rows(n: int, k: int) -> torch.Tensor:  # GGUF Q6_K rows uint8 [N
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
+def random_legacy_rows(kind: str, n: int, k: int) -> torch.Tensor:  # GGUF Q4_0 / Q5_0 rows uint8
+    size = {"q4_0": 18, "q5_0": 22}[kind]
+    blocks = np.random.default_rng(0).integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    blocks[:, :, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d: finite outputs
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
 def rates(
     pack: Callable[[], torch.Tensor],
     run: Callable[[torch.Tensor, torch.Tensor], object],
@@ -113,6 +120,14 @@ def main() -> None:
         ),
         "Q8_0 weights, int8 activations": (
             lambda: torch.ops.weft.pack_dot(q8_0_rows(weight), "q8_0"),
+            product,
+        ),
+        "Q4_0 weights, int8 activations": (
+            lambda: torch.ops.weft.pack_dot(random_legacy_rows("q4_0", n, k), "q4_0"),
+            product,
+        ),
+        "Q5_0 weights, int8 activations": (
+            lambda: torch.ops.weft.pack_dot(random_legacy_rows("q5_0", n, k), "q5_0"),
             product,
         ),
         "Q4_K weights, int8 activations": (

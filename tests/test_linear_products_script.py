@@ -13,7 +13,7 @@ from conftest import require_native_kernels
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "linear_products.py"
 
 
-@pytest.mark.parametrize(("shape", "paths"), [("256x64", 8), ("96x64", 6)])
+@pytest.mark.parametrize(("shape", "paths"), [("256x64", 10), ("96x64", 8)])
 def test_linear_products_prints_a_row_per_path(shape, paths):
     require_native_kernels()
     args = ["--shape", shape, "--rows", "1,3", "--repeats", "1", "--copies", "2"]

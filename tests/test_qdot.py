@@ -11,13 +11,20 @@ import numpy as np
 import pytest
 import torch
 from conftest import require_native_kernels
-from test_quant import random_q4_k, random_q6_k, random_q8_0, reference_dequantize
+from test_quant import random_legacy, random_q4_k, random_q6_k, random_q8_0, reference_dequantize
 
 from weft.model.quantized import MixedRows, QuantizedRows, cat_rows
 
-RANDOM = {"q8_0": random_q8_0, "q4_k": random_q4_k, "q6_k": random_q6_k}
-BLOCK_BYTES = {("q8_0", False): 1088, ("q4_k", False): 4736, ("q6_k", False): 6720, ("q4_k", True): 7296}
-BLOCK_BYTES[("q6_k", True)] = 7296
+RANDOM = {
+    "q8_0": random_q8_0,
+    "q4_0": lambda n, k, seed, extreme=False: random_legacy("q4_0", n, k, seed, extreme),
+    "q5_0": lambda n, k, seed, extreme=False: random_legacy("q5_0", n, k, seed, extreme),
+    "q4_k": random_q4_k,
+    "q6_k": random_q6_k,
+}
+BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
+BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296}
+SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0")  # blocks of 32 features: activations in blocks of 32 too
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,13 +36,13 @@ def rounded_activations(x: torch.Tensor, kind: str, dtype: type = np.float64) ->
     """x as llama.cpp's x86 code rounds it before a quantized product, q * d in `dtype`: for Q8_0
     weights blocks of 32, q = rint(x * (127 / max|x|)), d = float16(max|x| / 127); for k-quants
     blocks of 256, the same q and d = 1 / (127 / max|x|) in float32."""
-    block = 32 if kind == "q8_0" else 256
+    block = 32 if kind in SMALL_BLOCKS else 256
     m, k = x.shape
     blocks = x.numpy().reshape(m, k // block, block)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)  # float32
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-        if kind == "q8_0":
+        if kind in SMALL_BLOCKS:
             d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
         else:
             d = np.where(inv > 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
@@ -80,7 +87,7 @@ def check_product(raw: torch.Tensor, kind: str, mins: bool, rows: int, bias: boo
     x = torch.randn(rows, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     panels = QuantizedRows(kind, raw).pack(dot=True, mins=mins)
-    blocks = k // (32 if kind == "q8_0" else 256)
+    blocks = k // (32 if kind in SMALL_BLOCKS else 256)
     assert panels.dtype == torch.int8 and panels.shape == ((n + 31) // 32, blocks, BLOCK_BYTES[(kind, mins)])
     out = torch.ops.weft.packed_linear(x, panels, b, n)
     xq = rounded_activations(x, kind)
@@ -93,6 +100,16 @@ def check_product(raw: torch.Tensor, kind: str, mins: bool, rows: int, bias: boo
 @pytest.mark.parametrize("bias", [True, False])
 def test_q8_0_dot_panels_compute_the_product_of_rounded_activations(rows, bias):
     check_product(random_q8_0(77, 96, seed=rows), "q8_0", False, rows, bias)  # a last panel of 13
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 25])
+@pytest.mark.parametrize("kind", ["q4_0", "q5_0"])
+def test_q4_0_and_q5_0_dot_panels_compute_the_product_of_rounded_activations(kind, rows):
+    """Q4_0 and Q5_0 in dot panels of their own (4.5 and 5.5 bits a weight, as in the file): the
+    product of the dequantized weights with the activations rounded as for Q8_0 weights, on every
+    tile height, a last panel of 13 columns, and extreme scales."""
+    check_product(RANDOM[kind](77, 96, seed=rows), kind, False, rows, bias=rows % 2 == 0)
+    check_product(RANDOM[kind](40, 64, seed=rows, extreme=True), kind, False, rows, bias=False)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 25])
@@ -119,19 +136,22 @@ def test_extreme_scales_and_activations():
 
 def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
     """GGUF rows whose every quant is the largest its type holds (Q4_K 15 with 6-bit scales and mins
-    of 63, Q6_K 63 with scales of 127, Q8_0 -128) and whose float16 scales are 1."""
+    of 63, Q6_K 63 with scales of 127, Q8_0 -128, Q4_0 15, Q5_0 31) and whose float16 scales are 1."""
     one = np.array([1.0], dtype=np.float16).view(np.uint8)
     if kind == "q8_0":
         block = np.concatenate([one, np.full(32, 0x80, dtype=np.uint8)])
+    elif kind in ("q4_0", "q5_0"):  # q 15 or 31 (every fifth bit set)
+        block = np.concatenate([one, np.full(16 if kind == "q4_0" else 20, 0xFF, dtype=np.uint8)])
     elif kind == "q4_k":
         block = np.concatenate([one, one, np.full(140, 0xFF, dtype=np.uint8)])
     else:
         block = np.concatenate([np.full(192, 0xFF, dtype=np.uint8), np.full(16, 127, dtype=np.uint8), one])
-    return torch.from_numpy(np.tile(block, (rows, k // (32 if kind == "q8_0" else 256))))
+    return torch.from_numpy(np.tile(block, (rows, k // (32 if kind in SMALL_BLOCKS else 256))))
 
 
 @pytest.mark.parametrize(
-    ("kind", "mins"), [("q8_0", False), ("q4_k", False), ("q4_k", True), ("q6_k", False)]
+    ("kind", "mins"),
+    [("q8_0", False), ("q4_0", False), ("q5_0", False), ("q4_k", False), ("q4_k", True), ("q6_k", False)],
 )
 def test_the_largest_quants_times_the_largest_activations_sum_exactly(kind, mins):
     """Every quant at its type's extreme times activations that all round to +-127: the partial sums
@@ -152,7 +172,7 @@ def test_the_largest_quants_times_the_largest_activations_sum_exactly(kind, mins
 @pytest.mark.parametrize(("kind", "mins"), list(BLOCK_BYTES))
 def test_embedding_rows_from_dot_panels(kind, mins):
     """A tied table in dot panels: rows looked up exactly as the dequantization makes them."""
-    k = 96 if kind == "q8_0" else 512
+    k = 96 if kind in SMALL_BLOCKS else 512
     raw = RANDOM[kind](70, k, seed=5)
     weight = reference_dequantize(raw, kind.upper())
     ids = torch.tensor([0, 31, 32, 69, 5])
@@ -182,7 +202,7 @@ def test_bad_dot_panels_are_clear_errors():
     panels = QuantizedRows("q8_0", random_q8_0(32, 64, seed=0)).pack(dot=True)
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
-    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_k or q6_k"):
+    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_k or q6_k"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q5_1", False)
     with pytest.raises(RuntimeError, match="kind must be"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q8_0", True)  # Q8_0 has no mins layout

@@ -31,6 +31,20 @@ def random_q8_0(rows: int, in_features: int, seed: int, extreme: bool = False) -
     return torch.from_numpy(raw.reshape(rows, blocks * 34).copy())
 
 
+def random_legacy(kind: str, rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """Random Q4_0 or Q5_0 rows of blocks, uint8 [rows, in / 32 * 18 or 22]: random float16 scales
+    (with `extreme`, from 6e-8 to 6e4 and zero) and random bytes (every byte string is a valid block)."""
+    gen = np.random.default_rng(seed)
+    blocks, size = in_features // 32, {"q4_0": 18, "q5_0": 22}[kind]
+    raw = gen.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    scales = gen.normal(0, 0.02, (rows, blocks, 1)).astype(np.float16)
+    if extreme:
+        choices = np.array([6e-8, 1e-4, 0.0, 1.0, 60000.0, -3e-3], dtype=np.float16)
+        scales = gen.choice(choices, (rows, blocks, 1)).astype(np.float16)
+    raw[..., :2] = scales.view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, blocks * size).copy())
+
+
 def random_q4_k(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
     """Random Q4_K rows of super-blocks, uint8 [rows, in / 256 * 144]: float16 d and dmin (with
     `extreme` over the float16 range), random 6-bit scales and mins, random 4-bit quants."""
@@ -165,6 +179,6 @@ def test_q4_0_and_q5_0_become_q8_0_blocks_exactly(kind):
     blocks = gen.integers(0, 256, (40, 3, size), dtype=np.uint8)
     blocks[..., :2] = (gen.standard_normal((40, 3, 1)) * 0.01).astype(np.float16).view(np.uint8)
     raw = blocks.reshape(40, 3 * size)
-    converted = as_q8_0(kind.lower(), raw)
+    converted = as_q8_0(QuantizedRows(kind.lower(), torch.from_numpy(raw)))
     assert converted.kind == "q8_0" and converted.shape == (40, 96)
     assert torch.equal(converted.dequantize(), reference_dequantize(torch.from_numpy(raw), kind))

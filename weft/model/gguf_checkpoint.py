@@ -32,14 +32,14 @@ import torch
 
 from weft.config import ConfigError, ModelConfig
 from weft.model.gguf_file import GgufFile
-from weft.model.quantized import QuantizedRows, Weight, as_q8_0
+from weft.model.quantized import QuantizedRows, Weight
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
-# The types whose matrices run from their blocks on CPU (an embedding table: Q8_0 and Q6_K); Q4_0 and
-# Q5_0 become Q8_0 blocks, exactly (`as_q8_0`).
+# The types whose matrices run from their blocks on CPU (an embedding table: all but Q4_K;
+# weft/model/quantized.py).
 KEPT_IN_BLOCKS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k", "Q4_0": "q4_0", "Q5_0": "q5_0"}
 
 _GLOBAL_NAMES = {
@@ -174,7 +174,7 @@ class GgufCheckpoint:
 
     def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
-        with `keep_blocks` a Q8_0, Q4_K or Q6_K matrix as its rows of blocks (`QuantizedRows`; a
+        with `keep_blocks` a quantized matrix as its rows of blocks (`QuantizedRows`; a
         Q4_K embedding table is dequantized: embeddings are looked up from Q8_0 and Q6_K panels)."""
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
@@ -210,8 +210,6 @@ class GgufCheckpoint:
 
     def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:  # copied off the mapping
         rows = np.asarray(tensor.data, dtype=np.uint8)  # [rows, bytes per row]
-        if kind in ("q4_0", "q5_0"):
-            return as_q8_0(kind, rows)
         return QuantizedRows(kind, torch.from_numpy(rows.copy()))
 
 

@@ -1,15 +1,16 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_K and Q6_K; Q4_0 and Q5_0 as Q8_0) on
-their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_K and Q6_K) on their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in
 `qdot.cpp` with int8 activations, or exactly in `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
 (`cat_rows`), checks shapes by the logical [N, K], and packs every one into panels before the
 weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
-float32 ones (`pack(dot=...)`). A fusion whose parts differ in kind (Q4_K_M gives attn_v and
-ffn_down Q6_K in some layers, Q4_K elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with
-mins, which holds both kinds exactly; for exact products, float32. Nothing above `weft/model` sees
-the formats.
+float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0).
+A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
+elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
+exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
+fallbacks where the input features are not a multiple of 256) become Q8_0 blocks, exactly. Nothing
+above `weft/model` sees the formats.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 # kind -> (input features per block, bytes per block in the file)
-BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q6_k": (256, 210)}
+BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q4_k": (256, 144), "q6_k": (256, 210)}
+LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,10 @@ class QuantizedRows:
 
     def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
         """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
-        (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins)."""
+        (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
+        exact panels of their own: they go into Q8_0's, exactly."""
+        if not dot and self.kind in LEGACY:
+            return as_q8_0(self).pack()
         if dot:
             return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
         return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
@@ -82,18 +87,21 @@ class MixedRows:
 Weight = torch.Tensor | QuantizedRows | MixedRows
 
 
-def as_q8_0(kind: str, rows: np.ndarray) -> QuantizedRows:
-    """GGUF Q4_0 or Q5_0 rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's
-    weights are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d
-    (8.5 bits a weight instead of 4.5 or 5.5, run by the Q8_0 panels)."""
-    size = {"q4_0": 18, "q5_0": 22}[kind]
-    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, size)  # [N, K / 32, size]
+def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
+    """Q4_0 or Q5_0 rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's weights
+    are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d (8.5 bits
+    a weight instead of 4.5 or 5.5). Q8_0 rows come back as they are."""
+    if matrix.kind == "q8_0":
+        return matrix
+    size = BLOCKS[matrix.kind][1]
+    rows = matrix.rows.numpy()
+    blocks = rows.reshape(rows.shape[0], -1, size)  # [N, K / 32, size]
     scales, packed = blocks[..., :2], blocks[..., size - 16 :]  # [N, B, 2], [N, B, 16]: low nibbles
     quants = np.concatenate([packed & 0xF, packed >> 4], axis=-1)  # [N, B, 32]: features 0-15, 16-31
-    if kind == "q5_0":  # the fifth bit of feature j is bit j of a little-endian uint32
+    if matrix.kind == "q5_0":  # the fifth bit of feature j is bit j of a little-endian uint32
         high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [N, B, 1]
         quants = quants | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-    centred = quants.astype(np.int16) - (8 if kind == "q4_0" else 16)  # [N, B, 32] in -16..15
+    centred = quants.astype(np.int16) - (8 if matrix.kind == "q4_0" else 16)  # [N, B, 32] in -16..15
     q8 = np.concatenate([scales, centred.astype(np.int8).view(np.uint8)], axis=-1)  # [N, B, 34]
     return QuantizedRows("q8_0", torch.from_numpy(q8.reshape(rows.shape[0], -1)))
 
@@ -109,8 +117,12 @@ def dequantized(weight: Weight) -> torch.Tensor:
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Matrices stacked by rows (a fused q/k/v or gate/up): in blocks when every part is of one kind,
-    `MixedRows` when they are Q4_K and Q6_K parts of whole panels, else float32."""
+    `MixedRows` when they are Q4_K and Q6_K parts of whole panels, Q8_0 where Q4_0 or Q5_0 parts
+    meet Q8_0 ones, else float32."""
     blocks = [p for p in parts if isinstance(p, QuantizedRows)]
+    kinds = {p.kind for p in blocks}
+    if len(blocks) == len(parts) and len(kinds) > 1 and kinds <= {"q8_0", *LEGACY}:
+        blocks = [as_q8_0(p) for p in blocks]  # one kind, exactly
     if len(blocks) == len(parts) and len({p.kind for p in blocks}) == 1:
         return QuantizedRows(blocks[0].kind, torch.cat([p.rows for p in blocks]))
     if len(blocks) == len(parts) and all(p.kind in MIXABLE and p.shape[0] % PANEL == 0 for p in blocks):
@@ -123,6 +135,7 @@ PANEL = 32  # output columns per panel (weft/native/panels.h)
 
 __all__ = [
     "BLOCKS",
+    "LEGACY",
     "MixedRows",
     "QuantizedRows",
     "Weight",

@@ -212,14 +212,27 @@ inline vecw high_shift(int v) {
   return shift;
 }
 
-inline vecb high_bits(const int8_t* group, vecw shift) {
+inline vecw load_high(const int8_t* chunk) {  // a chunk's 32 bytes of high bits in every 32-byte half
 #if defined(__AVX512F__)
-  const auto raw = reinterpret_cast<vecw>(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))));
+  return reinterpret_cast<vecw>(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk))));
 #else
   vecw raw;
-  std::memcpy(&raw, group, sizeof(raw));
+  std::memcpy(&raw, chunk, sizeof(raw));
+  return raw;
 #endif
-  return reinterpret_cast<vecb>(((raw >> shift) & 0x03030303u) << 4);
+}
+
+inline vecb high_bits(const int8_t* group, vecw shift) {
+  return reinterpret_cast<vecb>(((load_high(group) >> shift) & 0x03030303u) << 4);
+}
+
+// The fifth bits of Q5_0 quants for column vector v of a 32-byte chunk (panels.h: column c's at bit
+// c / 8, and at bit 4 + c / 8 for the chunk's second group), in place (bit 4 of each byte):
+// (raw << (4 - c / 8)) & 0x10 for the first group, (raw >> (c / 8)) & 0x10 for the second.
+inline vecw fifth_shift(int v) {
+  vecw shift;
+  for (int l = 0; l < kLanes; ++l) shift[l] = (kLanes * v + l) / 8;
+  return shift;
 }
 
 // A tile's float32 outputs and the current sub-block's int32 sums. (Summing a sub-block in 2-4
@@ -294,6 +307,65 @@ void dot_tile_q8_0(const Tile& t) {
     }
     for (int i = 0; i < kRows; ++i) {
       const int32_t offset = kVnni ? 128 * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]) : 0;
+      const float dx = x[i].d[b];
+      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
+    }
+  }
+  finish_tile<kRows, kV>(t, a.acc);
+}
+
+// Q4_0 and Q5_0 (kHigh): a block's sum(q * x8) of its unsigned quants (0..15, or 0..31) in int32,
+// less 8 or 16 times x8's block sum, scaled by d * d_x. Without VNNI the byte pair sums add up in 16
+// bits over all 8 groups (Q4_0: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (Q5_0: 4 * 2 * 31 * 127 =
+// 31,496) before one vpmaddwd widens them.
+template <int kRows, int kV, bool kHigh>
+void dot_tile_legacy(const Tile& t) {
+  Accumulators<kRows, kV> a;
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const int v0 = first_vec<kV>(t);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  constexpr int64_t kBlockBytes = kHigh ? weft::kQ5_0DotBlockBytes : weft::kQ4_0DotBlockBytes;
+  constexpr int kChunks = weft::kQ8Block / (2 * kDotGroup), kRun = kHigh ? 2 : kChunks;  // chunks summed in 16 bits
+  constexpr int32_t kBias = kHigh ? 16 : 8;
+  vecw shift[kV];
+  for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
+  for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
+    const int8_t* block = panel + b * kBlockBytes;
+    for (int64_t line = 0; line < kBlockBytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line);
+    vecf d[kV];
+    for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
+    a.clear_sub();
+    for (int run = 0; run < kChunks / kRun; ++run) {
+      vech pairs[kRows][kV] = {};
+#pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of the sums and spills them
+      for (int h = kRun * run; h < kRun * (run + 1); ++h) {
+        vecw high{};
+        if constexpr (kHigh) high = load_high(block + weft::legacy_dot_chunk(kHigh, h));
+        for (int g = 0; g < 2; ++g) {  // the chunk's two groups
+          vecb w[kV];
+          for (int j = 0; j < kV; ++j) {
+            w[j] = nibbles(block + weft::legacy_dot_nibbles(kHigh, 2 * h + g), v0 + j);
+            if constexpr (kHigh) w[j] |= reinterpret_cast<vecb>((g == 0 ? high << (4 - shift[j]) : high >> shift[j]) & 0x10101010u);
+          }
+          const int64_t offset = b * weft::kQ8Block + kDotGroup * (2 * h + g);
+          if constexpr (kVnni) {
+            a.dot(x, offset, w);
+          } else {
+            for (int i = 0; i < kRows; ++i) {
+              const vecb xb = broadcast4(x[i].q + offset);
+              for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
+            }
+          }
+        }
+      }
+      if constexpr (!kVnni) {
+        for (int i = 0; i < kRows; ++i)
+          for (int j = 0; j < kV; ++j) a.sub[i][j] += madd_pairs(pairs[i][j], reinterpret_cast<vech>(veci{} + 0x10001));
+      }
+    }
+    for (int i = 0; i < kRows; ++i) {
+      const int32_t offset = kBias * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]);
       const float dx = x[i].d[b];
       for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
     }
@@ -473,6 +545,13 @@ struct Q8DotTiles {
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
 };
+template <bool kHigh>
+struct LegacyDotTiles {
+  static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
+  static constexpr int kHalfRows = kLanes == 16 ? 0 : 4;
+  static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh>(t); }
+};
 struct KQuantTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
   static constexpr int kHalfRows = 0;
@@ -507,6 +586,8 @@ bool is_dot_panels(const at::Tensor& panels, int64_t k) {
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
   switch (panels.size(2)) {
     case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
+    case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false>>(x, panels, bias, out); break;
+    case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true>>(x, panels, bias, out); break;
     case kQ4KDotBlockBytes: run_dot<Q4KDotTiles>(x, panels, bias, out); break;
     case kQ6KDotBlockBytes(false): run_dot<Q6KDotTiles<false>>(x, panels, bias, out); break;
     default: run_dot<Q6KDotTiles<true>>(x, panels, bias, out); break;
