@@ -206,3 +206,16 @@ def test_bad_dot_panels_are_clear_errors():
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q5_1", False)
     with pytest.raises(RuntimeError, match="kind must be"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q8_0", True)  # Q8_0 has no mins layout
+
+
+def test_q5_0_and_q4_0_parts_fused_with_q8_0_ones_become_q8_0_blocks():
+    """Q4_K_M of a model whose rows are not multiples of 256 gives q/k Q5_0 and v Q8_0 in some
+    layers: the fusion is one Q8_0 matrix holding each part exactly; parts of one kind stay theirs."""
+    q, v = random_legacy("q5_0", 64, 96, seed=1), random_q8_0(32, 96, seed=2)
+    fused = cat_rows([QuantizedRows("q5_0", q), QuantizedRows("q8_0", v)])
+    assert isinstance(fused, QuantizedRows) and fused.kind == "q8_0" and fused.shape == (96, 96)
+    expected = torch.cat([reference_dequantize(q, "Q5_0"), reference_dequantize(v, "Q8_0")])
+    assert torch.equal(fused.dequantize(), expected)
+    gate, up = random_legacy("q4_0", 32, 96, seed=3), random_legacy("q4_0", 32, 96, seed=4)
+    same = cat_rows([QuantizedRows("q4_0", gate), QuantizedRows("q4_0", up)])
+    assert isinstance(same, QuantizedRows) and same.kind == "q4_0" and same.shape == (64, 96)
