@@ -1,5 +1,6 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_K and Q6_K) on their way from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in
-`qdot.cpp` with int8 activations, or exactly in `linear.cpp`).
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_K and Q6_K) on their way
+from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in `qdot.cpp`
+with int8 activations, or exactly in `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
