@@ -545,6 +545,8 @@ struct Q8DotTiles {
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
 };
+// Q4_0 and Q5_0: with 16 registers whole panels of up to 3 rows (a group's nibbles unpacked once
+// for 3 rows), half panels of 4 from 4 rows (1.0-1.1x the whole ones at 8-256 rows on a Zen 3).
 template <bool kHigh>
 struct LegacyDotTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
