@@ -150,13 +150,16 @@ inline veci madd_pairs(vech a, vech b) {
 #endif
 }
 
+// Each 32-bit lane's two 16-bit sums added: vpmaddwd by ones.
+inline veci widen_pairs(vech p) { return madd_pairs(p, reinterpret_cast<vech>(veci{} + 0x10001)); }
+
 // acc[lane] += the sum over the lane's 4 bytes of u * s (u unsigned, at most 128 unless VNNI; s signed).
 inline veci dot_bytes(veci acc, vecb u, vecb s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   return reinterpret_cast<veci>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u),
                                                     reinterpret_cast<__m512i>(s)));
 #else
-  return acc + madd_pairs(pair_sums(u, s), reinterpret_cast<vech>(veci{} + 0x10001));  // times (1, 1)
+  return acc + widen_pairs(pair_sums(u, s));
 #endif
 }
 
@@ -259,6 +262,15 @@ struct Accumulators {
   }
 };
 
+// pairs[i][j] += the 16-bit pair sums of w[j] with row i's 4 quants at x[i].q + offset.
+template <int kRows, int kV>
+inline void add_pair_sums(const ActRow (&x)[kRows], int64_t offset, const vecb (&w)[kV], vech (&pairs)[kRows][kV]) {
+  for (int i = 0; i < kRows; ++i) {
+    const vecb xb = broadcast4(x[i].q + offset);
+    for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
+  }
+}
+
 // pairs[i][j] = the 16-bit pair sums of row i's products with kGroups consecutive groups
 // (weights(g, w): group g's unsigned quants; x at offset + 4 g), summed in 16 bits, where the caller
 // bounds them: kGroups * 2 * max(w) * 127 <= 32,767. One vpmaddubsw and one vpaddw a group and
@@ -271,10 +283,7 @@ inline void group_pair_sums(const ActRow (&x)[kRows], int64_t offset, Weights&& 
   for (int g = 0; g < kGroups; ++g) {
     vecb w[kV];
     weights(g, w);
-    for (int i = 0; i < kRows; ++i) {
-      const vecb xb = broadcast4(x[i].q + offset + kDotGroup * g);
-      for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
-    }
+    add_pair_sums(x, offset + kDotGroup * g, w, pairs);
   }
 }
 
@@ -352,16 +361,13 @@ void dot_tile_legacy(const Tile& t) {
           if constexpr (kVnni) {
             a.dot(x, offset, w);
           } else {
-            for (int i = 0; i < kRows; ++i) {
-              const vecb xb = broadcast4(x[i].q + offset);
-              for (int j = 0; j < kV; ++j) pairs[i][j] += pair_sums(w[j], xb);
-            }
+            add_pair_sums(x, offset, w, pairs);
           }
         }
       }
       if constexpr (!kVnni) {
         for (int i = 0; i < kRows; ++i)
-          for (int j = 0; j < kV; ++j) a.sub[i][j] += madd_pairs(pairs[i][j], reinterpret_cast<vech>(veci{} + 0x10001));
+          for (int j = 0; j < kV; ++j) a.sub[i][j] += widen_pairs(pairs[i][j]);
       }
     }
     for (int i = 0; i < kRows; ++i) {
@@ -448,13 +454,14 @@ void dot_tile_q4_k_pairs(const Tile& t) {
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
       }, pairs);
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
+      vech sums[kRows];  // each row's sum of the block's quants, |sum| <= 4,064
+      for (int i = 0; i < kRows; ++i) sums[i] = reinterpret_cast<vech>(veci{} + (x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]));
       for (int j = 0; j < kV; ++j) {
         const vech scale = pair_multipliers(sub + kLanes * (v0 + j), true);
         const vech min = pair_multipliers(sub + kPanel + kLanes * (v0 + j), false);
         for (int i = 0; i < kRows; ++i) {
-          const auto sum = reinterpret_cast<vech>(veci{} + (x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]));  // |sum| <= 4,064
           scaled[i][j] += madd_pairs(pairs[i][j], scale);
-          mins[i][j] += madd_pairs(min, sum);
+          mins[i][j] += madd_pairs(min, sums[i]);
         }
       }
     }
