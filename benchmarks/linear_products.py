@@ -4,8 +4,9 @@
 
 Paths: bfloat16 weights with float32 products (widened in registers) and with bfloat16 products
 (vdpbf16ps, or its emulation where the CPU lacks AVX512_BF16), Q8_0 weights (GGUF blocks, widened
-with their scales), the int8-activation products of GGUF blocks (qdot.cpp: Q8_0, Q4_K quantized
-from the same weights, Q6_K of random blocks: its speed does not depend on the values), float32
+with their scales), the int8-activation products of GGUF blocks (qdot.cpp: Q8_0 and Q4_K quantized
+from the same weights, Q4_0, Q5_0 and Q6_K of random blocks: their speed does not depend on the
+values), float32
 weights, and oneDNN's bfloat16 GEMM (`torch.mm` on bfloat16 tensors, bfloat16 output) for
 reference. Each is timed best of --repeats on the same random weights; the ISA path of weft's
 kernels is printed first. --paths picks some (substrings of the names); --copies N cycles through
@@ -46,16 +47,16 @@ def q8_0_rows(
     return torch.from_numpy(raw.reshape(weight.shape[0], -1).copy())
 
 
-def random_q6_k_rows(n: int, k: int) -> torch.Tensor:  # GGUF Q6_K rows uint8 [N, K / 256 * 210]
-    blocks = np.random.default_rng(0).integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    blocks[:, :, 208:] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d: finite outputs
-    return torch.from_numpy(blocks.reshape(n, -1))
+# kind -> (input features per block, bytes per block, offset of its float16 scale d)
+RANDOM_BLOCKS = {"q4_0": (32, 18, 0), "q5_0": (32, 22, 0), "q6_k": (256, 210, 208)}
 
 
-def random_legacy_rows(kind: str, n: int, k: int) -> torch.Tensor:  # GGUF Q4_0 / Q5_0 rows uint8
-    size = {"q4_0": 18, "q5_0": 22}[kind]
-    blocks = np.random.default_rng(0).integers(0, 256, (n, k // 32, size), dtype=np.uint8)
-    blocks[:, :, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d: finite outputs
+def random_rows(kind: str, n: int, k: int) -> torch.Tensor:
+    """GGUF rows uint8 [N, K / block * block bytes] of random blocks with d = 0.01 (finite outputs):
+    the speed of their products does not depend on the values."""
+    block, size, d = RANDOM_BLOCKS[kind]
+    blocks = np.random.default_rng(0).integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    blocks[:, :, d : d + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
@@ -123,11 +124,11 @@ def main() -> None:
             product,
         ),
         "Q4_0 weights, int8 activations": (
-            lambda: torch.ops.weft.pack_dot(random_legacy_rows("q4_0", n, k), "q4_0"),
+            lambda: torch.ops.weft.pack_dot(random_rows("q4_0", n, k), "q4_0"),
             product,
         ),
         "Q5_0 weights, int8 activations": (
-            lambda: torch.ops.weft.pack_dot(random_legacy_rows("q5_0", n, k), "q5_0"),
+            lambda: torch.ops.weft.pack_dot(random_rows("q5_0", n, k), "q5_0"),
             product,
         ),
         "Q4_K weights, int8 activations": (
@@ -135,7 +136,7 @@ def main() -> None:
             product,
         ),
         "Q6_K weights, int8 activations": (
-            lambda: torch.ops.weft.pack_dot(random_q6_k_rows(n, k), "q6_k"),
+            lambda: torch.ops.weft.pack_dot(random_rows("q6_k", n, k), "q6_k"),
             product,
         ),
         "float32 weights": (

@@ -17,15 +17,20 @@ def kernels():
     require_native_kernels()
 
 
+def random_scales(gen: np.random.Generator, shape: tuple[int, ...], extreme: bool) -> np.ndarray:
+    """Random float16 block scales: normal around 0.02 or, with `extreme`, from 6e-8 to 6e4 and zero."""
+    if extreme:
+        choices = np.array([6e-8, 1e-4, 0.0, 1.0, 60000.0, -3e-3], dtype=np.float16)
+        return gen.choice(choices, shape).astype(np.float16)
+    return gen.normal(0, 0.02, shape).astype(np.float16)
+
+
 def random_q8_0(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
     """Random Q8_0 rows of blocks, uint8 [rows, in / 32 * 34]: random float16 scales (with `extreme`,
     from 6e-8 to 6e4 and zero) and random int8 quants over the whole range."""
     gen = np.random.default_rng(seed)
     blocks = in_features // 32
-    scales = gen.normal(0, 0.02, (rows, blocks, 1)).astype(np.float16)
-    if extreme:
-        choices = np.array([6e-8, 1e-4, 0.0, 1.0, 60000.0, -3e-3], dtype=np.float16)
-        scales = gen.choice(choices, (rows, blocks, 1)).astype(np.float16)
+    scales = random_scales(gen, (rows, blocks, 1), extreme)
     quants = gen.integers(-128, 128, (rows, blocks, 32), dtype=np.int8)
     raw = np.concatenate([scales.view(np.uint8), quants.view(np.uint8)], axis=2)  # [rows, blocks, 34]
     return torch.from_numpy(raw.reshape(rows, blocks * 34).copy())
@@ -37,11 +42,7 @@ def random_legacy(kind: str, rows: int, in_features: int, seed: int, extreme: bo
     gen = np.random.default_rng(seed)
     blocks, size = in_features // 32, {"q4_0": 18, "q5_0": 22}[kind]
     raw = gen.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    scales = gen.normal(0, 0.02, (rows, blocks, 1)).astype(np.float16)
-    if extreme:
-        choices = np.array([6e-8, 1e-4, 0.0, 1.0, 60000.0, -3e-3], dtype=np.float16)
-        scales = gen.choice(choices, (rows, blocks, 1)).astype(np.float16)
-    raw[..., :2] = scales.view(np.uint8)
+    raw[..., :2] = random_scales(gen, (rows, blocks, 1), extreme).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, blocks * size).copy())
 
 
