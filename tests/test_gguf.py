@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -349,3 +350,26 @@ def test_rope_freqs_factors_give_llama3_scaling():
     stored = tuple(float(f) for f in np.array(factors, dtype=np.float32))  # float32 in the file
     from_file = rope_inv_freq(dim, RopeConfig(500000.0, freq_factors=stored))
     torch.testing.assert_close(from_file, rope_inv_freq(dim, llama3), rtol=1e-6, atol=0)
+
+
+def test_bench_throughput_measures_a_gguf_file_as_it_is_stored(tmp_path, capsys, monkeypatch):
+    """`weft bench throughput --model FILE.gguf`: weft on the file's quantized blocks (a decode step
+    reads about the file's bytes), every rate measured; without llama-cpp-python the llama.cpp
+    reference is a clear error that says what to install."""
+    from weft.cli import main
+
+    path, out = GGUF_DIR / FILES["q8_0"], tmp_path / "result.json"
+    args = ["bench", "throughput", "--model", str(path), "--batch-sizes", "1,2", "--prompt-len", "8"]
+    args += ["--output-len", "6", "--repeats", "1"]
+    assert main([*args, "--no-reference", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"]["float32"]
+    assert run["reference"] is None and "Q8_0 for 9 matrices (int8 dot panels)" in run["kernels"]["linear"]
+    file_bytes = sum(t.data.nbytes for t in GgufFile(path).tensors)
+    assert abs(run["weight_bytes"] - file_bytes) < 0.02 * file_bytes
+    for r in run["results"]:
+        assert 1 < r["weft_decode_tps"] < 1e6 and 1 < r["weft_prefill_tps"] < 1e7
+        assert "ref_decode_tps" not in r
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where llama-cpp-python is not installed
+    assert main(args) == 2
+    assert "pip install llama-cpp-python" in capsys.readouterr().err

@@ -23,6 +23,7 @@ EPILOG = """examples:
   weft serve --port 8000                          OpenAI-compatible server (base_url http://127.0.0.1:8000/v1)
   weft quantize model-f16.gguf model-q8_0.gguf --type q8_0   a GGUF file's matrices in Q8_0 blocks
   weft bench throughput --batch-sizes 1,8         weft vs transformers generate()
+  weft bench throughput --model model-q8_0.gguf   weft vs llama.cpp on the same GGUF file
   weft bench structured --batch-sizes 1,8         the cost of a JSON Schema constraint
 """
 
@@ -94,7 +95,7 @@ def _benches() -> list[tuple[str, Any, str]]:
     )
 
     return [
-        ("throughput", throughput, "prefill and decode tokens/s vs transformers generate()"),
+        ("throughput", throughput, "prefill and decode tokens/s vs transformers (or llama.cpp on GGUF)"),
         ("serve", serve, "weft serve under 1-64 concurrent streaming clients vs offline LLM.generate"),
         ("parallel", parallel, "n samples, best_of and beam search: time and KV vs transformers"),
         ("overhead", overhead, "the engine's own cost per step, with a stand-in for the model"),

@@ -7,9 +7,9 @@ from typing import Any
 
 
 def plot_decode(runs: dict[str, Any], path: Path, title: str) -> None:
-    """Decode tokens/s against batch size, one line per dtype for weft (and a dashed one for
-    transformers where it was measured). runs: dtype -> {"results": [row, ...]} as `weft bench
-    throughput` builds them."""
+    """Decode tokens/s against batch size, one line per dtype for weft (and a dashed one for the
+    reference engine where it was measured). runs: dtype -> {"reference": name, "results": [row,
+    ...]} as `weft bench throughput` builds them."""
     try:
         import matplotlib
 
@@ -23,9 +23,9 @@ def plot_decode(runs: dict[str, Any], path: Path, title: str) -> None:
         batches = [r["batch"] for r in rows]
         color = f"C{index}"
         ax.plot(batches, [r["weft_decode_tps"] for r in rows], "o-", color=color, label=f"weft {dtype}")
-        if all("hf_decode_tps" in r for r in rows):
-            hf = [r["hf_decode_tps"] for r in rows]
-            ax.plot(batches, hf, "s--", color=color, alpha=0.6, label=f"transformers {dtype}")
+        if all("ref_decode_tps" in r for r in rows):
+            ref = [r["ref_decode_tps"] for r in rows]
+            ax.plot(batches, ref, "s--", color=color, alpha=0.6, label=f"{run['reference']} {dtype}")
     ax.set_xscale("log", base=2)
     all_batches = sorted({r["batch"] for run in runs.values() for r in run["results"]})
     ax.set_xticks(all_batches, [str(b) for b in all_batches])

@@ -1,19 +1,25 @@
-"""Prefill and decode throughput of weft against Hugging Face transformers generate().
+"""Prefill and decode throughput of weft against a reference engine: Hugging Face transformers
+generate() on a safetensors checkpoint, llama.cpp on a GGUF file.
 
 Steps, in order:
-  1. build a random-weight model of a real shape from a config.json (default: SmolLM2-135M's) and
-     save it once as a checkpoint, so that both engines load the very same weights;
+  1. the checkpoint: `--model` (a Hugging Face directory or a GGUF file), or a random-weight model
+     of a real shape built from a config.json (default: SmolLM2-135M's) and saved once, so that
+     both engines load the very same weights;
   2. measure the device's plain memory bandwidth (CPU: a large tensor reduction; CUDA: a
      device-to-device copy, bytes read and written);
   3. for each batch size, after an untimed warm-up: in one run per engine, the prefill time (until
      every sequence has its first new token) and the total time (`--output-len` new tokens, EOS
-     ignored) of the same random prompts, in weft and in transformers; decode tokens/s = batch *
-     (output_len - 1) / (total - prefill). The two engines alternate `--repeats` times and each
-     keeps its best run, so that a burst of load from other tenants of a shared machine does not
-     decide the ratio;
-  4. print one table with the weft/transformers ratio per batch size, and weft's achieved
+     ignored) of the same random prompts (token ids), in weft and in the reference; decode
+     tokens/s = batch * (output_len - 1) / (total - prefill). The two engines alternate
+     `--repeats` times in one process and each keeps its best run, so that a burst of load from
+     other tenants of a shared machine does not decide the ratio;
+  4. print one table with the weft/reference ratio per batch size, and weft's achieved
      weight-read bandwidth at batch 1 (weight bytes / seconds per decode step), and its share of
      the bandwidth limit (the tokens/s at which one step reads every weight at the plain bandwidth).
+
+On a GGUF file the reference is llama.cpp through llama-cpp-python (weft/bench/llama_cpp.py), with
+as many threads as weft has; weft's `--dtype` is then the precision of its activations and of the
+file's float tensors (float32: the quantized products as llama.cpp computes them).
 
 `--device cuda` runs both engines on the GPU (transformers with its default attention); the
 reference workload of the CUDA path is `--config .../llama-3.2-1b/config.json --dtype bfloat16
@@ -32,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -60,6 +67,13 @@ def add_repeats_argument(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shape_arguments(p, "1,8,32,64")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="measure this checkpoint instead of a random one built from --config: a Hugging Face "
+        "directory (against transformers) or a GGUF file (against llama.cpp)",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument(
@@ -69,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_repeats_argument(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
-    p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
+    p.add_argument("--no-reference", "--no-transformers", action="store_true", help="measure weft alone")
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -228,19 +242,26 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     where = f"threads={torch.get_num_threads()}" if device.type == "cpu" else _device_name(device)
     print(
-        f"weft bench throughput: {args.config} dtype={args.dtype} prompt={args.prompt_len} "
+        f"weft bench throughput: {_subject(args)} dtype={args.dtype} prompt={args.prompt_len} "
         f"output={args.output_len} repeats={args.repeats} device={args.device} {where}",
         flush=True,
     )
+    if args.model is not None and not args.model.exists():
+        raise FileNotFoundError(f"{args.model}: no such checkpoint (--model)")
     runs = {name: _run_dtype(name, batch_sizes, args) for name in dtypes}
     if args.json:
-        args.json.write_text(json.dumps({"config": str(args.config), "runs": runs}, indent=2))
+        args.json.write_text(json.dumps({"model": str(_subject(args)), "runs": runs}, indent=2))
     if args.plot:
         from weft.bench.plot import plot_decode
 
-        plot_decode(runs, args.plot, f"{args.config.parent.name}, prompt {args.prompt_len}")
+        plot_decode(runs, args.plot, f"{_subject(args).name}, prompt {args.prompt_len}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _subject(args: argparse.Namespace) -> Path:
+    """What is measured: the --model checkpoint, or the --config whose shape is built."""
+    return args.model if args.model is not None else args.config.parent
 
 
 def _device_name(device: torch.device) -> str:
@@ -248,15 +269,16 @@ def _device_name(device: torch.device) -> str:
 
 
 def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> dict[str, object]:
-    """One dtype: a checkpoint stored in it, weft (and transformers) on it, the table printed."""
+    """One dtype: a checkpoint stored in it (or --model), weft and the reference on it, the table."""
     from weft import LLM
     from weft.config import resolve_dtype
 
     device = torch.device(args.device)
     dtype = resolve_dtype(name, device)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"[{name}] building a random-weight checkpoint ...", flush=True)
-        path = build_checkpoint(args.config, dtype, Path(tmp))
+        if args.model is None:
+            print(f"[{name}] building a random-weight checkpoint ...", flush=True)
+        path = args.model or build_checkpoint(args.config, dtype, Path(tmp))
         max_len = args.prompt_len + args.output_len + 8
         llm = LLM(
             str(path),
@@ -269,13 +291,18 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             show_progress=False,
         )
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
-        hf = None if args.no_transformers else _load_transformers(path, dtype, device)
-        results = _measure_all(llm, hf, batch_sizes, args)
+        reference = None if args.no_reference else load_reference(path, dtype, device)
+        try:
+            results = _measure_all(llm, reference, batch_sizes, args)
+        finally:
+            if reference is not None:
+                reference.close()
     weight_bytes = decode_weight_bytes(llm.engine.model)
     bandwidth = read_bandwidth_gbs(device)
-    _print_table(results, args, weight_bytes, bandwidth)
+    _print_table(results, args, weight_bytes, bandwidth, reference.name if reference else "reference")
     print(f"[{name}] what ran: {describe_kernels(llm.kernels)}")  # the ISA path and each precision
     return {
+        "reference": None if reference is None else reference.name,
         "results": results,
         "read_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes,
@@ -283,9 +310,52 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
     }
 
 
+class Reference(Protocol):
+    """The engine weft is measured against: `time` runs a batch of prompts to exactly `output_len`
+    new tokens each, greedy, and returns (seconds until every sequence has its first new token,
+    seconds of the whole run)."""
+
+    name: str
+
+    def time(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]: ...
+
+    def close(self) -> None: ...
+
+
+class TransformersReference:
+    name = "transformers"
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.model = torch.nn.Module.to(model, device).eval()
+
+    def time(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+        timing = time_transformers(self.model, prompts, output_len)
+        return timing.prefill_s, timing.total_s
+
+    def close(self) -> None:
+        pass
+
+
+def load_reference(path: Path, dtype: torch.dtype, device: torch.device) -> Reference:
+    """llama.cpp for a GGUF file (on the CPU, with weft's threads), transformers otherwise."""
+    from weft.model.gguf_checkpoint import is_gguf
+
+    if not is_gguf(path):
+        return TransformersReference(path, dtype, device)
+    if device.type != "cpu":
+        raise ValueError("the llama.cpp reference runs on the CPU: pass --no-reference with --device cuda")
+    from weft.bench.llama_cpp import LlamaCppReference
+
+    return LlamaCppReference(path, threads=torch.get_num_threads())
+
+
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of weights one decode step reads: every parameter once, except that an untied
-    embedding table is only looked up (one row), not streamed."""
+    """Bytes of weights one decode step reads: every parameter once (a quantized matrix as its
+    packed blocks), except that an untied embedding table is only looked up (one row), not
+    streamed."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.embed.weight, model.lm_head.weight
     if embed is not head:
@@ -293,31 +363,26 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
     return total
 
 
-def _load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return torch.nn.Module.to(model, device).eval()
-
-
-def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, float]]:
+def _measure_all(
+    llm, reference: Reference | None, batch_sizes: list[int], args: argparse.Namespace
+) -> list[dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.model.vocab_size  # prompts are token ids drawn from the config's vocabulary
     warm = torch.randint(3, vocab, (1, 8), generator=gen).tolist()
     time_weft(llm, warm, 4)
-    if hf is not None:
-        time_transformers(hf, warm, 4)
+    if reference is not None:
+        reference.time(warm, 4)
     results = []
     for batch in batch_sizes:
         prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
         print(f"  batch {batch}:", end="", flush=True)
-        weft_runs, hf_runs = [], []
+        weft_runs, ref_runs = [], []
         for _ in range(args.repeats):
             print(" weft", end="", flush=True)
             weft_runs.append(time_weft(llm, prompts, args.output_len))
-            if hf is not None:
-                print(" transformers", end="", flush=True)
-                hf_runs.append(time_transformers(hf, prompts, args.output_len))
+            if reference is not None:
+                print(f" {reference.name}", end="", flush=True)
+                ref_runs.append(Timing(*reference.time(prompts, args.output_len)))
         w = Timing.best(weft_runs)
         decode_tps = w.decode_tps(batch, args.output_len)
         row = {
@@ -326,10 +391,10 @@ def _measure_all(llm, hf, batch_sizes: list[int], args: argparse.Namespace) -> l
             "weft_decode_tps": decode_tps,
             "weft_decode_step_s": batch / decode_tps,
         }
-        if hf_runs:
-            h = Timing.best(hf_runs)
-            row["hf_prefill_tps"] = h.prefill_tps(batch, args.prompt_len)
-            row["hf_decode_tps"] = h.decode_tps(batch, args.output_len)
+        if ref_runs:
+            r = Timing.best(ref_runs)
+            row["ref_prefill_tps"] = r.prefill_tps(batch, args.prompt_len)
+            row["ref_decode_tps"] = r.decode_tps(batch, args.output_len)
         print(" done", flush=True)
         results.append(row)
     return results
@@ -340,21 +405,26 @@ def _bandwidth_kind(device: str) -> str:
 
 
 def _print_table(
-    results: list[dict[str, float]], args: argparse.Namespace, weight_bytes: int, bandwidth: float
+    results: list[dict[str, float]],
+    args: argparse.Namespace,
+    weight_bytes: int,
+    bandwidth: float,
+    reference: str,
 ) -> None:
     print()
     print(
-        "| batch | weft prefill tok/s | hf prefill tok/s | ratio "
-        "| weft decode tok/s | hf decode tok/s | ratio |"
+        f"| batch | weft prefill tok/s | {reference} prefill tok/s | ratio "
+        f"| weft decode tok/s | {reference} decode tok/s | ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        hf_p, hf_d = r.get("hf_prefill_tps"), r.get("hf_decode_tps")
-        p_ratio = f"{r['weft_prefill_tps'] / hf_p:.2f}x" if hf_p else "-"
-        d_ratio = f"{r['weft_decode_tps'] / hf_d:.2f}x" if hf_d else "-"
+        ref_p, ref_d = r.get("ref_prefill_tps"), r.get("ref_decode_tps")
+        p_ratio = f"{r['weft_prefill_tps'] / ref_p:.2f}x" if ref_p else "-"
+        d_ratio = f"{r['weft_decode_tps'] / ref_d:.2f}x" if ref_d else "-"
+        ref_p_text, ref_d_text = (f"{ref_p:.0f}", f"{ref_d:.1f}") if ref_p and ref_d else ("-", "-")
         print(
-            f"| {r['batch']} | {r['weft_prefill_tps']:.0f} | {hf_p or 0:.0f} | {p_ratio} "
-            f"| {r['weft_decode_tps']:.1f} | {hf_d or 0:.1f} | {d_ratio} |"
+            f"| {r['batch']} | {r['weft_prefill_tps']:.0f} | {ref_p_text} | {p_ratio} "
+            f"| {r['weft_decode_tps']:.1f} | {ref_d_text} | {d_ratio} |"
         )
     batch1 = next((r for r in results if r["batch"] == 1), None)
     if batch1 is not None:
