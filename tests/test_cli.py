@@ -113,6 +113,15 @@ def test_bench_throughput_with_only_a_config_measures_real_rates(tiny_llama, tmp
     assert "bfloat16 weights, float32 activations" in capsys.readouterr().out
 
 
+def test_bench_throughput_model_errors_say_what_to_do(tiny_llama, tmp_path, capsys):
+    """--model that is not there, and --model with the tensor-parallel bench (which builds its own
+    random model): each a clear error, exit 2, before anything is measured."""
+    assert main(["bench", "throughput", "--model", str(tmp_path / "nothing.gguf")]) == 2
+    assert "no such checkpoint (--model)" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--tensor-parallel-size", "2"]) == 2
+    assert "drop --model" in capsys.readouterr().err
+
+
 def test_bench_overhead_measures_every_phase(tmp_path):
     """The overhead benchmark runs end to end (on the bundled tokenizer, for speed) and reports a
     host time and every phase of the step for each case."""

@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from weft.config import resolve_dtype
 
     n = args.tensor_parallel_size
+    if args.model is not None:
+        raise ValueError("--tensor-parallel-size measures a random-weight model of --config: drop --model")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtype = resolve_dtype(args.dtype.split(",")[0], torch.device("cpu"))
     threads = torch.get_num_threads()
