@@ -72,6 +72,10 @@ class TrainConfig:
     induction_rows: int = 0
     induction_len: int = 64
     induction_span: int = 20  # the repeated random spans are 6 to this many tokens long (exclusive)
+    # if > 0: half the induction rows draw their tokens from a random alphabet of this to 8 times
+    # this many tokens, so that a token recurs within its span and only the tokens before it say
+    # where the copy goes on (a one-token match loops back; what greedy copies of text did)
+    induction_alphabet: int = 0
     # share of each copy passage's words replaced by random ones, so that memory of the training
     # text cannot predict its second showing: only copying can
     word_swap: float = 0.0
@@ -163,16 +167,23 @@ class CopyTasks:
         make = self._passage if torch.rand((), generator=gen).item() < self.passages else self._records
         return make(length, gen)[:length]
 
-    def induction(self, num_rows: int, length: int, gen: torch.Generator, longest: int = 20) -> torch.Tensor:
+    def induction(
+        self, num_rows: int, length: int, gen: torch.Generator, longest: int = 20, alphabet: int = 0
+    ) -> torch.Tensor:
         """[num_rows, length] rows of random tokens (6-19 of them), a blank line, the same tokens
         again, and so on: nothing but copying predicts them. Without these, 1,000 steps of the
         other rows taught the model the records' JSON layout but not to copy a single value;
         with them the copying heads form after ~450 steps (measured: the loss of such rows falls
-        from 8.3 to the floor of their first, unpredictable tokens)."""
+        from 8.3 to the floor of their first, unpredictable tokens). `alphabet` > 0: the odd rows'
+        tokens come from a random alphabet of `alphabet` to 8 * `alphabet` tokens."""
         rows = []
-        for _ in range(num_rows):
+        for i in range(num_rows):
             span = int(torch.randint(6, longest, (), generator=gen))
             tokens = torch.randint(len(SPECIAL_TOKENS), self.vocab_size, (span,), generator=gen)
+            if alphabet > 0 and i % 2 == 1:
+                size = int(torch.randint(alphabet, 8 * alphabet + 1, (), generator=gen))
+                letters = torch.randperm(self.vocab_size - len(SPECIAL_TOKENS), generator=gen)[:size]
+                tokens = letters[torch.randint(size, (span,), generator=gen)] + len(SPECIAL_TOKENS)
             pieces = [tokens]
             while sum(p.numel() for p in pieces) < length:
                 pieces += [self.separator, tokens]
@@ -388,6 +399,12 @@ def main() -> None:
     )
     parser.add_argument("--induction-len", type=int, default=TrainConfig.induction_len)
     parser.add_argument("--induction-span", type=int, default=TrainConfig.induction_span)
+    parser.add_argument(
+        "--induction-alphabet",
+        type=int,
+        default=TrainConfig.induction_alphabet,
+        help="half the induction rows from an alphabet of this to 8x this many tokens (0: off)",
+    )
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
@@ -399,6 +416,7 @@ def main() -> None:
         induction_rows=args.induction_rows,
         induction_len=args.induction_len,
         induction_span=args.induction_span,
+        induction_alphabet=args.induction_alphabet,
         word_swap=args.word_swap,
         word_swap_min=args.word_swap_min,
         passage_share=args.passage_share,
@@ -445,7 +463,9 @@ def main() -> None:
         rows = batches(train_ids, cfg, gen, copies)
         loss = next_token_loss(model, rows)
         if copies is not None and cfg.induction_rows:
-            repeats = copies.induction(cfg.induction_rows, cfg.induction_len + 1, gen, cfg.induction_span)
+            repeats = copies.induction(
+                cfg.induction_rows, cfg.induction_len + 1, gen, cfg.induction_span, cfg.induction_alphabet
+            )
             loss = loss + next_token_loss(model, repeats)
         optim.zero_grad(set_to_none=True)
         loss.backward()
