@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from weft.bench.llama_cpp import LlamaCppReference
+from weft.bench.throughput import Timing
 
 
 def main() -> None:
@@ -32,13 +33,11 @@ def main() -> None:
     reference = LlamaCppReference(args.gguf, args.threads)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = np.random.default_rng(batch).integers(3, reference.n_vocab, (batch, args.prompt_len))
-        runs = [reference.time(prompts.tolist(), args.output_len) for _ in range(args.repeats)]
-        prefill = min(r[0] for r in runs)
-        decode = min(total - first for first, total in runs)
+        best = Timing.best([reference.time(prompts.tolist(), args.output_len) for _ in range(args.repeats)])
         row = {
             "batch": batch,
-            "prefill_tps": batch * args.prompt_len / prefill,
-            "decode_tps": batch * (args.output_len - 1) / decode,
+            "prefill_tps": best.prefill_tps(batch, args.prompt_len),
+            "decode_tps": best.decode_tps(batch, args.output_len),
         }
         print(json.dumps(row), flush=True)
     reference.close()

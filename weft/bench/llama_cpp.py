@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from weft.bench.throughput import Timing
+
 
 def import_llama_cpp() -> Any:
     """The `llama_cpp` module, quiet; a clear error where it is not installed."""
@@ -30,9 +32,9 @@ def import_llama_cpp() -> Any:
 
 
 class LlamaCppReference:
-    """One GGUF file loaded in llama.cpp. `time` runs a batch of prompts and returns (the seconds
-    until every sequence has its first new token, the seconds of the whole run), as weft's timing
-    does. One context is kept, sized for the last batch; a new batch size makes a new one."""
+    """One GGUF file loaded in llama.cpp. `time` runs a batch of prompts and times it as weft's
+    `time_weft` does (the prefill ends when every sequence has its first new token). One context
+    is kept, sized for the last batch; a new batch size makes a new one."""
 
     name = "llama.cpp"
 
@@ -47,7 +49,7 @@ class LlamaCppReference:
         self.threads = threads
         self.ctx, self.ctx_shape = None, (0, 0)
 
-    def time(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    def time(self, prompts: list[list[int]], output_len: int) -> Timing:
         batch, prompt_len = len(prompts), len(prompts[0])
         ctx = self._context(batch, -(-(prompt_len + output_len + 8) // 256) * 256)
         self.ll.llama_memory_clear(self.ll.llama_get_memory(ctx), True)
@@ -56,7 +58,7 @@ class LlamaCppReference:
         prefill = time.perf_counter() - start
         for step in range(output_len - 1):
             tokens = self._decode(ctx, [[t] for t in tokens], [prompt_len + step] * batch)
-        return prefill, time.perf_counter() - start
+        return Timing(prefill_s=prefill, total_s=time.perf_counter() - start)
 
     def close(self) -> None:
         if self.ctx is not None:

@@ -312,12 +312,11 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
 
 class Reference(Protocol):
     """The engine weft is measured against: `time` runs a batch of prompts to exactly `output_len`
-    new tokens each, greedy, and returns (seconds until every sequence has its first new token,
-    seconds of the whole run)."""
+    new tokens each, greedy, timed as `time_weft` times weft."""
 
     name: str
 
-    def time(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]: ...
+    def time(self, prompts: list[list[int]], output_len: int) -> Timing: ...
 
     def close(self) -> None: ...
 
@@ -331,9 +330,8 @@ class TransformersReference:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         self.model = torch.nn.Module.to(model, device).eval()
 
-    def time(self, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-        timing = time_transformers(self.model, prompts, output_len)
-        return timing.prefill_s, timing.total_s
+    def time(self, prompts: list[list[int]], output_len: int) -> Timing:
+        return time_transformers(self.model, prompts, output_len)
 
     def close(self) -> None:
         pass
@@ -382,7 +380,7 @@ def _measure_all(
             weft_runs.append(time_weft(llm, prompts, args.output_len))
             if reference is not None:
                 print(f" {reference.name}", end="", flush=True)
-                ref_runs.append(Timing(*reference.time(prompts, args.output_len)))
+                ref_runs.append(reference.time(prompts, args.output_len))
         w = Timing.best(weft_runs)
         decode_tps = w.decode_tps(batch, args.output_len)
         row = {
