@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from weft.bench.llama_cpp import LlamaCppReference
-from weft.bench.throughput import Timing
+from weft.bench.timing import Timing
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from weft.bench.throughput import Timing
+from weft.bench.timing import Timing
 
 
 def import_llama_cpp() -> Any:

@@ -36,12 +36,12 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from weft.bench.timing import Timing
 from weft.engine.factory import describe_kernels
 from weft.model.llama import LlamaForCausalLM
 
@@ -94,24 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", type=Path, default=None, help="write a PNG of decode tokens/s against batch size per dtype"
     )
-
-
-@dataclass(slots=True)
-class Timing:
-    prefill_s: float
-    total_s: float
-
-    def prefill_tps(self, batch: int, prompt_len: int) -> float:
-        return batch * prompt_len / self.prefill_s
-
-    def decode_tps(self, batch: int, output_len: int) -> float:
-        return batch * (output_len - 1) / max(self.total_s - self.prefill_s, 1e-9)
-
-    @staticmethod
-    def best(runs: list[Timing]) -> Timing:
-        """The fastest prefill and the fastest decode (total - prefill) of several runs."""
-        prefill = min(r.prefill_s for r in runs)
-        return Timing(prefill, prefill + min(r.total_s - r.prefill_s for r in runs))
 
 
 def build_checkpoint(config_path: Path, dtype: torch.dtype, out: Path) -> Path:

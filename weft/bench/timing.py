@@ -1,0 +1,23 @@
+"""One timed run of a batch, as every throughput benchmark reports it (weft's and its references')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Timing:
+    prefill_s: float
+    total_s: float
+
+    def prefill_tps(self, batch: int, prompt_len: int) -> float:
+        return batch * prompt_len / self.prefill_s
+
+    def decode_tps(self, batch: int, output_len: int) -> float:
+        return batch * (output_len - 1) / max(self.total_s - self.prefill_s, 1e-9)
+
+    @staticmethod
+    def best(runs: list[Timing]) -> Timing:
+        """The fastest prefill and the fastest decode (total - prefill) of several runs."""
+        prefill = min(r.prefill_s for r in runs)
+        return Timing(prefill, prefill + min(r.total_s - r.prefill_s for r in runs))
