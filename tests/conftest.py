@@ -44,6 +44,12 @@ def require_native_kernels() -> None:
         pytest.skip("weft's CPU kernels are off (WEFT_NATIVE=0) or could not be built here")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that await a background job run last, so that the job has the whole session to
+    take the CPU the other tests leave idle, and no test waits on it while a core stands still."""
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)  # stable
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the selected slow subprocess checks now, in the background (tests/background.py)."""
     if session.config.option.collectonly:

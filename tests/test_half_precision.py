@@ -96,6 +96,7 @@ def test_half_precision_kernel_rejects_half_precision_activations():
 
 
 @pytest.mark.slow
+@pytest.mark.background
 @pytest.mark.parametrize("path", list(BUILDS))
 def test_other_builds_of_the_kernels_pass_the_same_tests(path):
     """Each ISA path this machine's own build does not take: built, and where this CPU can run it,

@@ -3,6 +3,7 @@ k-quant blocks divide and at one they do not (those paths then skipped, with a l
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,5 +25,8 @@ def test_linear_products_prints_a_row_per_path(shape, paths):
     for row in rows:  # two cells, each GFLOP/s and the GB/s read: "| name | 12 (3.4) | 20 (0.5) |"
         cells = [c.split() for c in row.strip("| ").split(" | ")[1:]]
         assert [len(c) for c in cells] == [2, 2], row
-        assert all(float(rate) >= 0 and float(read.strip("()")) > 0 for rate, read in cells), row
+        # finite and not negative: a tiny matrix timed once while the suite's background jobs run
+        # can print 0 (0.0), rounded, so zero is allowed
+        numbers = [float(number.strip("()")) for cell in cells for number in cell]
+        assert all(math.isfinite(n) and n >= 0 for n in numbers), row
     assert ("skipped" in out.stdout) == (shape == "96x64")

@@ -133,13 +133,14 @@ def test_masking_alone_has_its_known_bias(llm, next_token):
 
 
 def test_smc_samples_the_model_conditioned_on_the_language(llm, next_token):
-    """N = 64 over 1,000 seeded runs: within TV 0.05 of the target (the sampling error of 1,000
-    draws is about 0.006 here; the rest of the margin is SMC's own bias at N = 64)."""
+    """N = 64 over 400 seeded runs: within TV 0.05 of the target (the sampling error of 400 draws
+    is about 0.009 here, and 1,000 runs measured TV 0.002; the rest of the margin is SMC's own bias
+    at N = 64). Masking alone is at TV 0.89 from it."""
     goal = target(next_token, ["ab", "bc"])
     params = SamplingParams(regex="ab|bc", seed=11, max_tokens=4, smc={"num_particles": 64})
-    counts = sampled(llm, params, 1000, 50)
-    assert sum(counts.values()) == 1000
-    assert tv({k: v / 1000 for k, v in counts.items()}, goal) < 0.05
+    counts = sampled(llm, params, 400, 50)
+    assert sum(counts.values()) == 400
+    assert tv({k: v / 400 for k, v in counts.items()}, goal) < 0.05
 
 
 def test_one_particle_is_masking(llm):

@@ -139,6 +139,7 @@ def test_ruff_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.background
 def test_mypy_clean():
     """mypy over the package: started at collection, in the background (tests/background.py)."""
     command = _tool("mypy")
