@@ -80,7 +80,8 @@ class LLM:
     def kernels(self) -> dict[str, str]:
         """What runs the model, chosen once at load: the kernel set, the weights' and the
         activations' dtypes, what the matrix products multiply in, the linear-layer kernel and (on
-        CPU) the ISA path and the instruction sets of the kernels' build."""
+        CPU) the ISA path, the instruction sets of the kernels' build and whether the weights are
+        in 2 MB pages (`pages`, weft/model/huge_pages.py)."""
         config = self.engine.config
         weights = config.weight_dtype or config.dtype
         info = self.engine.model.kernels.describe(config.device, weights, config.matmul_dtype)
@@ -89,6 +90,8 @@ class LLM:
             kinds = ", ".join(f"{kind.upper()} for {count} matrices" for kind, count in quantized.items())
             panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
             info["linear"] += f"; {kinds} ({panels})"
+        if self.engine.model.huge_page_bytes:
+            info["pages"] = f"weights in 2 MB pages ({self.engine.model.huge_page_bytes / 1e6:.0f} MB)"
         thresholds = sorted(set(self.engine.model.dense_rows.values()))
         if thresholds:
             rows = [str(t) if t < NEVER else "never" for t in thresholds]

@@ -137,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
         self.dense_rows: dict[Shape, int] = {}
         self.bf16_dot = False  # bfloat16 products in every packed matrix (set at load)
+        self.huge_page_bytes = 0  # the packed weights moved into 2 MB pages at load (huge_pages.py)
         self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

@@ -38,6 +38,7 @@ from weft.config import ConfigError, ModelConfig, NativeConfig
 from weft.kernels import TorchKernels
 from weft.model import safetensors_io
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
+from weft.model.huge_pages import move_weights_to_huge_pages
 from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
@@ -220,10 +221,20 @@ def load_model(
     return model
 
 
+def _panel_modules(model: LlamaForCausalLM) -> list[nn.Module]:
+    """The modules whose weights are panels: every Linear in PANELS, and the embedding where it
+    reads the lm_head's (so that it keeps sharing them)."""
+    modules: list[nn.Module] = [
+        m for m in model.modules() if isinstance(m, Linear) and m.layout is WeightLayout.PANELS
+    ]
+    return modules + ([model.embed] if model.embed.from_panels else [])
+
+
 def _place_weights(
     model: LlamaForCausalLM, config: ModelConfig, layout: WeightLayout, packs_table: bool
 ) -> None:
-    """Tie the embedding table (one tensor) and put every matrix in `layout`."""
+    """Tie the embedding table (one tensor) and put every matrix in `layout`; panels, streamed
+    every step, in 2 MB pages where the OS has them (weft/model/huge_pages.py)."""
     if packs_table:
         model.embed.read_from_panels(model.lm_head)  # one tensor
     elif config.tie_word_embeddings:
@@ -232,6 +243,8 @@ def _place_weights(
         for module in model.modules():
             if isinstance(module, Linear) and module.layout is not layout:
                 module.set_layout(layout)
+    if layout is WeightLayout.PANELS:
+        model.huge_page_bytes = move_weights_to_huge_pages(_panel_modules(model))
 
 
 @dataclass(frozen=True, slots=True)

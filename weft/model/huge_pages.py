@@ -1,0 +1,117 @@
+"""The CPU panels of a model's matrices in 2 MB pages (Linux transparent huge pages).
+
+Decoding at small batch streams every weight from memory once per token. In 4 KB pages that is a
+page walk every 4 KB of weights (the second-level TLB covers 8 MB; a SmolLM2-135M decode step reads
+143 MB, a Llama-3.2-1B one 1.3 GB). Measured on a 2-core Zen 3 over the 120 layer matrices of a
+SmolLM2-135M Q8_0 file, one row each in layer order: 1.06x (median) to 1.10x (best) the rate of the
+same panels in 4 KB pages.
+
+Allocations get 2 MB pages only where a process asks for them (`madvise(MADV_HUGEPAGE)`) on most
+distributions (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise`), so the loader moves
+the packed weights into one such mapping: each matrix copied once, its old storage freed as it goes
+(the peak is the model plus one matrix). Where the kernel has no transparent huge pages, or
+`WEFT_HUGE_PAGES=0`, the weights stay where they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # what packed_linear requires of a panel tensor's start
+_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_setting() -> str:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), or "" where there
+    is none (not Linux, or no such kernel option)."""
+    try:
+        text = _SETTING.read_text()
+    except OSError:
+        return ""
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else ""
+
+
+def huge_pages_available() -> bool:
+    """Whether a mapping advised MADV_HUGEPAGE gets 2 MB pages here, and WEFT_HUGE_PAGES is not 0."""
+    if os.environ.get("WEFT_HUGE_PAGES", "1") == "0":
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_setting() in ("always", "madvise")
+
+
+class HugePageArena:
+    """One anonymous mapping advised MADV_HUGEPAGE, handed out in 64-byte aligned pieces. The
+    tensors it returns keep the mapping alive (torch.frombuffer holds it)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # [nbytes + HUGE_PAGE]
+        self._next = -self._bytes.data_ptr() % HUGE_PAGE  # the first 2 MB boundary
+        self._end = self._next + nbytes
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of `tensor` in the arena (same dtype and shape)."""
+        size = tensor.numel() * tensor.element_size()
+        start = self._next + -self._next % _ALIGN
+        if start + size > self._end:
+            raise ValueError(f"HugePageArena: {size} more bytes do not fit (sized too small)")
+        self._next = start + size
+        piece = self._bytes[start : start + size].view(tensor.dtype).view(tensor.shape)
+        piece.copy_(tensor)
+        return piece
+
+
+def _padded(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size() + _ALIGN
+
+
+def move_weights_to_huge_pages(modules: Iterable[nn.Module]) -> int:
+    """Move each module's `weight` (CPU tensors; modules that share one keep sharing it) into one
+    huge-page arena; the bytes moved (0 where huge pages are not available)."""
+    groups: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}  # by the weight they hold
+    for module in modules:
+        weight = module.weight
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+            groups.setdefault(id(weight), (weight, []))[1].append(module)
+    if not groups or not huge_pages_available():
+        return 0
+    arena = HugePageArena(sum(_padded(weight) for weight, _ in groups.values()))
+    moved = 0
+    for key in list(groups):  # the old storage is freed as each group lets go of it
+        old, sharing = groups.pop(key)
+        weight = nn.Parameter(arena.copy(old), requires_grad=False)
+        del old
+        for module in sharing:
+            module.weight = weight
+        moved += weight.numel() * weight.element_size()
+        _return_freed_memory()
+    return moved
+
+
+def _return_freed_memory() -> None:
+    """Give the pages of freed allocations back to the OS now (glibc's malloc_trim): matrices under
+    glibc's mmap threshold were allocated from its heap, whose freed pages it otherwise keeps, and
+    the peak would be the model twice."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim  # noqa: B018 (glibc only)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
