@@ -77,12 +77,14 @@ def _padded(tensor: torch.Tensor) -> int:
 def move_weights_to_huge_pages(modules: Iterable[nn.Module]) -> int:
     """Move each module's `weight` (CPU tensors; modules that share one keep sharing it) into one
     huge-page arena; the bytes moved (0 where huge pages are not available)."""
+    if not huge_pages_available():
+        return 0
     groups: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}  # by the weight they hold
     for module in modules:
         weight = module.weight
         if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
             groups.setdefault(id(weight), (weight, []))[1].append(module)
-    if not groups or not huge_pages_available():
+    if not groups:
         return 0
     arena = HugePageArena(sum(_padded(weight) for weight, _ in groups.values()))
     moved = 0
