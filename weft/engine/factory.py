@@ -32,7 +32,7 @@ from weft.config import (
 from weft.engine.args import EngineArgs
 from weft.engine.engine import LLMEngine, Ranks
 from weft.engine.graphs import cuda_capture
-from weft.engine.heap import settle_heap
+from weft.engine.heap import keep_freed_memory, settle_heap
 from weft.engine.loading import load
 from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
@@ -73,6 +73,8 @@ def build_engine(args: EngineArgs) -> LLMEngine:
             ranks.workers.stop()  # (they may be waiting for what rank 0 failed to send)
         raise
     settle_heap()  # the collector out of the step's way (weft/engine/heap.py)
+    if device.type == "cpu":
+        keep_freed_memory()  # activations reuse the C heap from step to step (the same module)
     return engine
 
 
