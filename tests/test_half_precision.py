@@ -84,6 +84,34 @@ def test_panel_layouts():
         assert torch.equal(lookup, weight[ids])
 
 
+@pytest.mark.parametrize("rows", [*range(1, 14), 25, 40, 300])
+@pytest.mark.parametrize(("intermediate", "in_features"), [(32, 45), (96, 64)])
+def test_fused_gate_up_computes_the_product_then_silu_mul(rows, intermediate, in_features):
+    """packed_glu (an MLP's gate|up projection with bfloat16 products, silu(gate) * up applied as
+    its tiles are stored) against the two steps it replaces: bit for bit, every tile height and runs
+    of tiles, odd input features, more rows than one block of x; and against the plain formula on
+    x rounded to bfloat16."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).bfloat16()  # gate | up
+    x = torch.randn(rows, in_features, generator=gen) * 3
+    panels = torch.ops.weft.pack_linear_weight(weight)
+    fused = torch.ops.weft.packed_glu(x, panels, intermediate)
+    apart = torch.ops.weft.silu_mul(torch.ops.weft.packed_linear(x, panels, None, 2 * intermediate, True))
+    assert fused.shape == (rows, intermediate) and torch.equal(fused, apart)
+    gate, up = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).chunk(2, dim=1)
+    torch.testing.assert_close(fused, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_gate_up_refuses_what_it_does_not_fuse():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32 MLP columns"):
+        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(96, 8).bfloat16()), 48)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(64, 8).half()), 32)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(64, 8).bfloat16()), 64)
+
+
 def test_half_precision_kernel_rejects_half_precision_activations():
     panels = torch.ops.weft.pack_linear_weight(torch.randn(32, 8).bfloat16())
     with pytest.raises(RuntimeError, match="x must be a float32"):

@@ -99,8 +99,10 @@ class MLP(nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate_up = self.gate_up(x)  # [T, 2I]: gate | up
-        return self.reduce(self.down(self.kernels.silu_mul(gate_up)))  # [T, I] -> [T, hidden]
+        act = self.gate_up.glu_forward(x)  # [T, I] in one pass where the panels allow it
+        if act is None:
+            act = self.kernels.silu_mul(self.gate_up(x))  # [T, 2I]: gate | up -> [T, I]
+        return self.reduce(self.down(act))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):

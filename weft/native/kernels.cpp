@@ -36,12 +36,15 @@ inline bool on_cpu(std::initializer_list<at::Tensor> tensors) {
 
 
 using weft::vmath::exp_approx;
+using weft::vmath::silu;
 #if defined(__AVX512F__)
 using weft::vmath::exp16;
+using weft::vmath::silu16;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 using weft::vmath::exp8;
+using weft::vmath::silu8;
 
 inline float reduce_add8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -132,28 +135,6 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   });
   return out;
 }
-
-// silu(x) = x * sigmoid(x), with sigmoid from exp(-|x|) so that exp never overflows.
-inline float silu(float x) {
-  const float e = exp_approx(-std::fabs(x));
-  return x * (x >= 0.f ? 1.f : e) / (1.f + e);
-}
-
-#if defined(__AVX512F__)
-inline __m512 silu16(__m512 x) {
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
-  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-#elif defined(WEFT_AVX2)
-inline __m256 silu8(__m256 x) {
-  const __m256 e = exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // exp(-|x|)
-  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
-  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-}
-#endif
 
 // out[t] = silu(gate[t]) * up[t], where a row of the fused projection is [gate | up] ([T, 2I]).
 void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {

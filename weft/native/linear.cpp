@@ -52,6 +52,7 @@
 #include "ops.h"
 #include "panels.h"
 #include "tiles.h"
+#include "vmath.h"
 
 namespace {
 
@@ -194,6 +195,50 @@ void tile_kernel_bf16_dot(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
+// silu(gate) * up, lane by lane, as silu_mul computes it (kernels.cpp): the same vmath functions.
+inline vecf silu_times(vecf gate, vecf up) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vecf>(_mm512_mul_ps(weft::vmath::silu16(reinterpret_cast<__m512>(gate)), reinterpret_cast<__m512>(up)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return reinterpret_cast<vecf>(_mm256_mul_ps(weft::vmath::silu8(reinterpret_cast<__m256>(gate)), reinterpret_cast<__m256>(up)));
+#else
+  vecf out;
+  for (int c = 0; c < kLanes; ++c) out[c] = weft::vmath::silu(gate[c]) * up[c];
+  return out;
+#endif
+}
+
+// A fused gate|up projection with its activation (`packed_glu`): vectors first_vec .. + kV of a gate
+// panel and of the up panel of the same MLP columns, as tile_kernel_bf16_dot computes each, stored
+// as silu(gate) * up. As many accumulators as a whole-panel tile of 2 * kV vectors, and the same
+// panel bytes per multiply-add.
+template <int kRows, int kV>
+void tile_kernel_bf16_dot_glu(const Tile& t) {
+  vecf gate[kRows][kV], up[kRows][kV];
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j) gate[i][j] = up[i][j] = vecf{};
+  const auto* gate_panel = static_cast<const uint16_t*>(t.panel);
+  const auto* up_panel = static_cast<const uint16_t*>(t.up_panel);
+  const int64_t pairs = (t.k + 1) / 2;
+  const auto* xq = static_cast<const uint32_t*>(t.xq);
+  for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
+    const wordsv* g = reinterpret_cast<const wordsv*>(gate_panel + kk * kPairElems) + t.first_vec;
+    const wordsv* u = reinterpret_cast<const wordsv*>(up_panel + kk * kPairElems) + t.first_vec;
+    BFloat16Row::prefetch(gate_panel, 2 * kk);
+    BFloat16Row::prefetch(up_panel, 2 * kk);
+    for (int i = 0; i < kRows; ++i) {
+      const wordsv xv = wordsv{} + xq[i];  // broadcast
+      for (int j = 0; j < kV; ++j) {
+        gate[i][j] = dot_pairs(gate[i][j], xv, g[j]);
+        up[i][j] = dot_pairs(up[i][j], xv, u[j]);
+      }
+    }
+  }
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kV; ++j)
+      *reinterpret_cast<vecfu*>(t.out + i * t.out_stride + kLanes * j) = silu_times(gate[i][j], up[i][j]);
+}
+
 // Q8_0 panels (panels.h): per block of 32 input features, 32 float16 scales, then [32, 32] int8.
 template <int kRows, int kV>
 void tile_kernel_q8_0(const Tile& t) {
@@ -328,6 +373,10 @@ struct Q4KTiles : PanelTiles {
 };
 struct Q6KTiles : PanelTiles {
   template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_q6_k<kRows, kV>(t); }
+};
+
+struct BFloat16GluTiles {
+  template <int kRows, int kV> static void run(const Tile& t) { tile_kernel_bf16_dot_glu<kRows, kV>(t); }
 };
 
 // Rows of a panel: K, or for bfloat16 K rounded up to whole pairs.
@@ -579,6 +628,46 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   return out;
 }
 
+// silu(x @ Wg.T) * (x @ Wu.T): an MLP's fused gate|up projection, packed as one [2I, K] bfloat16
+// matrix (gate rows, then up rows; I a multiple of 32, so that gate panel p and up panel p + I / 32
+// hold the same MLP columns), multiplied with bfloat16 products as packed_linear's bf16_dot, and its
+// activation applied as the tiles are stored: out [M, I] equals silu_mul(packed_linear(...)) bit for
+// bit, without the [M, 2I] product in memory. Tiles of up to kMaxTileRows rows and half a panel of
+// gate and up each; threads take runs of MLP columns, over blocks of rows of x that fit in L2.
+at::Tensor packed_glu(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermediate) {
+  check_linear_inputs(x_in, panels, std::nullopt, 2 * intermediate);
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && intermediate % kPanel == 0,
+              "packed_glu: the gate|up panels must be bfloat16, with a multiple of 32 MLP columns "
+              "(use packed_linear and silu_mul otherwise)");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0), pairs = (x.size(1) + 1) / 2, gate_panels = intermediate / kPanel;
+  auto out = at::empty({m, intermediate}, x.options());
+  if (m == 0) return out;
+  const int64_t rows = weft::tiles::tile_rows(m, kMaxTileRows);
+  const at::Tensor xq = bfloat16_pairs(x, rows);  // [tiles, K / 2, rows]
+  constexpr auto kernels = weft::tiles::tile_table<BFloat16GluTiles, kVecs / 2>(std::make_integer_sequence<int, kMaxTileRows>{});
+  const auto* wp = static_cast<const uint8_t*>(panels.data_ptr());
+  const auto* xqp = static_cast<const uint8_t*>(xq.data_ptr());
+  const int64_t panel_bytes = panels.stride(0) * 2, xq_tile_bytes = 4 * pairs * rows;
+  const int64_t block = rows * std::max<int64_t>(1, weft::tiles::kBlockBytes / xq_tile_bytes);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, 2 * gate_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < m; first += block) {
+      const int64_t last = std::min(m, first + block);
+      for (int64_t half = begin; half < end; ++half) {  // 16 MLP columns: half of panel half / 2
+        const int64_t p = half / 2, col = half * kPanel / 2;
+        for (int64_t r = first; r < last; r += rows) {
+          const Tile tile{x.data_ptr<float>() + r * x.stride(0), x.stride(0), xqp + (r / rows) * xq_tile_bytes, rows,
+                          wp + p * panel_bytes, x.size(1), op + r * intermediate + col, intermediate, kPanel / 2,
+                          nullptr, static_cast<int>(half % 2) * kVecs / 2, wp + (p + gate_panels) * panel_bytes};
+          kernels[std::min(rows, m - r)](tile);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The vector instruction sets this build of the kernels uses (it is compiled for the machine).
 std::string build_info() {
   std::string isa;
@@ -621,10 +710,12 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows, int num_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, bool bf16_dot=False) -> Tensor");
+  m.def("packed_glu(Tensor x, Tensor panels, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("embedding_from_panels", &embedding_from_panels);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_glu", &packed_glu);
 }
