@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel layer's sum over the ranks
+GLU_CHUNK_BYTES = 64 << 20  # the most a fused gate|up's float32 [rows, I] activation takes at a time
 
 
 def _alone(x: torch.Tensor) -> torch.Tensor:
@@ -90,13 +91,23 @@ class MLP(nn.Module):
         self.reduce: Reduce = _alone  # tensor parallel: the down projection's sum over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        rows = self.kernels.mlp_chunk_rows
+        rows = self._chunk_rows()
         if rows is None or x.shape[0] <= rows:
             return self._forward(x)
         out = x.new_empty(x.shape[0], self.down.out_features)  # [T, hidden]
         for start in range(0, x.shape[0], rows):  # a long prefill: [rows, 2I] at a time
             out[start : start + rows] = self._forward(x[start : start + rows])
         return out
+
+    def _chunk_rows(self) -> int | None:
+        """Rows of a long prefill's MLP at a time: the kernels' chunk, whose [rows, 2I] product stays
+        in the last-level cache; where gate|up runs fused with its activation there is no such
+        product, and the chunk only bounds the [rows, I] activation (unchunked, a 32 x 128-token
+        prefill of SmolLM2-135M was 1.5% faster than in chunks of 1,024 rows)."""
+        rows = self.kernels.mlp_chunk_rows
+        if rows is None or not self.gate_up.fuses_glu:
+            return rows
+        return max(rows, GLU_CHUNK_BYTES // (4 * self.down.in_features))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         act = self.gate_up.glu_forward(x)  # [T, I] in one pass where the panels allow it
