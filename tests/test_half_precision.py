@@ -86,30 +86,44 @@ def test_panel_layouts():
 
 @pytest.mark.parametrize("rows", [*range(1, 14), 25, 40, 300])
 @pytest.mark.parametrize(("intermediate", "in_features"), [(32, 45), (96, 64)])
-def test_fused_gate_up_computes_the_product_then_silu_mul(rows, intermediate, in_features):
-    """packed_glu (an MLP's gate|up projection with bfloat16 products, silu(gate) * up applied as
-    its tiles are stored) against the two steps it replaces: bit for bit, every tile height and runs
-    of tiles, odd input features, more rows than one block of x; and against the plain formula on
-    x rounded to bfloat16."""
+def test_fused_mlp_computes_the_products_and_silu_mul_it_replaces(rows, intermediate, in_features):
+    """packed_glu_pairs (an MLP's gate|up projection with bfloat16 products, silu(gate) * up rounded
+    to the down projection's bfloat16 pairs as its tiles are stored) and packed_linear_pairs (the
+    down projection from them) against the three steps they replace: bit for bit, every tile height
+    and runs of tiles, odd input features, more rows than one block of x; and against the plain
+    formula on inputs rounded to bfloat16."""
     gen = torch.Generator().manual_seed(rows)
-    weight = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).bfloat16()  # gate | up
+    gate_up = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).bfloat16()  # gate | up
+    down = (torch.randn(40, intermediate, generator=gen) / 4).bfloat16()
+    bias = torch.randn(40, generator=gen)
     x = torch.randn(rows, in_features, generator=gen) * 3
-    panels = torch.ops.weft.pack_linear_weight(weight)
-    fused = torch.ops.weft.packed_glu(x, panels, intermediate)
-    apart = torch.ops.weft.silu_mul(torch.ops.weft.packed_linear(x, panels, None, 2 * intermediate, True))
-    assert fused.shape == (rows, intermediate) and torch.equal(fused, apart)
-    gate, up = torch.nn.functional.linear(x.bfloat16().float(), weight.float()).chunk(2, dim=1)
-    torch.testing.assert_close(fused, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    gate_up_panels, down_panels = map(torch.ops.weft.pack_linear_weight, (gate_up, down))
+    pairs = torch.ops.weft.packed_glu_pairs(x, gate_up_panels, intermediate)
+    fused = torch.ops.weft.packed_linear_pairs(pairs, rows, down_panels, bias, 40)
+    product = torch.ops.weft.packed_linear(x, gate_up_panels, None, 2 * intermediate, True)
+    act = torch.ops.weft.silu_mul(product)
+    apart = torch.ops.weft.packed_linear(act, down_panels, bias, 40, True)
+    assert fused.shape == (rows, 40) and torch.equal(fused, apart)
+    gate, up = torch.nn.functional.linear(x.bfloat16().float(), gate_up.float()).chunk(2, dim=1)
+    formula = torch.nn.functional.silu(gate) * up  # [rows, I], rounded as the pairs are
+    expected = torch.nn.functional.linear(formula.bfloat16().float(), down.float(), bias)
+    torch.testing.assert_close(fused, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_fused_gate_up_refuses_what_it_does_not_fuse():
+def test_fused_mlp_refuses_what_it_does_not_fuse():
     x = torch.randn(3, 8)
+    pack = torch.ops.weft.pack_linear_weight
     with pytest.raises(RuntimeError, match="multiple of 32 MLP columns"):
-        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(96, 8).bfloat16()), 48)
+        torch.ops.weft.packed_glu_pairs(x, pack(torch.randn(96, 8).bfloat16()), 48)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
-        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(64, 8).half()), 32)
+        torch.ops.weft.packed_glu_pairs(x, pack(torch.randn(64, 8).half()), 32)
     with pytest.raises(RuntimeError, match="out_features does not match"):
-        torch.ops.weft.packed_glu(x, torch.ops.weft.pack_linear_weight(torch.randn(64, 8).bfloat16()), 64)
+        torch.ops.weft.packed_glu_pairs(x, pack(torch.randn(64, 8).bfloat16()), 64)
+    pairs = torch.ops.weft.packed_glu_pairs(x, pack(torch.randn(64, 8).bfloat16()), 32)
+    with pytest.raises(RuntimeError, match="bfloat16 pairs of M rows"):
+        torch.ops.weft.packed_linear_pairs(pairs, 20, pack(torch.randn(8, 32).bfloat16()), None, 8)  # 3 rows
+    with pytest.raises(RuntimeError, match="input features"):
+        torch.ops.weft.packed_linear_pairs(pairs, 3, pack(torch.randn(8, 64).bfloat16()), None, 8)
 
 
 def test_half_precision_kernel_rejects_half_precision_activations():

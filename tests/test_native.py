@@ -630,9 +630,11 @@ def test_top_p_filter_keeps_the_exact_nucleus(vocab):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_long_prefill_runs_its_mlp_in_chunks_with_the_same_result(checkpoint_factory, monkeypatch, dtype):
     """A step with more rows than `mlp_chunk_rows` runs the MLP a chunk of rows at a time (its
-    [T, 2I] intermediate stays small): every row computes exactly what it computes unchunked,
-    since the panel kernel computes each row on its own (bfloat16 products too)."""
+    [T, 2I] intermediate stays small; with bfloat16 products, where gate|up runs fused with its
+    activation, from `GLU_CHUNK_BYTES` of activations): every row computes exactly what it computes
+    unchunked, since the panel kernel computes each row on its own."""
     from weft import LLM, SamplingParams
+    from weft.model import llama
     from weft.model.llama import MLP
 
     path = str(checkpoint_factory("llama", dtype=dtype))
@@ -641,6 +643,7 @@ def test_a_long_prefill_runs_its_mlp_in_chunks_with_the_same_result(checkpoint_f
     options = {"show_progress": False, "device": "cpu", "dtype": dtype}
     whole = LLM(path, **options).generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(type(NATIVE_CPU_KERNELS), "mlp_chunk_rows", 7)
+    monkeypatch.setattr(llama, "GLU_CHUNK_BYTES", 0)  # bfloat16 products: the fused MLP's own bound
     chunks: list[int] = []
     forward = MLP._forward
     monkeypatch.setattr(MLP, "_forward", lambda self, x: chunks.append(x.shape[0]) or forward(self, x))

@@ -80,20 +80,6 @@ class Linear(nn.Module):
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
         return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
 
-    def glu_forward(self, x: torch.Tensor) -> torch.Tensor | None:  # [T, in] -> [T, out / 2], or None
-        """silu(gate) * up of a fused [gate | up] projection in one pass (`packed_glu`: the activation
-        applied as the tiles are stored, no [T, out] product in memory), where the weight is bfloat16
-        panels multiplied in bfloat16 (`bf16_dot`), without bias, with a multiple of 32 MLP columns;
-        None elsewhere (the caller multiplies, then applies silu_mul)."""
-        if not self.fuses_glu:
-            return None
-        return torch.ops.weft.packed_glu(x, self.weight, self.out_features // 2)
-
-    @property
-    def fuses_glu(self) -> bool:
-        """Whether `glu_forward` runs the fused pass for this (gate|up) weight."""
-        return self.bf16_dot and self.bias is None and self.out_features % 64 == 0
-
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
         dense = self._dense_from_panels(x.shape[1])  # [in, out] float32
         return torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)

@@ -20,6 +20,7 @@ from torch import nn
 
 from weft.config import ModelConfig
 from weft.kernels import RopeTables, StackShape, TorchKernels
+from weft.model import glu
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, WeightLayout
 from weft.model.prefill_gemm import Shape
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 KVCache = torch.Tensor  # [num_blocks, block_size, 2, KVH, D]: keys and values
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel layer's sum over the ranks
-GLU_CHUNK_BYTES = 64 << 20  # the most a fused gate|up's float32 [rows, I] activation takes at a time
+GLU_CHUNK_BYTES = 64 << 20  # a fused gate|up's activation ([rows, I] as float32) bounded to this
 
 
 def _alone(x: torch.Tensor) -> torch.Tensor:
@@ -101,18 +102,18 @@ class MLP(nn.Module):
 
     def _chunk_rows(self) -> int | None:
         """Rows of a long prefill's MLP at a time: the kernels' chunk, whose [rows, 2I] product stays
-        in the last-level cache; where gate|up runs fused with its activation there is no such
-        product, and the chunk only bounds the [rows, I] activation (unchunked, a 32 x 128-token
-        prefill of SmolLM2-135M was 1.5% faster than in chunks of 1,024 rows)."""
+        in the last-level cache; where gate|up runs fused with its activation (glu.py) there is no
+        such product, and the chunk only bounds the activation (unchunked, a 32 x 128-token prefill
+        of SmolLM2-135M was 1.5% faster than in chunks of 1,024 rows)."""
         rows = self.kernels.mlp_chunk_rows
-        if rows is None or not self.gate_up.fuses_glu:
+        if rows is None or not glu.fuses(self.gate_up, self.down):
             return rows
         return max(rows, GLU_CHUNK_BYTES // (4 * self.down.in_features))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        act = self.gate_up.glu_forward(x)  # [T, I] in one pass where the panels allow it
-        if act is None:
-            act = self.kernels.silu_mul(self.gate_up(x))  # [T, 2I]: gate | up -> [T, I]
+        if glu.fuses(self.gate_up, self.down):  # bfloat16 products: in two passes (weft/model/glu.py)
+            return self.reduce(glu.glu_down(self.gate_up, self.down, x))
+        act = self.kernels.silu_mul(self.gate_up(x))  # [T, 2I]: gate | up -> [T, I]
         return self.reduce(self.down(act))  # [T, hidden]
 
 

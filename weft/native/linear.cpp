@@ -208,17 +208,45 @@ inline vecf silu_times(vecf gate, vecf up) {
 #endif
 }
 
-// A fused gate|up projection with its activation (`packed_glu`): vectors first_vec .. + kV of a gate
-// panel and of the up panel of the same MLP columns, as tile_kernel_bf16_dot computes each, stored
-// as silu(gate) * up. As many accumulators as a whole-panel tile of 2 * kV vectors, and the same
-// panel bytes per multiply-add.
+}  // namespace
+
+// What a tile of a fused gate|up projection (`packed_glu_pairs`) needs besides its gate panel: the
+// up panel of the same MLP columns, and where its activation goes: the down projection's bfloat16
+// pairs ([tiles, I / 2, pair_rows], as bfloat16_pairs lays out x) and the tile's place in them.
+struct weft::tiles::GluTile {
+  const void* up_panel;
+  uint32_t* pairs;
+  int64_t pairs_per_row;  // I / 2
+  int64_t pair_rows;      // rows per tile of the pairs layout
+  int64_t first_row;      // the tile's first row of x
+  int64_t first_col;      // its first MLP column
+};
+
+namespace {
+
+// The lanes of v rounded to bfloat16 as bfloat16_bits rounds each (to nearest even, NaN as 0x7fc0),
+// in pairs: words[c] = lane 2c | lane 2c + 1 << 16.
+inline void bfloat16_pair_words(vecf v, uint32_t words[kLanes / 2]) {
+  const wordsv u = reinterpret_cast<wordsv>(v);
+  const wordsv rounded = v != v ? wordsv{} + 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(rounded)));
+#else
+  for (int c = 0; c < kLanes / 2; ++c) words[c] = rounded[2 * c] | rounded[2 * c + 1] << 16;
+#endif
+}
+
+// A fused gate|up projection with its activation: vectors first_vec .. + kV of a gate panel and of
+// the up panel of the same MLP columns, as tile_kernel_bf16_dot computes each, stored as
+// silu(gate) * up rounded to bfloat16 pairs, the down projection's input. As many
+// accumulators as a whole-panel tile of 2 * kV vectors, and the same panel bytes per multiply-add.
 template <int kRows, int kV>
 void tile_kernel_bf16_dot_glu(const Tile& t) {
   vecf gate[kRows][kV], up[kRows][kV];
   for (int i = 0; i < kRows; ++i)
     for (int j = 0; j < kV; ++j) gate[i][j] = up[i][j] = vecf{};
   const auto* gate_panel = static_cast<const uint16_t*>(t.panel);
-  const auto* up_panel = static_cast<const uint16_t*>(t.up_panel);
+  const auto* up_panel = static_cast<const uint16_t*>(t.glu->up_panel);
   const int64_t pairs = (t.k + 1) / 2;
   const auto* xq = static_cast<const uint32_t*>(t.xq);
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
@@ -234,9 +262,17 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
       }
     }
   }
-  for (int i = 0; i < kRows; ++i)
-    for (int j = 0; j < kV; ++j)
-      *reinterpret_cast<vecfu*>(t.out + i * t.out_stride + kLanes * j) = silu_times(gate[i][j], up[i][j]);
+  const weft::tiles::GluTile& glu = *t.glu;
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t row = glu.first_row + i;  // its words: down column (first_col / 2 + c) of its pairs tile
+    uint32_t* words = glu.pairs + (row / glu.pair_rows) * glu.pairs_per_row * glu.pair_rows + row % glu.pair_rows +
+                      (glu.first_col / 2) * glu.pair_rows;
+    for (int j = 0; j < kV; ++j) {
+      uint32_t pairs[kLanes / 2];
+      bfloat16_pair_words(silu_times(gate[i][j], up[i][j]), pairs);
+      for (int c = 0; c < kLanes / 2; ++c) words[(kLanes * j / 2 + c) * glu.pair_rows] = pairs[c];
+    }
+  }
 }
 
 // Q8_0 panels (panels.h): per block of 32 input features, 32 float16 scales, then [32, 32] int8.
@@ -630,41 +666,71 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
 
 // silu(x @ Wg.T) * (x @ Wu.T): an MLP's fused gate|up projection, packed as one [2I, K] bfloat16
 // matrix (gate rows, then up rows; I a multiple of 32, so that gate panel p and up panel p + I / 32
-// hold the same MLP columns), multiplied with bfloat16 products as packed_linear's bf16_dot, and its
-// activation applied as the tiles are stored: out [M, I] equals silu_mul(packed_linear(...)) bit for
-// bit, without the [M, 2I] product in memory. Tiles of up to kMaxTileRows rows and half a panel of
-// gate and up each; threads take runs of MLP columns, over blocks of rows of x that fit in L2.
-at::Tensor packed_glu(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermediate) {
+// hold the same MLP columns), multiplied with bfloat16 products as packed_linear's bf16_dot, its
+// activation applied and rounded to the down projection's bfloat16 pairs as the tiles are stored
+// (`pair_rows` rows per tile of those): bit for bit the pairs packed_linear(silu_mul(packed_linear(
+// ...)), bf16_dot) would make, without the [M, 2I] product or the [M, I] activation in float32 in
+// memory. Tiles of up to kMaxTileRows rows and half a panel of gate and up each; threads take runs
+// of MLP columns, over blocks of rows of x that fit in L2.
+void run_glu(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermediate, uint32_t* pairs,
+             int64_t pair_rows) {
   check_linear_inputs(x_in, panels, std::nullopt, 2 * intermediate);
   TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && intermediate % kPanel == 0,
-              "packed_glu: the gate|up panels must be bfloat16, with a multiple of 32 MLP columns "
+              "packed_glu_pairs: the gate|up panels must be bfloat16, with a multiple of 32 MLP columns "
               "(use packed_linear and silu_mul otherwise)");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t m = x.size(0), pairs = (x.size(1) + 1) / 2, gate_panels = intermediate / kPanel;
-  auto out = at::empty({m, intermediate}, x.options());
-  if (m == 0) return out;
+  const int64_t m = x.size(0), k = x.size(1), gate_panels = intermediate / kPanel;
   const int64_t rows = weft::tiles::tile_rows(m, kMaxTileRows);
   const at::Tensor xq = bfloat16_pairs(x, rows);  // [tiles, K / 2, rows]
   constexpr auto kernels = weft::tiles::tile_table<BFloat16GluTiles, kVecs / 2>(std::make_integer_sequence<int, kMaxTileRows>{});
   const auto* wp = static_cast<const uint8_t*>(panels.data_ptr());
   const auto* xqp = static_cast<const uint8_t*>(xq.data_ptr());
-  const int64_t panel_bytes = panels.stride(0) * 2, xq_tile_bytes = 4 * pairs * rows;
+  const int64_t panel_bytes = panels.stride(0) * 2, xq_tile_bytes = 4 * xq.size(1) * rows;
   const int64_t block = rows * std::max<int64_t>(1, weft::tiles::kBlockBytes / xq_tile_bytes);
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, 2 * gate_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += block) {
       const int64_t last = std::min(m, first + block);
       for (int64_t half = begin; half < end; ++half) {  // 16 MLP columns: half of panel half / 2
         const int64_t p = half / 2, col = half * kPanel / 2;
         for (int64_t r = first; r < last; r += rows) {
+          const weft::tiles::GluTile glu{wp + (p + gate_panels) * panel_bytes, pairs, intermediate / 2, pair_rows, r, col};
           const Tile tile{x.data_ptr<float>() + r * x.stride(0), x.stride(0), xqp + (r / rows) * xq_tile_bytes, rows,
-                          wp + p * panel_bytes, x.size(1), op + r * intermediate + col, intermediate, kPanel / 2,
-                          nullptr, static_cast<int>(half % 2) * kVecs / 2, wp + (p + gate_panels) * panel_bytes};
+                          wp + p * panel_bytes, k, nullptr, 0, kPanel / 2,
+                          nullptr, static_cast<int>(half % 2) * kVecs / 2, &glu};
           kernels[std::min(rows, m - r)](tile);
         }
       }
     }
   });
+}
+
+// The same, its activation as the bfloat16 pairs that packed_linear_pairs multiplies: int32
+// [tiles, I / 2, rows] in the tiling of bf16_dot products of M rows (rows past M zero).
+at::Tensor packed_glu_pairs(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
+  const int64_t m = x.size(0), rows = weft::tiles::tiling<BFloat16DotTiles>(std::max<int64_t>(m, 1)).rows;
+  const int64_t tiles = (m + rows - 1) / rows;
+  auto pairs = at::empty({tiles, intermediate / 2, rows}, x.options().dtype(at::kInt));
+  if (m == 0) return pairs;
+  if (m % rows != 0) pairs[tiles - 1].narrow(1, m % rows, rows - m % rows).zero_();
+  run_glu(x, panels, intermediate, reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>()), rows);
+  return pairs;
+}
+
+// y = x @ W.T + b with bfloat16 products (packed_linear's bf16_dot), x of M rows given as its
+// bfloat16 pairs (packed_glu_pairs' output) instead of float32.
+at::Tensor packed_linear_pairs(const at::Tensor& xq, int64_t m, const at::Tensor& panels,
+                               const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(xq.scalar_type() == at::kInt && xq.dim() == 3 && xq.is_contiguous() && m >= 0 &&
+                  xq.size(2) == weft::tiles::tiling<BFloat16DotTiles>(std::max<int64_t>(m, 1)).rows &&
+                  xq.size(0) == (m + xq.size(2) - 1) / xq.size(2),
+              "packed_linear_pairs: xq must be the bfloat16 pairs of M rows (packed_glu_pairs)");
+  // x itself is not read by the bfloat16 tiles (they read xq): a view of one float stands for its shape
+  const at::Tensor shape = at::zeros({1}, xq.options().dtype(at::kFloat)).expand({m, 2 * xq.size(1)});
+  check_linear_inputs(shape, panels, bias, out_features);
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16, "packed_linear_pairs: the panels must be bfloat16");
+  auto out = at::empty({m, out_features}, shape.options());
+  if (m == 0) return out;
+  run_panels<BFloat16DotTiles, uint16_t>(shape, panels, bias.has_value() ? bias->data_ptr<float>() : nullptr, out, xq);
   return out;
 }
 
@@ -710,12 +776,14 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows, int num_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, bool bf16_dot=False) -> Tensor");
-  m.def("packed_glu(Tensor x, Tensor panels, int intermediate) -> Tensor");
+  m.def("packed_glu_pairs(Tensor x, Tensor panels, int intermediate) -> Tensor");
+  m.def("packed_linear_pairs(Tensor xq, int m, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("embedding_from_panels", &embedding_from_panels);
   m.impl("packed_linear", &packed_linear);
-  m.impl("packed_glu", &packed_glu);
+  m.impl("packed_glu_pairs", &packed_glu_pairs);
+  m.impl("packed_linear_pairs", &packed_linear_pairs);
 }
