@@ -28,6 +28,7 @@ import weft.native as native
 from weft import LLM, SamplingParams
 from weft.config import ConfigError, resolve_dtype
 from weft.kernels import cpu_isa_path
+from weft.model import glu
 from weft.model.layers import Linear, WeightLayout
 from weft.model.prefill_gemm import NEVER
 
@@ -212,6 +213,8 @@ def test_bfloat16_products_compute_what_rounded_inputs_do(checkpoint_factory, ar
     options = {"show_progress": False, "device": "cpu", "max_logprobs": VOCAB}
     dot = LLM(str(path), dtype="bfloat16", matmul_precision="bfloat16", **options)
     assert dot.engine.model.bf16_dot and dot.engine.model.stack is not None
+    mlp = dot.engine.model.layers[0].mlp  # its gate|up, activation and down run fused (weft/model/glu.py)
+    assert glu.fuses(mlp.gate_up, mlp.down)
     assert dot.kernels["matmul"].startswith("bfloat16 products") and dot.kernels["activations"] == "float32"
     rounded = bfloat16_rounded_reference(LLM(str(path), dtype="float32", **options))
     exact = LLM(str(path), dtype="bfloat16", matmul_precision="float32", **options)
