@@ -107,7 +107,7 @@ inline uint32_t bfloat16_bits(float f) {
 // (low, high) rounded to bfloat16 as one 32-bit word of a pair, low in the low half.
 inline uint32_t pair_word(float low, float high) { return bfloat16_bits(low) | bfloat16_bits(high) << 16; }
 
-struct GluTile;  // linear.cpp's fused gate|up projection (packed_glu)
+struct GluTile;  // linear.cpp's fused gate|up projection (packed_glu_pairs)
 
 struct Tile {
   const float* x;      // first row of the tile
@@ -121,7 +121,7 @@ struct Tile {
   int64_t cols;        // valid columns of this tile (its width but in the last panel)
   const float* bias;   // the tile's bias (its first column), or nullptr
   int first_vec;       // the tile's first column vector in the panel (0, or kVecs / 2 for a right half)
-  const GluTile* glu = nullptr;  // a fused gate|up projection's tile (linear.cpp's packed_glu)
+  const GluTile* glu = nullptr;  // a fused gate|up projection's tile (linear.cpp's packed_glu_pairs)
 };
 
 using TileFn = void (*)(const Tile&);
