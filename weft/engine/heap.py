@@ -29,9 +29,10 @@ is). `WEFT_MALLOC_TUNING=0` leaves malloc as it is, and so does any libc other t
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
+
+from weft.glibc import glibc
 
 GEN0_THRESHOLD = 20_000
 MMAP_THRESHOLD = 256 << 20  # allocations below it come from the heap, and are reused
@@ -52,11 +53,10 @@ def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds (see the module's doc); whether they were set."""
     if os.environ.get("WEFT_MALLOC_TUNING", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, _ = libc.mallopt, libc.malloc_trim  # malloc_trim: glibc's, not just any mallopt
-    except (OSError, AttributeError):
+    libc = glibc()
+    if libc is None:
         return False
+    mallopt = libc.mallopt
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
         mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_THRESHOLD)
     return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -15,7 +15,6 @@ the packed weights into one such mapping: each matrix copied once, its old stora
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from collections.abc import Iterable
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from weft.glibc import glibc
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # what packed_linear requires of a panel tensor's start
@@ -103,17 +104,6 @@ def _return_freed_memory() -> None:
     """Give the pages of freed allocations back to the OS now (glibc's malloc_trim): matrices under
     glibc's mmap threshold were allocated from its heap, whose freed pages it otherwise keeps, and
     the peak would be the model twice."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim  # noqa: B018 (glibc only)
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC = _libc()
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
