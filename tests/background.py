@@ -6,12 +6,13 @@ instead of one after another at the end.
 `conftest.pytest_collection_finish` calls `start(name, command)` for each job whose test was
 selected; the test calls `finish(name)` for its exit status and output. The jobs' output goes to
 files, so a chatty job never blocks on a full pipe; every job still running when the session ends
-is killed.
+is killed, and the jobs' files (their logs and `scratch` folders) are removed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
+def scratch(name: str) -> Path:
+    """A folder for the job `name`'s files, removed with the logs when the session ends."""
+    folder = _logs / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 def started(name: str) -> bool:
     return name in _jobs
 
@@ -79,3 +87,4 @@ def stop_all() -> None:
         if job.process.poll() is None:
             job.process.kill()
             job.process.wait()
+    shutil.rmtree(_logs, ignore_errors=True)

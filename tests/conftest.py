@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,7 +70,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     own = cpu_isa_path()
     for path, (_, _, isa, _) in other_builds.BUILDS.items():
         if isa != own and path in selected:
-            out = Path(tempfile.mkdtemp(prefix=f"weft-build-{path}-"))
+            out = background.scratch(f"build-{path}")
             background.start(f"build-{path}", other_builds.command(path, out))
 
 
