@@ -68,26 +68,11 @@ inline float dot(const T* a, const float* b, int64_t n) {
   return sum;
 }
 
-// dst = row / rms(row) * weight for one row of `hidden` values.
-template <typename T>
-inline void rms_norm_row(const T* row, const T* wp, T* dst, int64_t hidden, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < hidden; ++i) {
-    // as the reference implementations: normalise in float32, round to the storage dtype, scale
-    const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * inv));
-    dst[i] = static_cast<T>(normed * static_cast<float>(wp[i]));
-  }
-}
-
 // out[t] = x[t] / rms(x[t]) * weight, per row of a [T, H] tensor (rows may be strided).
 template <typename T>
 void rms_norm_kernel(const T* xp, int64_t row_stride, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rms_norm_row(xp + t * row_stride, wp, op + t * hidden, hidden, eps);
+    for (int64_t t = begin; t < end; ++t) weft::vmath::rms_norm_row(xp + t * row_stride, wp, op + t * hidden, hidden, eps);
   });
 }
 
@@ -115,7 +100,7 @@ void add_rms_norm_kernel(T* xp, const T* dp, const T* wp, T* op, int64_t rows, i
       const T* delta = dp + t * hidden;
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(delta[i]));
-      rms_norm_row(row, wp, op + t * hidden, hidden, eps);
+      weft::vmath::rms_norm_row(row, wp, op + t * hidden, hidden, eps);
     }
   });
 }

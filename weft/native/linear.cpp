@@ -584,34 +584,81 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
-// x rounded to bfloat16 as pairs of features in 32-bit words, feature 2i in the low half, laid out
+// The K values of a row rounded to bfloat16 as (K + 1) / 2 pair words (the last one's high half 0
+// where K is odd), a vector at a time (a scalar loop took 1 ms of a 4,096 x 576 product's 13).
+inline void round_to_pairs(const float* row, int64_t k, uint32_t* words) {
+  int64_t kk = 0;
+  for (; 2 * kk + kLanes <= k; kk += kLanes / 2) bfloat16_pair_words(*reinterpret_cast<const vecfu*>(row + 2 * kk), words + kk);
+  for (; kk < k / 2; ++kk) words[kk] = pair_word(row[2 * kk], row[2 * kk + 1]);
+  if (k % 2 != 0) words[k / 2] = bfloat16_bits(row[k - 1]);
+}
+
+// x [M, K] as bfloat16 pairs of features in 32-bit words, feature 2i in the low half, laid out
 // tile by tile: [tiles, K / 2, rows], pair kk of the tile's row i at [kk, i] (the last tile
-// zero-padded to `rows`). One pass, tiles split between threads: each row is rounded into a run of
-// words, then written down its column of the tile (which stays in L1 meanwhile).
-at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
-  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2, tiles = (m + rows - 1) / rows;
-  auto out = at::empty({tiles, pairs, rows}, x.options().dtype(at::kInt));
-  const float* xp = x.data_ptr<float>();
-  const int64_t stride = x.stride(0);
+// zero-padded to `rows`). One pass, tiles split between threads: `round(r, words)` writes row r's
+// words (r < M), which then go down its column of the tile (which stays in L1 meanwhile).
+template <typename Round>
+at::Tensor pairs_by_rows(int64_t m, int64_t k, int64_t rows, const at::TensorOptions& options, const Round& round) {
+  const int64_t pairs = (k + 1) / 2, tiles = (m + rows - 1) / rows;
+  auto out = at::empty({tiles, pairs, rows}, options.dtype(at::kInt));
   auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> words(pairs);
     for (int64_t t = begin; t < end; ++t) {
       uint32_t* tile = op + t * pairs * rows;
       for (int64_t i = 0; i < rows; ++i) {
-        const float* row = xp + (t * rows + i) * stride;
         if (t * rows + i >= m) {
           std::fill(words.begin(), words.end(), 0u);
         } else {
-#pragma omp simd
-          for (int64_t kk = 0; kk < k / 2; ++kk) words[kk] = pair_word(row[2 * kk], row[2 * kk + 1]);
-          if (k % 2 != 0) words[pairs - 1] = bfloat16_bits(row[k - 1]);
+          round(t * rows + i, words.data());
         }
         for (int64_t kk = 0; kk < pairs; ++kk) tile[kk * rows + i] = words[kk];
       }
     }
   });
   return out;
+}
+
+// x rounded to bfloat16 pairs in the tile layout of `rows` rows (pairs_by_rows).
+at::Tensor bfloat16_pairs(const at::Tensor& x, int64_t rows) {
+  const float* xp = x.data_ptr<float>();
+  const int64_t k = x.size(1), stride = x.stride(0);
+  return pairs_by_rows(x.size(0), k, rows, x.options(),
+                       [&](int64_t r, uint32_t* words) { round_to_pairs(xp + r * stride, k, words); });
+}
+
+// Rows per tile of the bfloat16 pairs of M rows that bfloat16 products read.
+inline int64_t pair_tile_rows(int64_t m) { return weft::tiles::tiling<BFloat16DotTiles>(std::max<int64_t>(m, 1)).rows; }
+
+// x[t] += delta[t] in place (where delta is given), then rms_norm(x[t]) as the bfloat16 pairs of
+// bfloat16 products (pairs_by_rows, in the tiling of M rows): bit for bit the pairs that
+// packed_linear(add_rms_norm_(x, delta, weight, eps), ..., bf16_dot) makes, without the norm's float32
+// [M, K] in memory. The input of an attention's q|k|v or an MLP's gate|up projection.
+at::Tensor add_rms_norm_pairs_(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                               double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "add_rms_norm_pairs_: x must be a contiguous float32 [T, H] CPU tensor");
+  TORCH_CHECK(!delta.has_value() || (delta->sizes() == x.sizes() && delta->is_contiguous() &&
+                                     delta->scalar_type() == at::kFloat && delta->device().is_cpu()),
+              "add_rms_norm_pairs_: delta must be a contiguous float32 CPU tensor of x's shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "add_rms_norm_pairs_: weight must be float32 [H]");
+  const int64_t m = x.size(0), k = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  return pairs_by_rows(m, k, pair_tile_rows(m), x.options(), [&](int64_t r, uint32_t* words) {
+    float* row = xp + r * k;
+    if (dp != nullptr) {
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) row[i] += dp[r * k + i];
+    }
+    thread_local std::vector<float> normed;
+    normed.resize(k);
+    weft::vmath::rms_norm_row(row, wp, normed.data(), k, static_cast<float>(eps));
+    round_to_pairs(normed.data(), k, words);
+  });
 }
 
 template <typename Tiles, typename Storage>
@@ -643,7 +690,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   switch (panels.scalar_type()) {
     case at::kBFloat16:
       if (bf16_dot) {
-        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x, weft::tiles::tiling<BFloat16DotTiles>(x.size(0)).rows));
+        run_panels<BFloat16DotTiles, uint16_t>(x, panels, bp, out, bfloat16_pairs(x, pair_tile_rows(x.size(0))));
       } else {
         run_panels<BFloat16Tiles, uint16_t>(x, panels, bp, out, at::Tensor());
       }
@@ -668,20 +715,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& panels, const
 // matrix (gate rows, then up rows; I a multiple of 32, so that gate panel p and up panel p + I / 32
 // hold the same MLP columns), multiplied with bfloat16 products as packed_linear's bf16_dot, its
 // activation applied and rounded to the down projection's bfloat16 pairs as the tiles are stored
-// (`pair_rows` rows per tile of those): bit for bit the pairs packed_linear(silu_mul(packed_linear(
+// (`pairs`, in the same tiling as x's): bit for bit the pairs packed_linear(silu_mul(packed_linear(
 // ...)), bf16_dot) would make, without the [M, 2I] product or the [M, I] activation in float32 in
-// memory. Tiles of up to kMaxTileRows rows and half a panel of gate and up each; threads take runs
-// of MLP columns, over blocks of rows of x that fit in L2.
-void run_glu(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermediate, uint32_t* pairs,
-             int64_t pair_rows) {
-  check_linear_inputs(x_in, panels, std::nullopt, 2 * intermediate);
-  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && intermediate % kPanel == 0,
-              "packed_glu_pairs: the gate|up panels must be bfloat16, with a multiple of 32 MLP columns "
-              "(use packed_linear and silu_mul otherwise)");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), gate_panels = intermediate / kPanel;
-  const int64_t rows = weft::tiles::tile_rows(m, kMaxTileRows);
-  const at::Tensor xq = bfloat16_pairs(x, rows);  // [tiles, K / 2, rows]
+// memory. x comes as its bfloat16 pairs xq [tiles, K / 2, rows]; tiles of up to kMaxTileRows of
+// those rows (a pairs tile in one or more) and half a panel of gate and up each; threads take runs
+// of MLP columns, over blocks of rows that fit in L2.
+void run_glu(const at::Tensor& xq, int64_t m, const at::Tensor& panels, int64_t intermediate, uint32_t* pairs) {
+  const int64_t k = 2 * xq.size(1), rows = xq.size(2), gate_panels = intermediate / kPanel;
   constexpr auto kernels = weft::tiles::tile_table<BFloat16GluTiles, kVecs / 2>(std::make_integer_sequence<int, kMaxTileRows>{});
   const auto* wp = static_cast<const uint8_t*>(panels.data_ptr());
   const auto* xqp = static_cast<const uint8_t*>(xq.data_ptr());
@@ -692,38 +732,58 @@ void run_glu(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermedi
       const int64_t last = std::min(m, first + block);
       for (int64_t half = begin; half < end; ++half) {  // 16 MLP columns: half of panel half / 2
         const int64_t p = half / 2, col = half * kPanel / 2;
-        for (int64_t r = first; r < last; r += rows) {
-          const weft::tiles::GluTile glu{wp + (p + gate_panels) * panel_bytes, pairs, intermediate / 2, pair_rows, r, col};
-          const Tile tile{x.data_ptr<float>() + r * x.stride(0), x.stride(0), xqp + (r / rows) * xq_tile_bytes, rows,
+        for (int64_t r = first; r < std::min(last, m); r += std::min<int64_t>(kMaxTileRows, rows - r % rows)) {
+          const int64_t count = std::min({static_cast<int64_t>(kMaxTileRows), rows - r % rows, m - r});
+          const weft::tiles::GluTile glu{wp + (p + gate_panels) * panel_bytes, pairs, intermediate / 2, rows, r, col};
+          const Tile tile{nullptr, 0, xqp + (r / rows) * xq_tile_bytes + 4 * (r % rows), rows,
                           wp + p * panel_bytes, k, nullptr, 0, kPanel / 2,
                           nullptr, static_cast<int>(half % 2) * kVecs / 2, &glu};
-          kernels[std::min(rows, m - r)](tile);
+          kernels[count](tile);
         }
       }
     }
   });
 }
 
-// The same, its activation as the bfloat16 pairs that packed_linear_pairs multiplies: int32
-// [tiles, I / 2, rows] in the tiling of bf16_dot products of M rows (rows past M zero).
-at::Tensor packed_glu_pairs(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
-  const int64_t m = x.size(0), rows = weft::tiles::tiling<BFloat16DotTiles>(std::max<int64_t>(m, 1)).rows;
-  const int64_t tiles = (m + rows - 1) / rows;
-  auto pairs = at::empty({tiles, intermediate / 2, rows}, x.options().dtype(at::kInt));
+// xq: the bfloat16 pairs of M rows in the tiling of bfloat16 products (pair_tile_rows), or an error
+// that names `op`; K (rounded up to even).
+int64_t checked_pairs(const at::Tensor& xq, int64_t m, const char* op) {
+  TORCH_CHECK(xq.scalar_type() == at::kInt && xq.dim() == 3 && xq.is_contiguous() && xq.device().is_cpu() && m >= 0 &&
+                  xq.size(2) == pair_tile_rows(m) && xq.size(0) == (m + xq.size(2) - 1) / xq.size(2),
+              op, ": xq must be the bfloat16 pairs of M rows (packed_glu_pairs, add_rms_norm_pairs_)");
+  return 2 * xq.size(1);
+}
+
+// The fused gate|up projection and its activation (run_glu) of x given as its bfloat16 pairs xq:
+// the down projection's input as bfloat16 pairs, int32 [tiles, I / 2, rows] in the same tiling.
+at::Tensor packed_glu_pairs_from_pairs(const at::Tensor& xq, int64_t m, const at::Tensor& panels, int64_t intermediate) {
+  const int64_t k = checked_pairs(xq, m, "packed_glu_pairs");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && intermediate % kPanel == 0 && intermediate > 0 &&
+                  panels.dim() == 3 && panels.size(0) == 2 * intermediate / kPanel && panels.size(1) == k,
+              "packed_glu_pairs: the gate|up panels must be bfloat16 [2I / 32, K, 32] of a multiple of 32 MLP "
+              "columns I (use packed_linear and silu_mul otherwise); got panels ", panels.sizes(), " for I = ",
+              intermediate, " and K = ", k);
+  const int64_t rows = xq.size(2), tiles = xq.size(0);
+  auto pairs = at::empty({tiles, intermediate / 2, rows}, xq.options());
   if (m == 0) return pairs;
   if (m % rows != 0) pairs[tiles - 1].narrow(1, m % rows, rows - m % rows).zero_();
-  run_glu(x, panels, intermediate, reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>()), rows);
+  run_glu(xq, m, panels, intermediate, reinterpret_cast<uint32_t*>(pairs.data_ptr<int32_t>()));
   return pairs;
+}
+
+// The same from x [M, K] float32.
+at::Tensor packed_glu_pairs(const at::Tensor& x_in, const at::Tensor& panels, int64_t intermediate) {
+  check_linear_inputs(x_in, panels, std::nullopt, 2 * intermediate);
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0);
+  return packed_glu_pairs_from_pairs(bfloat16_pairs(x, pair_tile_rows(m)), m, panels, intermediate);
 }
 
 // y = x @ W.T + b with bfloat16 products (packed_linear's bf16_dot), x of M rows given as its
 // bfloat16 pairs (packed_glu_pairs' output) instead of float32.
 at::Tensor packed_linear_pairs(const at::Tensor& xq, int64_t m, const at::Tensor& panels,
                                const std::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(xq.scalar_type() == at::kInt && xq.dim() == 3 && xq.is_contiguous() && m >= 0 &&
-                  xq.size(2) == weft::tiles::tiling<BFloat16DotTiles>(std::max<int64_t>(m, 1)).rows &&
-                  xq.size(0) == (m + xq.size(2) - 1) / xq.size(2),
-              "packed_linear_pairs: xq must be the bfloat16 pairs of M rows (packed_glu_pairs)");
+  checked_pairs(xq, m, "packed_linear_pairs");
   // x itself is not read by the bfloat16 tiles (they read xq): a view of one float stands for its shape
   const at::Tensor shape = at::zeros({1}, xq.options().dtype(at::kFloat)).expand({m, 2 * xq.size(1)});
   check_linear_inputs(shape, panels, bias, out_features);
@@ -778,6 +838,8 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, bool bf16_dot=False) -> Tensor");
   m.def("packed_glu_pairs(Tensor x, Tensor panels, int intermediate) -> Tensor");
   m.def("packed_linear_pairs(Tensor xq, int m, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_glu_pairs_from_pairs(Tensor xq, int m, Tensor panels, int intermediate) -> Tensor");
+  m.def("add_rms_norm_pairs_(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
@@ -786,4 +848,6 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_glu_pairs", &packed_glu_pairs);
   m.impl("packed_linear_pairs", &packed_linear_pairs);
+  m.impl("packed_glu_pairs_from_pairs", &packed_glu_pairs_from_pairs);
+  m.impl("add_rms_norm_pairs_", &add_rms_norm_pairs_);
 }

@@ -1,5 +1,5 @@
 // exp and silu for vectors and scalars, shared by the kernels that take a softmax or a sigmoid
-// (kernels.cpp, prefill_attention.cpp, linear.cpp).
+// (kernels.cpp, prefill_attention.cpp, linear.cpp), and a row's RMS norm.
 #pragma once
 
 #include <algorithm>
@@ -65,6 +65,22 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
 }
 #endif
+
+// dst = row / rms(row) * weight for one row of `hidden` values (rms_norm and add_rms_norm_ of
+// kernels.cpp, and the norm that writes bfloat16 pairs of linear.cpp).
+template <typename T>
+inline void rms_norm_row(const T* row, const T* wp, T* dst, int64_t hidden, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < hidden; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) {
+    // as the reference implementations: normalise in float32, round to the storage dtype, scale
+    const float normed = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) * inv));
+    dst[i] = static_cast<T>(normed * static_cast<float>(wp[i]));
+  }
+}
 
 // silu(x) = x * sigmoid(x), with sigmoid from exp(-|x|) so that exp never overflows; silu16 and
 // silu8 the same on 16 and 8 lanes (silu_mul, and the fused gate|up projection of linear.cpp).
