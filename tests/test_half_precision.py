@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from weft import LLM, SamplingParams
 from weft.config import ConfigError, resolve_dtype
 from weft.kernels import cpu_isa_path
 from weft.model import glu
-from weft.model.layers import Linear, WeightLayout
+from weft.model.layers import Linear, RMSNorm, WeightLayout
 from weft.model.prefill_gemm import NEVER
 
 HALF = [torch.bfloat16, torch.float16]
@@ -127,6 +126,49 @@ def test_fused_mlp_refuses_what_it_does_not_fuse():
         torch.ops.weft.packed_linear_pairs(pairs, 3, pack(torch.randn(8, 64).bfloat16()), None, 8)
 
 
+@pytest.mark.parametrize("rows", [*range(1, 14), 25, 300])
+@pytest.mark.parametrize("in_features", [45, 64])
+def test_norm_as_bfloat16_pairs_is_the_norm_then_its_rounding(rows, in_features):
+    """add_rms_norm_pairs_ (the residual add and the norm, written as the bfloat16 pairs that the
+    next products read) against add_rms_norm_ followed by the products that round their float32
+    input: bit for bit, with and without the residual, into a q|k|v product and a fused MLP, every
+    tile height, odd features; the residual stream updated alike."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen) * 3
+    delta = torch.randn(rows, in_features, generator=gen)
+    weight = torch.rand(in_features, generator=gen) + 0.5
+    qkv = torch.ops.weft.pack_linear_weight((torch.randn(40, in_features, generator=gen) / 4).bfloat16())
+    gate_up = torch.ops.weft.pack_linear_weight((torch.randn(64, in_features, generator=gen) / 4).bfloat16())
+    for residual in (delta, None):
+        stream, expected_stream = x.clone(), x.clone()
+        pairs = torch.ops.weft.add_rms_norm_pairs_(stream, residual, weight, 1e-5)
+        if residual is None:
+            normed = torch.ops.weft.rms_norm(expected_stream, weight, 1e-5)
+        else:
+            normed = torch.ops.weft.add_rms_norm_(expected_stream, residual, weight, 1e-5)
+        assert torch.equal(stream, expected_stream)
+        out = torch.ops.weft.packed_linear_pairs(pairs, rows, qkv, None, 40)
+        assert torch.equal(out, torch.ops.weft.packed_linear(normed, qkv, None, 40, True))
+        glu = torch.ops.weft.packed_glu_pairs_from_pairs(pairs, rows, gate_up, 32)
+        assert torch.equal(glu, torch.ops.weft.packed_glu_pairs(normed, gate_up, 32))
+
+
+def test_norm_as_bfloat16_pairs_refuses_bad_input():
+    weight = torch.ones(8)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        torch.ops.weft.add_rms_norm_pairs_(torch.randn(3, 8).bfloat16(), None, weight, 1e-5)
+    with pytest.raises(RuntimeError, match="delta must be a contiguous float32 CPU tensor of x's shape"):
+        torch.ops.weft.add_rms_norm_pairs_(torch.randn(3, 8), torch.randn(2, 8), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        torch.ops.weft.add_rms_norm_pairs_(torch.randn(3, 8), None, torch.ones(9), 1e-5)
+    pairs = torch.ops.weft.add_rms_norm_pairs_(torch.randn(3, 8), None, weight, 1e-5)
+    gate_up = torch.ops.weft.pack_linear_weight(torch.randn(64, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16 pairs of M rows"):
+        torch.ops.weft.packed_glu_pairs_from_pairs(pairs, 30, gate_up, 32)
+    with pytest.raises(RuntimeError, match=r"got panels \[2, 8, 32\] for I = 64"):
+        torch.ops.weft.packed_glu_pairs_from_pairs(pairs, 3, gate_up, 64)
+
+
 def test_half_precision_kernel_rejects_half_precision_activations():
     panels = torch.ops.weft.pack_linear_weight(torch.randn(32, 8).bfloat16())
     with pytest.raises(RuntimeError, match="x must be a float32"):
@@ -152,7 +194,7 @@ def test_other_builds_of_the_kernels_pass_the_same_tests(path):
     if BUILDS[path][2] == cpu_isa_path():
         pytest.skip(f"this machine's own build takes the {path} path: every test here runs against it")
     if not background.started(f"build-{path}"):  # a run that did not go through the collection hook
-        background.start(f"build-{path}", command(path, Path(tempfile.mkdtemp(prefix=f"weft-{path}-"))))
+        background.start(f"build-{path}", command(path, background.scratch(f"build-{path}")))
     code, output = background.finish(f"build-{path}")
     assert code == 0, output[-6000:]
 
@@ -279,6 +321,26 @@ def test_half_precision_kernel_path_agrees_with_torch_half_precision(checkpoint_
     outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (kernel, plain)]
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_norms_that_write_bfloat16_pairs_change_no_logprob(checkpoint_factory, arch, monkeypatch):
+    """With bfloat16 products, a prompt's norms write the bfloat16 pairs that q|k|v and the fused MLP
+    read (`RMSNorm.pairs_`, two per layer and one for the first): prompt logprobs bit for bit those
+    of the norms' float32 output rounded by each product; qwen2 has q/k/v biases."""
+    path = checkpoint_factory(arch, dtype="bfloat16")
+    options = {"show_progress": False, "device": "cpu", "max_logprobs": VOCAB}
+    llm = LLM(str(path), dtype="bfloat16", matmul_precision="bfloat16", **options)
+    model = llm.engine.model
+    assert model.norm_pairs
+    calls = []
+    pairs_ = RMSNorm.pairs_
+    monkeypatch.setattr(RMSNorm, "pairs_", lambda self, *args: calls.append(1) or pairs_(self, *args))
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
+    with_pairs = _prompt_logits(llm, ids)
+    assert len(calls) == 2 * len(model.layers)
+    model.norm_pairs = False
+    assert torch.equal(with_pairs, _prompt_logits(llm, ids)) and len(calls) == 2 * len(model.layers)
 
 
 def _prompt_logits(llm: LLM, ids: torch.Tensor) -> torch.Tensor:  # [T - 1, V] log-softmax of the logits

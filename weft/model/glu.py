@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.model.layers import Linear
+from weft.model.layers import BFloat16Pairs, Linear, num_rows
 
 
 def fuses(gate_up: Linear, down: Linear) -> bool:
@@ -22,8 +22,12 @@ def fuses(gate_up: Linear, down: Linear) -> bool:
     return gate_up.bf16_dot and down.bf16_dot and gate_up.bias is None and gate_up.out_features % 64 == 0
 
 
-def glu_down(gate_up: Linear, down: Linear, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, out]
-    """down(silu(gate) * up) of x, for matrices that `fuses`."""
-    inter = gate_up.out_features // 2
-    pairs = torch.ops.weft.packed_glu_pairs(x, gate_up.weight, inter)  # [tiles, I / 2, rows]
-    return torch.ops.weft.packed_linear_pairs(pairs, x.shape[0], down.weight, down.bias, down.out_features)
+def glu_down(gate_up: Linear, down: Linear, x: torch.Tensor | BFloat16Pairs) -> torch.Tensor:
+    """down(silu(gate) * up) of x ([T, hidden] -> [T, out]), for matrices that `fuses`; x float32 or
+    already the bfloat16 pairs that its norm wrote."""
+    inter, rows = gate_up.out_features // 2, num_rows(x)
+    if isinstance(x, BFloat16Pairs):
+        pairs = torch.ops.weft.packed_glu_pairs_from_pairs(x.words, rows, gate_up.weight, inter)
+    else:
+        pairs = torch.ops.weft.packed_glu_pairs(x, gate_up.weight, inter)  # [tiles, I / 2, rows]
+    return torch.ops.weft.packed_linear_pairs(pairs, rows, down.weight, down.bias, down.out_features)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,21 @@ from torch import nn
 
 from weft.config import RopeConfig, RopeType
 from weft.kernels import TORCH_KERNELS, RopeTables, TorchKernels
+
+
+@dataclass(frozen=True, slots=True)
+class BFloat16Pairs:
+    """Activations [T, K] already rounded to bfloat16, in the tile layout that bfloat16 products
+    read (`bf16_dot`; weft/native/linear.cpp): what a norm hands the q|k|v or fused gate|up projection
+    after it (`RMSNorm.pairs_`), so that neither its float32 [T, K] nor a second pass to round it
+    reaches memory."""
+
+    words: torch.Tensor  # [tiles, K / 2, rows] int32: pair kk of a tile's row i at [kk, i]
+    num_rows: int  # T
+
+
+def num_rows(x: torch.Tensor | BFloat16Pairs) -> int:
+    return x.num_rows if isinstance(x, BFloat16Pairs) else x.shape[0]
 
 
 class WeightLayout(enum.Enum):
@@ -65,7 +81,10 @@ class Linear(nn.Module):
         self.layout = WeightLayout.PANELS
         self.quantized = quantized
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor | BFloat16Pairs) -> torch.Tensor:  # [T, in] -> [T, out]
+        if isinstance(x, BFloat16Pairs):  # rounded already: bfloat16 products (bf16_dot panels)
+            words, rows = x.words, x.num_rows
+            return torch.ops.weft.packed_linear_pairs(words, rows, self.weight, self.bias, self.out_features)
         if self.layout is WeightLayout.PANELS:
             if x.shape[0] >= self.dense_rows and not (self.bf16_dot or self.quantized):  # long: BLAS GEMM
                 return self.dense_forward(x)
@@ -153,6 +172,11 @@ class RMSNorm(nn.Module):
         """x += delta in place ([T, dim], the residual stream); returns this norm of the sum (one
         kernel where the kernel set fuses them)."""
         return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+
+    def pairs_(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> BFloat16Pairs:
+        """This norm of x (after x += delta in place, where delta is given) as the bfloat16 pairs of
+        the bfloat16 products after it: float32 [T, dim] rows, weft's CPU kernels."""
+        return BFloat16Pairs(torch.ops.weft.add_rms_norm_pairs_(x, delta, self.weight, self.eps), x.shape[0])
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32

@@ -22,7 +22,15 @@ from weft.config import ModelConfig
 from weft.kernels import RopeTables, StackShape, TorchKernels
 from weft.model import glu
 from weft.model.attention import AttentionMetadata, PagedAttention
-from weft.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, WeightLayout
+from weft.model.layers import (
+    BFloat16Pairs,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightLayout,
+    num_rows,
+)
 from weft.model.prefill_gemm import Shape
 
 if TYPE_CHECKING:
@@ -65,12 +73,12 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor | BFloat16Pairs,  # [T, hidden]
         rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        num_tokens = x.shape[0]
+        num_tokens = num_rows(x)
         num_q, num_kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
         if self.q_norm is not None and self.k_norm is not None:
@@ -91,7 +99,9 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size)
         self.reduce: Reduce = _alone  # tensor parallel: the down projection's sum over the ranks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor | BFloat16Pairs) -> torch.Tensor:  # [T, hidden]
+        if isinstance(x, BFloat16Pairs):  # its norm rounded it for the fused MLP (`takes_pairs`)
+            return self.reduce(glu.glu_down(self.gate_up, self.down, x))
         rows = self._chunk_rows()
         if rows is None or x.shape[0] <= rows:
             return self._forward(x)
@@ -99,6 +109,12 @@ class MLP(nn.Module):
         for start in range(0, x.shape[0], rows):  # a long prefill: [rows, 2I] at a time
             out[start : start + rows] = self._forward(x[start : start + rows])
         return out
+
+    def takes_pairs(self, num_tokens: int) -> bool:
+        """Whether an input of this many rows may come as bfloat16 pairs: the MLP runs fused (glu.py)
+        and in one chunk."""
+        rows = self._chunk_rows()
+        return glu.fuses(self.gate_up, self.down) and (rows is None or num_tokens <= rows)
 
     def _chunk_rows(self) -> int | None:
         """Rows of a long prefill's MLP at a time: the kernels' chunk, whose [rows, 2I] product stays
@@ -129,14 +145,25 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
-        normed: torch.Tensor,  # [T, hidden], input_norm(x)
+        normed: torch.Tensor | BFloat16Pairs,  # [T, hidden], input_norm(x)
         next_norm: RMSNorm,  # the next layer's input norm, or the model's final norm
         rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], next_norm(x) after this layer
-        normed = self.post_attn_norm.add_residual_(x, self.attn(normed, rope, kv_cache, meta))
-        return next_norm.add_residual_(x, self.mlp(normed))
+        pairs: tuple[bool, bool] = (False, False),  # the MLP's input, next_norm's output as pairs
+    ) -> torch.Tensor | BFloat16Pairs:  # [T, hidden], next_norm(x) after this layer
+        delta = self.attn(normed, rope, kv_cache, meta)
+        post = self.post_attn_norm
+        normed = post.pairs_(x, delta) if pairs[0] else post.add_residual_(x, delta)
+        delta = self.mlp(normed)
+        return next_norm.pairs_(x, delta) if pairs[1] else next_norm.add_residual_(x, delta)
+
+    def takes_pairs(self, num_tokens: int) -> bool:
+        """Whether both norms may hand bfloat16 pairs to the products after them (`BFloat16Pairs`):
+        q|k|v and a fused MLP with bfloat16 products, float32 norms."""
+        norms = (self.input_norm.weight, self.post_attn_norm.weight)
+        float_norms = all(w.dtype == torch.float32 and w.device.type == "cpu" for w in norms)
+        return self.attn.qkv.bf16_dot and float_norms and self.mlp.takes_pairs(num_tokens)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
         self.dense_rows: dict[Shape, int] = {}
         self.bf16_dot = False  # bfloat16 products in every packed matrix (set at load)
+        self.norm_pairs = False  # the norms may write bfloat16 pairs (`_norms_write_pairs`; set at load)
         self.huge_page_bytes = 0  # the packed weights moved into 2 MB pages at load (huge_pages.py)
         self.attention = PagedAttention(kernels, config.head_dim)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
@@ -199,10 +227,18 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         layers = cast(list[DecoderLayer], list(self.layers))
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
-        normed = layers[0].input_norm(x)
-        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches, strict=True):
-            normed = layer(x, normed, next_norm, rope, kv_cache, meta)
-        return normed
+        pairs = self._norms_write_pairs(x.shape[0])
+        normed = layers[0].input_norm.pairs_(x) if pairs else layers[0].input_norm(x)
+        last = len(layers) - 1
+        for i, (layer, next_norm, kv_cache) in enumerate(zip(layers, next_norms, kv_caches, strict=True)):
+            normed = layer(x, normed, next_norm, rope, kv_cache, meta, (pairs, pairs and i < last))
+        return cast(torch.Tensor, normed)  # the final norm's output is float
+
+    def _norms_write_pairs(self, num_tokens: int) -> bool:
+        """Whether this step's norms write bfloat16 pairs for the products after them (every layer
+        `takes_pairs`, checked at load; the MLP's chunking, per step)."""
+        first = cast(DecoderLayer, self.layers[0])
+        return self.norm_pairs and self.tp is None and first.mlp.takes_pairs(num_tokens)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
         if self.tp is None:
@@ -237,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        self.norm_pairs = bf16_dot and all(layer.takes_pairs(1) for layer in layers)
 
     def quantized_matrices(self) -> dict[str, int]:
         """How many matrices run from each quantized panel type ("q8_0": n)."""
