@@ -233,6 +233,27 @@ def test_decode_attention_softmax_is_exact_for_extreme_scores():
         torch.testing.assert_close(out[b].view(2, 16).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 600])
+def test_kv_write_puts_each_token_at_its_slot(tokens):
+    """write_kv_ from the k|v columns of a q|k|v output (strided rows) against index_copy_ of the
+    same rows, the cache's other slots untouched; slots out of range and bad layouts refused."""
+    gen = torch.Generator().manual_seed(tokens)
+    cache = torch.randn(80, 16, 2, 3, 8, generator=gen)  # [blocks, block_size, 2, KVH, D]
+    qkv = torch.randn(tokens, 9 + 6, 8, generator=gen)  # 9 query heads, then 3 key and 3 value heads
+    kv = qkv[:, 9:].view(tokens, 2, 3, 8)
+    slots = torch.randperm(80 * 16, generator=gen)[:tokens]
+    expected = cache.clone()
+    expected.view(-1, 2, 3, 8).index_copy_(0, slots, kv)
+    NATIVE_CPU_KERNELS.write_kv_(cache, kv, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot 1280 is outside the KV cache"):
+        torch.ops.weft.write_kv_(cache, kv[:1], torch.tensor([80 * 16]))
+    with pytest.raises(RuntimeError, match="slots must be \\[T\\] int64, one per token"):
+        torch.ops.weft.write_kv_(cache, kv[:1], torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="each token's keys and values contiguous"):
+        torch.ops.weft.write_kv_(cache, kv.transpose(2, 3), slots)
+
+
 @pytest.mark.parametrize("use_rows", [True, False])
 def test_bitmask_kernel_matches_torch(use_rows):
     gen = torch.Generator().manual_seed(3)

@@ -195,6 +195,16 @@ class TorchKernels:
         x.add_(delta)
         return self.rms_norm(x, weight, eps)
 
+    def write_kv_(
+        self,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+        kv: torch.Tensor,  # [T, 2, KVH, D]: the step's keys (rotated) and values
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        """The step's keys and values into the cache at their slots."""
+        num_blocks, block_size = kv_cache.shape[:2]
+        kv_cache.view(num_blocks * block_size, *kv_cache.shape[2:]).index_copy_(0, slot_mapping, kv)
+
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         """Whether `decoder_stack_` runs on `device` with activations in `activations` (for
         Llama-family layers without q/k norms whose linear weights are packed into panels)."""
@@ -379,6 +389,13 @@ class NativeCpuKernels(TorchKernels):
         if x.dim() == 2 and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
             return torch.ops.weft.add_rms_norm_(x, delta, weight, eps)  # one pass over each row
         return super().add_rms_norm_(x, delta, weight, eps)
+
+    def write_kv_(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if kv_cache.dtype == torch.float32 and kv.dtype == torch.float32 and kv_cache.is_contiguous():
+            # a memcpy per token from the q|k|v output's rows, no contiguous copy (index_copy_: 3x the time)
+            torch.ops.weft.write_kv_(kv_cache, kv, slot_mapping)
+            return
+        super().write_kv_(kv_cache, kv, slot_mapping)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype == torch.float32:

@@ -2,10 +2,11 @@
 
 Each layer's cache is one tensor `[num_blocks, block_size, 2, num_kv_heads, head_dim]` holding K and V
 side by side, so that a step's keys and values (prompts, prompt chunks and single decode tokens, mixed)
-are written with one `index_copy_` at their slots, and each sequence's blocks are read back with one
-`index_select` (advanced indexing with a 2-D block table measured twice as slow on CPU). The metadata
-is built once per step and shared by all layers. Single-token rows and multi-token rows of a step
-attend in separate calls, so decode rows are never padded to a prompt chunk's length.
+are written at their slots in one call (`write_kv_`: a copy per token on CPU), and each sequence's
+blocks are read back with one `index_select` (advanced indexing with a 2-D block table measured
+twice as slow on CPU). The metadata is built once per step and shared by all layers. Single-token
+rows and multi-token rows of a step attend in separate calls, so decode rows are never padded to a
+prompt chunk's length.
 
 Decode rows (one query each) take the kernel set's `paged_decode_attention` when it has one (on CPU,
 weft's native kernel, which reads each sequence's keys and values in place through its block table
@@ -287,8 +288,7 @@ def paged_attention(
     """Write the step's keys and values into the cache, then attend. `bf16_dot`: multi-token rows
     attending in place round their products' inputs to bfloat16 (as the linear layers' `bf16_dot`)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, _, num_kv_heads, _ = kv_cache.shape
-    kv_cache.view(num_blocks * block_size, 2, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, kv)
+    kernels.write_kv_(kv_cache, kv, meta.slot_mapping)
     if meta.ragged is not None:
         out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale)  # [T, H, D]
         return out.view(num_tokens, num_heads * head_dim)

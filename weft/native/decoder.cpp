@@ -6,6 +6,7 @@
 // per step cost more than a third of the time outside the matrix products (docs/benchmarks.md).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -35,19 +36,36 @@ std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
   return bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias);
 }
 
-// kv [T, 2 * KVH * D] (keys then values of each token, rows strided) -> cache slots `slots`.
-void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots) {
+// kv [T, 2 * KVH * D] (keys then values of each token, rows strided) -> cache slots `slots`, in runs
+// of tokens per thread; `op` names the caller in errors.
+void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots, const char* op) {
   const int64_t tokens = kv.size(0), width = kv.size(1);
   const int64_t num_slots = cache.size(0) * cache.size(1);
-  TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == at::kFloat && width == cache[0][0].numel(),
-              "decoder_stack_: a KV cache is not contiguous float32 [blocks, block_size, 2, KVH, D]");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == at::kFloat &&
+                  width == cache[0][0].numel() && kv.scalar_type() == at::kFloat && kv.stride(1) == 1,
+              op, ": the KV cache must be contiguous float32 [blocks, block_size, 2, KVH, D] and kv float32 "
+              "[T, 2, KVH, D] of its heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              op, ": slots must be [T] int64, one per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " is outside the KV cache (", num_slots, " slots)");
   const float* src = kv.data_ptr<float>();
   float* dst = cache.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decoder_stack_: a slot is outside the KV cache");
-    std::memcpy(dst + sp[t] * width, src + t * kv.stride(0), sizeof(float) * width);
-  }
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) std::memcpy(dst + sp[t] * width, src + t * kv.stride(0), sizeof(float) * width);
+  });
+}
+
+// A step's keys and values into the paged cache at their slots: what
+// cache.view(-1, 2, KVH, D).index_copy_(0, slots, kv) does, from kv [T, 2, KVH, D] whose rows may be
+// strided (the k|v part of a q|k|v projection's output), without a contiguous copy of them.
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv.device().is_cpu() && slots.device().is_cpu(),
+              "write_kv_: the KV cache, kv and slots must be CPU tensors");
+  TORCH_CHECK(kv.dim() == 4 && kv.stride(3) == 1 && kv.stride(2) == kv.size(3) && kv.stride(1) == kv.size(2) * kv.size(3),
+              "write_kv_: kv must be [T, 2, KVH, D] with each token's keys and values contiguous");
+  write_kv(kv.view({kv.size(0), -1}), kv_cache, slots, "write_kv_");
 }
 
 void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const at::Tensor& slots,
@@ -59,7 +77,7 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
                        .view({tokens, heads + 2 * kv_heads, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
-  write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots);
+  write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
   x.add_(linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s));
   h = weft::rms_norm(x, w[kPostNorm], eps);
@@ -100,6 +118,10 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
       "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
       "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale, "
       "bool bf16_dot=False) -> ()");
+  m.def("write_kv_(Tensor(a!) kv_cache, Tensor kv, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("decoder_stack_", &decoder_stack_); }
+TORCH_LIBRARY_IMPL(weft, CPU, m) {
+  m.impl("decoder_stack_", &decoder_stack_);
+  m.impl("write_kv_", &write_kv_);
+}
