@@ -18,9 +18,11 @@ The copying experiment of docs/default_model.md (about 50 minutes):
     python tools/train_default_model.py --out /tmp/copying --copy-share 0.25 --induction-rows 48 \
         --max-steps 1000
 
-and its two later runs, each from the checkpoint before it (`--init`; the options are in
+and its later runs, each from the checkpoint before it (`--init`; the options are in
 docs/default_model.md, "Why it does not copy yet"). `--init` starts from a checkpoint's tokenizer
 and weights; the final report adds the loss of a span's second showing (`second_showing_losses`).
+`--copy-corpus` repeats passages of another text in the copy rows (read, never predicted, on their
+first showing), `--induction-short-steps` draws short induction spans first.
 
 `transformers` is needed here (it is a test/dev dependency of weft), never at run time.
 """
@@ -81,6 +83,14 @@ class TrainConfig:
     word_swap: float = 0.0
     word_swap_min: float | None = None  # if set, each passage's swap rate is drawn from [this, word_swap]
     passage_share: float = 0.5  # of the copy rows, the share of passages (the rest: records)
+    # of the passages, the share drawn from `copy_corpus` (another text, never trained on as
+    # language: only the second showing of its passages counts in the loss), natural text that
+    # memory of the training text cannot predict
+    copy_corpus: str | None = None
+    copy_corpus_share: float = 0.0
+    # the first this many steps draw induction spans of 6-19 tokens (the copying heads form on
+    # short spans first), the later ones spans up to `induction_span`
+    induction_short_steps: int = 0
     # start from this checkpoint (its tokenizer and weights) instead of from scratch
     init: str | None = None
     # which checkpoint is kept: "val" the best held-out loss; "copy" the best held-out copy rate
@@ -129,13 +139,17 @@ def build_model(cfg: TrainConfig):  # -> transformers.LlamaForCausalLM
 def batches(
     data: torch.Tensor, cfg: TrainConfig, gen: torch.Generator, copies: CopyTasks | None = None
 ) -> torch.Tensor:
-    """[B, S+1] training rows: windows of the text, and a `copy_share` of rows that copy."""
+    """[B, S+1] training rows: windows of the text, and a `copy_share` of rows that copy. A row's
+    tokens marked `IGNORED` (below 0) are read as `tokens[i] + IGNORED` and not predicted."""
     num_copy = round(cfg.batch_size * cfg.copy_share) if copies is not None else 0
     starts = torch.randint(0, data.numel() - cfg.seq_len - 1, (cfg.batch_size - num_copy,), generator=gen)
     rows = [data[s : s + cfg.seq_len + 1] for s in starts.tolist()]
     if copies is not None:
         rows += [copies.row(cfg.seq_len + 1, gen) for _ in range(num_copy)]
     return torch.stack(rows)
+
+
+IGNORED = -(1 << 20)  # added to a token that is read but not predicted (see `batches`)
 
 
 class CopyTasks:
@@ -155,8 +169,11 @@ class CopyTasks:
         word_swap: float = 0.0,
         passages: float = 0.5,
         word_swap_min: float | None = None,
+        other: str | None = None,
+        other_share: float = 0.0,
     ) -> None:
         self.data, self.text, self.tok, self.word_swap, self.passages = data, text, tok, word_swap, passages
+        self.other, self.other_share = other, other_share
         self.word_swap_min = word_swap if word_swap_min is None else word_swap_min
         self.vocab_size = tok.get_vocab_size()
         self.separator = torch.tensor(tok.encode("\n\n").ids, dtype=torch.long)
@@ -191,6 +208,8 @@ class CopyTasks:
         return torch.stack(rows)
 
     def _passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        if self.other is not None and torch.rand((), generator=gen).item() < self.other_share:
+            return self._other_passage(length, gen)
         if self.word_swap > 0:
             passage = self._swapped_passage(gen)
         else:
@@ -198,6 +217,20 @@ class CopyTasks:
             start = int(torch.randint(0, self.data.numel() - span, (), generator=gen))
             passage = self.data[start : start + span]
         pieces = [passage]
+        while sum(p.numel() for p in pieces) < length:
+            pieces += [self.separator, passage]
+        return torch.cat(pieces)
+
+    def _other_passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        """A passage of the other corpus from a line's start, shown again and again; its first
+        showing is read, not predicted (marked `IGNORED`): the model learns to copy that text, not
+        to write it."""
+        assert self.other is not None
+        span = int(torch.randint(100, 500, (), generator=gen))
+        start = int(torch.randint(0, len(self.other) - span, (), generator=gen))
+        start = self.other.find("\n", start) + 1
+        passage = torch.tensor(self.tok.encode(self.other[start : start + span]).ids, dtype=torch.long)
+        pieces = [passage + IGNORED]
         while sum(p.numel() for p in pieces) < length:
             pieces += [self.separator, passage]
         return torch.cat(pieces)
@@ -281,8 +314,11 @@ def second_showing_losses(model, tok, text: str, separator: list[int]) -> dict[s
 
 
 def next_token_loss(model, rows: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=rows[:, :-1]).logits  # [B, S, V]
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+    ignored = rows < 0  # [B, S+1]: read, not predicted
+    tokens = torch.where(ignored, rows - IGNORED, rows)
+    targets = tokens[:, 1:].masked_fill(ignored[:, 1:], -100)  # cross_entropy's ignore_index
+    logits = model(input_ids=tokens[:, :-1]).logits  # [B, S, V]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @torch.no_grad()
@@ -405,6 +441,15 @@ def main() -> None:
         default=TrainConfig.induction_alphabet,
         help="half the induction rows from an alphabet of this to 8x this many tokens (0: off)",
     )
+    parser.add_argument(
+        "--copy-corpus", default=None, help="another text whose passages copy rows repeat (never trained on)"
+    )
+    parser.add_argument(
+        "--copy-corpus-share", type=float, default=0.0, help="of the copy passages: from --copy-corpus"
+    )
+    parser.add_argument(
+        "--induction-short-steps", type=int, default=0, help="steps of 6-19-token induction spans first"
+    )
     parser.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
@@ -420,6 +465,9 @@ def main() -> None:
         word_swap=args.word_swap,
         word_swap_min=args.word_swap_min,
         passage_share=args.passage_share,
+        copy_corpus=args.copy_corpus,
+        copy_corpus_share=args.copy_corpus_share,
+        induction_short_steps=args.induction_short_steps,
         eval_every=args.eval_every,
         init=args.init,
         lr=args.lr,
@@ -449,7 +497,16 @@ def main() -> None:
     )
     gen = torch.Generator().manual_seed(cfg.seed)
     copies = (
-        CopyTasks(train_ids, text[:split], tok, cfg.word_swap, cfg.passage_share, cfg.word_swap_min)
+        CopyTasks(
+            train_ids,
+            text[:split],
+            tok,
+            cfg.word_swap,
+            cfg.passage_share,
+            cfg.word_swap_min,
+            Path(cfg.copy_corpus).read_text(encoding="utf-8") if cfg.copy_corpus else None,
+            cfg.copy_corpus_share,
+        )
         if cfg.copy_share > 0
         else None
     )
@@ -463,8 +520,9 @@ def main() -> None:
         rows = batches(train_ids, cfg, gen, copies)
         loss = next_token_loss(model, rows)
         if copies is not None and cfg.induction_rows:
+            longest = 20 if step < cfg.induction_short_steps else cfg.induction_span
             repeats = copies.induction(
-                cfg.induction_rows, cfg.induction_len + 1, gen, cfg.induction_span, cfg.induction_alphabet
+                cfg.induction_rows, cfg.induction_len + 1, gen, longest, cfg.induction_alphabet
             )
             loss = loss + next_token_loss(model, repeats)
         optim.zero_grad(set_to_none=True)
