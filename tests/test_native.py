@@ -502,7 +502,7 @@ def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
         torch.zeros(1, dtype=torch.long),
     )
     cos, sin = model.rotary.cos, model.rotary.sin
-    with pytest.raises(RuntimeError, match="a slot is outside the KV cache"):
+    with pytest.raises(RuntimeError, match=r"decoder_stack_: slot 8 is outside the KV cache \(8 slots\)"):
         torch.ops.weft.decoder_stack_(
             x,
             model.stack,
