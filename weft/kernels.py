@@ -392,7 +392,7 @@ class NativeCpuKernels(TorchKernels):
 
     def write_kv_(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if kv_cache.dtype == torch.float32 and kv.dtype == torch.float32 and kv_cache.is_contiguous():
-            # a memcpy per token from the q|k|v output's rows, no contiguous copy (index_copy_: 3x the time)
+            # a memcpy per token from the q|k|v output's rows (index_copy_ of the strided rows: 1.8x the time)
             torch.ops.weft.write_kv_(kv_cache, kv, slot_mapping)
             return
         super().write_kv_(kv_cache, kv, slot_mapping)
