@@ -399,6 +399,18 @@ class Keeper:
             self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _shape(text: str) -> dict[str, int]:
+    """--shape's LAYERS,HIDDEN,HEADS,KV_HEADS,MLP as TrainConfig fields."""
+    names = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")
+    values = [int(v) for v in text.split(",")]
+    if len(values) != len(names) or values[1] % values[2] or values[2] % values[3]:
+        raise argparse.ArgumentTypeError(
+            f"--shape {text!r}: give LAYERS,HIDDEN,HEADS,KV_HEADS,MLP, HIDDEN a multiple of HEADS "
+            "and HEADS of KV_HEADS (the shipped model is 4,256,8,4,704)"
+        )
+    return dict(zip(names, values, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -454,6 +466,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     parser.add_argument("--select", choices=["val", "copy"], default=TrainConfig.select)
+    parser.add_argument(
+        "--shape",
+        type=_shape,
+        default=None,
+        help="LAYERS,HIDDEN,HEADS,KV_HEADS,MLP of a model from scratch (default: 4,256,8,4,704)",
+    )
     args = parser.parse_args()
     cfg = TrainConfig(
         max_steps=args.max_steps,
@@ -473,6 +491,7 @@ def main() -> None:
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         select=args.select,
+        **(args.shape or {}),
     )
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
