@@ -289,6 +289,25 @@ def copy_rate(model, tok, text: str, num: int = 40, new_tokens: int = 24) -> flo
 
 
 @torch.no_grad()
+def copied_characters(model, tok, text: str, num: int = 40, new_tokens: int = 64) -> float:
+    """The mean number of characters that a greedy continuation of `copy_rate`'s prompts follows
+    the passage for, before it first leaves it: a finer probe than whole 24-token copies (a model
+    that does not copy scores about 1, one that copies every passage about 230)."""
+    model.eval()
+    matched = 0
+    for i in range(num):
+        passage = text[i * 2000 : i * 2000 + 300]
+        shown = passage.index("\n", 60) + 1
+        prompt = tok.encode(passage + "\n\n" + passage[:shown]).ids
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+        tail, rest = tok.decode(out[0, len(prompt) :].tolist()), passage[shown:]
+        same = [a == b for a, b in zip(tail, rest, strict=False)]
+        matched += same.index(False) if False in same else len(same)
+    model.train()
+    return matched / num
+
+
+@torch.no_grad()
 def second_showing_losses(model, tok, text: str, separator: list[int]) -> dict[str, float]:
     """Mean next-token loss over the second showing of a span shown twice (a blank line between):
     random tokens 10, 20, 40 and 80 long (how far back the copying reaches), and held-out passages
@@ -567,6 +586,8 @@ def main() -> None:
     val_loss, best_step = keep.val_loss, keep.step
     held_out_copy_rate = copy_rate(model, tok, text[split:])
     print(f"held-out passages continued as shown: {held_out_copy_rate:.0%}")
+    copied_chars = copied_characters(model, tok, text[split:])
+    print(f"characters of a held-out passage followed before leaving it, mean: {copied_chars:.1f}")
     second_showing = second_showing_losses(model, tok, text[split:], tok.encode("\n\n").ids)
     print(f"loss of a second showing: {second_showing}")
     report = {
@@ -580,6 +601,7 @@ def main() -> None:
         "best_step": best_step,
         "val_perplexity": math.exp(val_loss),
         "held_out_copy_rate": held_out_copy_rate,
+        "held_out_copied_characters": round(copied_chars, 1),
         "second_showing_loss": second_showing,
         "train_seconds": round(time.perf_counter() - started, 1),
         "torch_threads": torch.get_num_threads(),
