@@ -363,6 +363,29 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def store_kv_heads(model, num_kv_heads: int) -> None:
+    """Give `model` `num_kv_heads` KV heads (a multiple of its own) computing exactly what it
+    computes: each KV head repeated for the query heads that share it, so that the heads divide
+    over more tensor-parallel ranks (3 KV heads do not split over 2)."""
+    config = model.config
+    old, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    if num_kv_heads % old or config.num_attention_heads % num_kv_heads:
+        raise SystemExit(
+            f"--store-kv-heads {num_kv_heads}: give a multiple of the model's {old} KV heads that "
+            f"divides its {config.num_attention_heads} query heads"
+        )
+    repeat = num_kv_heads // old
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            weight = proj.weight.data.view(old, head_dim, -1)  # [kv, head_dim, hidden]
+            widened = weight.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, -1)
+            proj.weight = torch.nn.Parameter(widened)
+            proj.out_features = widened.shape[0]
+    config.num_key_value_heads = num_kv_heads
+    for layer in model.model.layers:
+        layer.self_attn.num_key_value_groups = config.num_attention_heads // num_kv_heads
+
+
 def save(model, tok, out: Path, report: dict) -> None:
     from transformers import GenerationConfig
 
@@ -486,6 +509,12 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
     parser.add_argument("--select", choices=["val", "copy"], default=TrainConfig.select)
     parser.add_argument(
+        "--store-kv-heads",
+        type=int,
+        default=0,
+        help="save with this many KV heads, each trained one repeated (same outputs; 0: as trained)",
+    )
+    parser.add_argument(
         "--shape",
         type=_shape,
         default=None,
@@ -607,6 +636,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "history": history,
     }
+    if args.store_kv_heads:
+        store_kv_heads(model, args.store_kv_heads)
     save(model, tok, args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
 
