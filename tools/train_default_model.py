@@ -638,6 +638,7 @@ def main() -> None:
     }
     if args.store_kv_heads:
         store_kv_heads(model, args.store_kv_heads)
+        report["stored_kv_heads"] = args.store_kv_heads
     save(model, tok, args.out, report)
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
 
