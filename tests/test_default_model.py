@@ -16,10 +16,11 @@ from conftest import shared_data
 from weft import LLM, SamplingParams, default_model_path
 from weft.tokenizer import Tokenizer
 
-# Measured: perplexity 60.8 on the first 20,000 characters of the held-out last 10% of Tiny
-# Shakespeare (83.1 over the whole held-out part, training.json), against 4,296 for an untrained
+# Measured: perplexity 67.0 on the first 20,000 characters of the held-out last 10% of Tiny
+# Shakespeare (71.9 over the whole held-out part, training.json), against 4,263 for an untrained
 # model of the same shape. The bound leaves a wide margin and still fails for an unlearned model.
 MAX_PERPLEXITY = 150.0
+MEASURED_COPY = 114.6  # characters, test_continues_a_passage_it_has_just_been_shown
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,34 @@ def test_demo_runs_offline():
     )
     assert result.returncode == 0, result.stderr
     assert "=== JSON Schema" in result.stdout and "=== choice" in result.stdout
+
+
+def passage_prompts(num: int) -> list[tuple[str, str]]:
+    """Held-out passages, each shown, then a blank line and its first lines again (cut at a line's
+    end): the prompt, and the rest of the passage that a model copying from its prompt writes."""
+    text = shared_data("corpora/tinyshakespeare.txt").read_text(encoding="utf-8")
+    heldout = text[int(len(text) * 0.9) :]
+    cases = []
+    for i in range(num):
+        passage = heldout[i * 2000 : i * 2000 + 300]
+        shown = passage.index("\n", 60) + 1
+        cases.append((passage + "\n\n" + passage[:shown], passage[shown:]))
+    return cases
+
+
+def followed(text: str, passage: str) -> int:
+    """How many characters `text` follows `passage` for before it first leaves it."""
+    same = [a == b for a, b in zip(text, passage, strict=False)]
+    return same.index(False) if False in same else len(same)
+
+
+def test_continues_a_passage_it_has_just_been_shown(bundled):
+    # Measured (docs/default_model.md): over these 40 passages the greedy continuation follows the
+    # passage for 114.6 characters on average (the model shipped before, which never learnt
+    # to copy: 0.6); a third of that still fails for a model that does not copy.
+    cases = passage_prompts(40)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    outputs = bundled.generate([prompt for prompt, _ in cases], params, use_tqdm=False)
+    lengths = [followed(out.outputs[0].text, rest) for out, (_, rest) in zip(outputs, cases, strict=True)]
+    assert sum(lengths) / len(lengths) > MEASURED_COPY / 3, lengths
+    assert sum(n >= 100 for n in lengths) >= 10, lengths  # whole lines copied, not a word or two
