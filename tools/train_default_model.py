@@ -271,39 +271,37 @@ class CopyTasks:
 
 
 @torch.no_grad()
-def copy_rate(model, tok, text: str, num: int = 40, new_tokens: int = 24) -> float:
-    """The share of held-out passages whose greedy continuation, after the passage and its first
-    lines again (cut at a line's end, so that the tokens at the cut are the passage's own),
-    follows the passage for `new_tokens` tokens."""
+def passage_continuations(model, tok, text: str, num: int, new_tokens: int) -> list[tuple[str, str]]:
+    """For `num` held-out passages, each shown, then a blank line and its first lines again (cut at
+    a line's end, so that the tokens at the cut are the passage's own): the greedy continuation of
+    `new_tokens` tokens, and the rest of the passage that a copy would write."""
     model.eval()
-    hits = 0
+    pairs = []
     for i in range(num):
         passage = text[i * 2000 : i * 2000 + 300]
         shown = passage.index("\n", 60) + 1
         prompt = tok.encode(passage + "\n\n" + passage[:shown]).ids
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-        tail = tok.decode(out[0, len(prompt) :].tolist())
-        hits += bool(tail) and passage[shown:].startswith(tail)
+        pairs.append((tok.decode(out[0, len(prompt) :].tolist()), passage[shown:]))
     model.train()
-    return hits / num
+    return pairs
 
 
-@torch.no_grad()
+def copy_rate(model, tok, text: str, num: int = 40, new_tokens: int = 24) -> float:
+    """The share of held-out passages whose greedy continuation follows the passage for
+    `new_tokens` tokens (`passage_continuations`)."""
+    pairs = passage_continuations(model, tok, text, num, new_tokens)
+    return sum(bool(tail) and rest.startswith(tail) for tail, rest in pairs) / num
+
+
 def copied_characters(model, tok, text: str, num: int = 40, new_tokens: int = 64) -> float:
-    """The mean number of characters that a greedy continuation of `copy_rate`'s prompts follows
-    the passage for, before it first leaves it: a finer probe than whole 24-token copies (a model
-    that does not copy scores about 1, one that copies every passage about 230)."""
-    model.eval()
+    """The mean number of characters for which the greedy continuation follows the passage before
+    it first leaves it: a finer probe than whole 24-token copies (a model that does not copy scores
+    about 1, one that copies every passage about 230)."""
     matched = 0
-    for i in range(num):
-        passage = text[i * 2000 : i * 2000 + 300]
-        shown = passage.index("\n", 60) + 1
-        prompt = tok.encode(passage + "\n\n" + passage[:shown]).ids
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-        tail, rest = tok.decode(out[0, len(prompt) :].tolist()), passage[shown:]
+    for tail, rest in passage_continuations(model, tok, text, num, new_tokens):
         same = [a == b for a, b in zip(tail, rest, strict=False)]
         matched += same.index(False) if False in same else len(same)
-    model.train()
     return matched / num
 
 
