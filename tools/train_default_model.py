@@ -201,10 +201,7 @@ class CopyTasks:
                 size = int(torch.randint(alphabet, 8 * alphabet + 1, (), generator=gen))
                 letters = torch.randperm(self.vocab_size - len(SPECIAL_TOKENS), generator=gen)[:size]
                 tokens = letters[torch.randint(size, (span,), generator=gen)] + len(SPECIAL_TOKENS)
-            pieces = [tokens]
-            while sum(p.numel() for p in pieces) < length:
-                pieces += [self.separator, tokens]
-            rows.append(torch.cat(pieces)[:length])
+            rows.append(self._repeated(tokens, tokens, length)[:length])
         return torch.stack(rows)
 
     def _passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -216,9 +213,15 @@ class CopyTasks:
             span = int(torch.randint(24, 120, (), generator=gen))
             start = int(torch.randint(0, self.data.numel() - span, (), generator=gen))
             passage = self.data[start : start + span]
-        pieces = [passage]
-        while sum(p.numel() for p in pieces) < length:
+        return self._repeated(passage, passage, length)
+
+    def _repeated(self, first: torch.Tensor, passage: torch.Tensor, length: int) -> torch.Tensor:
+        """`first`, then `passage` again after a blank line, as often as it takes to reach `length`
+        tokens (`first` is `passage` itself, or marked to be read and not predicted)."""
+        pieces, total = [first], first.numel()
+        while total < length:
             pieces += [self.separator, passage]
+            total += self.separator.numel() + passage.numel()
         return torch.cat(pieces)
 
     def _other_passage(self, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -230,10 +233,7 @@ class CopyTasks:
         start = int(torch.randint(0, len(self.other) - span, (), generator=gen))
         start = self.other.find("\n", start) + 1
         passage = torch.tensor(self.tok.encode(self.other[start : start + span]).ids, dtype=torch.long)
-        pieces = [passage + IGNORED]
-        while sum(p.numel() for p in pieces) < length:
-            pieces += [self.separator, passage]
-        return torch.cat(pieces)
+        return self._repeated(passage + IGNORED, passage, length)
 
     def _swapped_passage(self, gen: torch.Generator) -> torch.Tensor:
         """A passage of the text from a line's start, `word_swap` of its words replaced by random
@@ -379,9 +379,8 @@ def store_kv_heads(model, num_kv_heads: int) -> None:
             widened = weight.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, -1)
             proj.weight = torch.nn.Parameter(widened)
             proj.out_features = widened.shape[0]
-    config.num_key_value_heads = num_kv_heads
-    for layer in model.model.layers:
         layer.self_attn.num_key_value_groups = config.num_attention_heads // num_kv_heads
+    config.num_key_value_heads = num_kv_heads
 
 
 def save(model, tok, out: Path, report: dict) -> None:
