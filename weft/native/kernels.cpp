@@ -399,7 +399,9 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
     const int64_t num_tokens = std::min(sh.block_size, len - i * sh.block_size);
     const T* block = cache + blocks[i] * sh.block_stride;
     const T* next = i + 1 < last ? cache + blocks[i + 1] * sh.block_stride : nullptr;
-    if (D == 64) {
+    if (D == 32) {
+      attend_block<T, 32>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
+    } else if (D == 64) {
       attend_block<T, 64>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
     } else if (D == 128) {
       attend_block<T, 128>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
