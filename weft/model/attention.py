@@ -87,6 +87,7 @@ class _StepShape:
     table: np.ndarray  # [B, max_blocks] int64, padded with block 0
     block_size: int
     prefill_in_place: bool = False  # multi-token rows attend through `paged_prefill_attention`
+    decode_in_place: bool = False  # single-query rows attend through `paged_decode_attention`: no mask
 
 
 def build_attention_metadata(
@@ -98,6 +99,7 @@ def build_attention_metadata(
     max_tokenwise_query_len: int = 1,
     ragged: bool = False,
     prefill_in_place: bool = False,
+    decode_in_place: bool = False,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -106,7 +108,9 @@ def build_attention_metadata(
     [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
     `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
     set's choice); with `prefill_in_place`, longer rows attend through the kernel set's
-    `paged_prefill_attention`. With `ragged`, the step is one `RaggedBatch` instead of groups.
+    `paged_prefill_attention`; with `decode_in_place`, single-query groups get no mask (the kernel
+    set's `paged_decode_attention` reads their context lengths). With `ragged`, the step is one
+    `RaggedBatch` instead of groups.
     Arrays are built on the host with numpy and moved to the device once each; nothing is read back
     from a device.
     """
@@ -127,7 +131,7 @@ def build_attention_metadata(
         batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
         return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
     shape = _StepShape(
-        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place
+        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place, decode_in_place
     )
     groups: tuple[AttentionGroup, ...]
     if num_tokens == num_seqs:  # decode only: every row is one query already
@@ -212,6 +216,7 @@ def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
         seq_idx=np.arange(num_tokens),
         table=shape.table if all_rows else shape.table[np.array(token_rows, dtype=np.int64)],
         block_size=shape.block_size,
+        decode_in_place=shape.decode_in_place,
     )
 
 
@@ -236,7 +241,7 @@ def _group(
         local_seq = np.repeat(np.arange(num_seqs), q_lens)  # [Tg]
         starts = np.cumsum(q_lens) - q_lens
         scatter_idx = local_seq * max_q + np.arange(sum(q_list)) - starts[local_seq]
-    if (num_seqs > 1 or max_q > 1) and not is_causal:
+    if (num_seqs > 1 or max_q > 1) and not is_causal and not (max_q == 1 and shape.decode_in_place):
         q_pos = (ctx_lens - q_lens)[:, None] + np.arange(max_q)[None, :]  # [Bg, max_q]
         k_pos = np.arange(kv_len)  # [kv_len]
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
@@ -371,9 +376,11 @@ class PagedAttention:
         max_tokenwise = self.kernels.max_tokenwise_query_len
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
+        decode_in_place = self.head_dim is not None and self.kernels.reads_cache_in_place(self.head_dim)
         return build_attention_metadata(
-            query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place
-        )
+            query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
+            decode_in_place,
+        )  # fmt: skip
 
     @staticmethod
     def build_tree_metadata(
