@@ -34,8 +34,8 @@ CHILD_TESTS = [
     ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
     ("both_paths", "test_prefill_gemm.py"),
     (
-        "gumbel or row_logprobs or constraint_logmass or top_p_filter or silu or attention or packed_linear"
-        " or rms_norm",
+        "gumbel or row_max or row_logprobs or constraint_logmass or top_p_filter or silu or attention"
+        " or packed_linear or rms_norm",
         "test_native.py",
     ),
     ("q8_0", "test_quant.py"),

@@ -619,6 +619,28 @@ def test_gumbel_argmax_samples_the_tokens_of_the_tensor_version():
     assert torch.equal(TORCH_KERNELS.gumbel_argmax(logits, seeds, positions), native)  # the tensor version
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 37, 4096, 128256])
+def test_row_max_is_torch_max(vocab):
+    """The greedy token and the row's largest value, as torch.max(dim=-1) gives them: the first
+    index on ties (repeated maxima, +0 and -0), a NaN row's first NaN, all -inf rows, a row whose
+    maximum is in the tail past the last full vector, and rows that are a view with a stride."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab + 3, generator=gen)[:, :vocab]  # rows strided by vocab + 3
+    x[1] = float("-inf")
+    x[2, vocab // 2 :] = float("nan")
+    x[3] = x[3].round()  # many ties at the maximum
+    x[4] = 0.0
+    x[4, vocab // 3 :] = -0.0
+    x[5, -1] = 1e9  # the maximum in the tail
+    x[6, vocab // 2] = float("inf")
+    values, ids = NATIVE_CPU_KERNELS.row_max(x)
+    expected_values, expected_ids = x.max(dim=-1)
+    assert torch.equal(ids, expected_ids)
+    assert torch.equal(values.nan_to_num(), expected_values.nan_to_num())
+    assert torch.equal(values.isnan(), expected_values.isnan())
+    assert torch.equal(values.signbit(), expected_values.signbit())
+
+
 def _top_p_reference(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep token j iff the float64 probability mass of the tokens strictly more likely is below
     top_p (ties at the cut stay whole); rows with top_p = 1 or a NaN are left as they are."""

@@ -245,6 +245,12 @@ class TorchKernels:
         x[r, ids[r]] (ids: [R] int64)."""
         return (x > x.gather(1, ids[:, None])).sum(dim=-1) + 1
 
+    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x.max(dim=-1): each row's largest value and its first index ([B] each; a row with a NaN
+        gives NaN and the first NaN's index)."""
+        values, ids = x.max(dim=-1)
+        return values, ids
+
     def gumbel_argmax(
         self,
         logits: torch.Tensor,  # [B, V] float32
@@ -481,6 +487,13 @@ class NativeCpuKernels(TorchKernels):
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
             return super().rank_of(x, ids)
         return torch.ops.weft.rank_of(x, ids.contiguous())
+
+    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two vector passes per row instead of torch's scalar loop (a row of 128k: 7 against 110 us)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+            return super().row_max(x)
+        values, ids = torch.ops.weft.row_max(x)
+        return values, ids
 
     def gumbel_argmax(
         self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor

@@ -352,7 +352,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V] -> [B] int64, `INVALID_TOKEN` on rows that are not finite."""
-        maxima, greedy = logits.max(dim=-1)  # [B] each; a NaN row's maximum is NaN
+        maxima, greedy = self.kernels.row_max(logits)  # [B] each; a NaN row's maximum is NaN
         invalid = maxima.isnan() | (maxima == float("-inf"))  # [B] bool
         if batch.columns.all_greedy:
             chosen = greedy
