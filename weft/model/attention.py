@@ -131,8 +131,9 @@ def build_attention_metadata(
         batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
         return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
     shape = _StepShape(
-        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place, decode_in_place
-    )
+        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
+        decode_in_place,
+    )  # fmt: skip
     groups: tuple[AttentionGroup, ...]
     if num_tokens == num_seqs:  # decode only: every row is one query already
         groups = (_group(shape, None, None, device),)
