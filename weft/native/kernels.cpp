@@ -204,12 +204,13 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 //
 // A work item is a range of one sequence's blocks, all heads at once, so that the cache is read
 // front to back in a single pass (each block is one contiguous stretch of memory); a sequence is
-// cut into several ranges when there are fewer sequences than threads. Within a range, each block
-// updates a running softmax (max m, sum l, weighted values acc per head); the ranges of a sequence
-// are merged at the end.
+// cut into several ranges when there are fewer sequences than threads. Within a range, each chunk of
+// blocks (`attend_chunk`) updates a running softmax (max m, sum l, weighted values acc per head);
+// the ranges of a sequence are merged at the end.
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
   int64_t q_seq_stride, q_head_stride, num_splits;
+  bool prefetch;  // ask for each next block ahead of its use (the step's cache is larger than L3 holds)
 };
 
 struct Partial {  // running softmax of one work item: [H], [H], [H, D]
@@ -327,27 +328,33 @@ inline void block_scores(const T* keys, int64_t num_tokens, int64_t token_stride
   for (; t < num_tokens; ++t) scores[t] = dot(keys + t * token_stride, query, D);
 }
 
-// Fold one block of tokens into the running softmax of one query head. kHeadDim > 0: the head
-// size as a compile-time constant (fully unrolled loops, the accumulator in registers).
+// acc[0..D) += p[t] * v_t over a block's tokens (values `token_stride` elements apart). kHeadDim > 0:
+// the head size as a compile-time constant (the accumulator in registers).
 template <typename T, int64_t kHeadDim>
-void attend_block_head(const T* keys, const T* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
-                       const float* query, float* scores, float& m, float& l, float* acc_out) {
+inline void add_weighted_values(const T* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
+                                const float* p, float* acc_out) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
-  block_scores<T, kHeadDim>(keys, num_tokens, token_stride, D, query, scores);
-  const float block_max = max_of(scores, num_tokens);
-  const float new_max = std::max(m, block_max);
-  const float rescale = exp_approx(m - new_max);
-  const float sum = exp_shifted(scores, num_tokens, new_max);
-  m = new_max;
-  l = l * rescale + sum;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {  // the sums in registers
+    constexpr int kVecs = kHeadDim / 16;
+    __m512 sums[kVecs];
+    for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_loadu_ps(acc_out + 16 * j);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const __m512 weight = _mm512_set1_ps(p[t]);
+      for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * token_stride + 16 * j), sums[j]);
+    }
+    for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc_out + 16 * j, sums[j]);
+    return;
+  }
+#endif
   float acc[kHeadDim > 0 ? kHeadDim : 256];
 #pragma omp simd
-  for (int64_t i = 0; i < D; ++i) acc[i] = acc_out[i] * rescale;
-  for (int64_t t = 0; t < num_tokens; ++t) {  // acc += p_t * v_t
+  for (int64_t i = 0; i < D; ++i) acc[i] = acc_out[i];
+  for (int64_t t = 0; t < num_tokens; ++t) {
     const T* v = values + t * token_stride;
-    const float p = scores[t];
+    const float weight = p[t];
 #pragma omp simd
-    for (int64_t i = 0; i < D; ++i) acc[i] += p * static_cast<float>(v[i]);
+    for (int64_t i = 0; i < D; ++i) acc[i] += weight * static_cast<float>(v[i]);
   }
 #pragma omp simd
   for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
@@ -364,20 +371,69 @@ inline void prefetch_part(const T* block, int64_t elements, int64_t part, int64_
   for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) __builtin_prefetch(p + line * 64, 0, 2);
 }
 
-// One block of tokens for every head, head by head: a KV head's keys and values of the block
-// (2 x block_size x D) stay in L1 for its query heads. `next`: the block that follows, or nullptr.
+// The tokens of a chunk: as many whole blocks as keep the chunk's keys and values (about 256 KB) in
+// L2 between its two passes, at least one block and at most 512 tokens.
+template <typename T>
+inline int64_t chunk_tokens(const DecodeShape& sh) {
+  const int64_t token_bytes = sh.token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(262144 / token_bytes, 512) / sh.block_size);
+  return blocks * sh.block_size;
+}
+
+// One chunk of a work item's tokens [begin, end) (whole blocks from `begin`), every head, in two
+// passes over its blocks, each block read front to back as one stretch of memory: the scores of
+// every token for every head (scores [H, chunk]), then per head one update of the running softmax
+// (m, l, acc) for the whole chunk, then the values weighted by the scores. One max, one sum and one
+// rescale per head and chunk, not per block of 16 tokens: at the bundled model's size (6 heads of
+// 32, 150 tokens) that bookkeeping was most of the time.
 template <typename T, int64_t kHeadDim>
-void attend_block(const T* block, const T* next, int64_t num_tokens, const float* queries, const DecodeShape& sh,
-                  float* scores, Partial part) {
-  const int64_t D = sh.head_dim;
-  for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-    const T* keys = block + kvh * D;
-    const T* values = block + (sh.num_kv_heads + kvh) * D;
-    for (int64_t g = 0; g < sh.group; ++g, ++h) {
-      prefetch_part(next, sh.block_stride, h, sh.num_heads);
-      attend_block_head<T, kHeadDim>(keys, values, num_tokens, sh.token_stride, D, queries + h * D, scores,
-                                     part.m[h], part.l[h], part.acc + h * D);
+void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t end, int64_t range_end,
+                  const float* queries, const DecodeShape& sh, int64_t chunk, float* scores, Partial part) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, bs = sh.block_size, n = end - begin;
+  for (int64_t t0 = begin; t0 < end; t0 += bs) {  // pass 1: scores
+    const T* block = cache + blocks[t0 / bs] * sh.block_stride;
+    const T* next = t0 + bs < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
+    const int64_t num_tokens = std::min(bs, end - t0);
+    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
+      for (int64_t g = 0; g < sh.group; ++g, ++h) {
+        if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
+        block_scores<T, kHeadDim>(block + kvh * D, num_tokens, sh.token_stride, D, queries + h * D,
+                                  scores + h * chunk + (t0 - begin));
+      }
     }
+  }
+  for (int64_t h = 0; h < sh.num_heads; ++h) {  // the running softmax, once per head
+    float* p = scores + h * chunk;
+    const float new_max = std::max(part.m[h], max_of(p, n));
+    const float rescale = exp_approx(part.m[h] - new_max);
+    const float sum = exp_shifted(p, n, new_max);
+    part.m[h] = new_max;
+    part.l[h] = part.l[h] * rescale + sum;
+    float* acc = part.acc + h * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[i] *= rescale;
+  }
+  for (int64_t t0 = begin; t0 < end; t0 += bs) {  // pass 2: values (the chunk is still in L2)
+    const T* block = cache + blocks[t0 / bs] * sh.block_stride;
+    const int64_t num_tokens = std::min(bs, end - t0);
+    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
+      const T* values = block + (sh.num_kv_heads + kvh) * D;
+      for (int64_t g = 0; g < sh.group; ++g, ++h) {
+        add_weighted_values<T, kHeadDim>(values, num_tokens, sh.token_stride, D, scores + h * chunk + (t0 - begin),
+                                         part.acc + h * D);
+      }
+    }
+  }
+}
+
+template <typename T, int64_t kHeadDim>
+void attend_range(const T* cache, const int64_t* blocks, int64_t begin, int64_t end, const float* queries,
+                  const DecodeShape& sh, std::vector<float>& scores, Partial part) {
+  const int64_t chunk = chunk_tokens<T>(sh);
+  if (static_cast<int64_t>(scores.size()) < sh.num_heads * chunk) scores.resize(sh.num_heads * chunk);
+  for (int64_t first = begin; first < end; first += chunk) {
+    attend_chunk<T, kHeadDim>(cache, blocks, first, std::min(end, first + chunk), end, queries, sh, chunk,
+                              scores.data(), part);
   }
 }
 
@@ -395,19 +451,16 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
     part.l[h] = 0.f;
   }
   std::fill(part.acc, part.acc + sh.num_heads * D, 0.f);
-  for (int64_t i = first; i < last; ++i) {
-    const int64_t num_tokens = std::min(sh.block_size, len - i * sh.block_size);
-    const T* block = cache + blocks[i] * sh.block_stride;
-    const T* next = i + 1 < last ? cache + blocks[i + 1] * sh.block_stride : nullptr;
-    if (D == 32) {
-      attend_block<T, 32>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
-    } else if (D == 64) {
-      attend_block<T, 64>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
-    } else if (D == 128) {
-      attend_block<T, 128>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
-    } else {
-      attend_block<T, 0>(block, next, num_tokens, queries.data(), sh, scores.data(), part);
-    }
+  if (first >= last) return;  // an empty range
+  const int64_t begin = first * sh.block_size, end = std::min(len, last * sh.block_size);
+  if (D == 32) {
+    attend_range<T, 32>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+  } else if (D == 64) {
+    attend_range<T, 64>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+  } else if (D == 128) {
+    attend_range<T, 128>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+  } else {
+    attend_range<T, 0>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   }
 }
 
@@ -493,6 +546,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       TORCH_CHECK(block >= 0 && block < kv_cache.size(0), "paged_decode_attention: a block id is outside the cache");
     }
   }
+  // Software prefetch pays where the step's keys and values come from memory (5-10% at 25-270 MB)
+  // and costs where they are in cache (10-25% at the bundled model's 0.2-12 MB): the bytes decide.
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < q.size(0); ++b) tokens += lens[b];
+  sh.prefetch = tokens * sh.token_stride * static_cast<int64_t>(q.element_size()) > (int64_t{16} << 20);
   auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
