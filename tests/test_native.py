@@ -113,6 +113,19 @@ def test_decode_attention_with_specialised_head_sizes(dtype, head_dim):
     torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_several_chunks(dtype):
+    """8 KV heads of 128 fill the kernel's chunk (about 256 KB of cache) every 32 tokens, so these
+    contexts run one to 22 chunks, whose softmax sums are carried from chunk to chunk, and a single
+    sequence is split over the threads as well."""
+    for lens in ([1, 33, 100, 700], [700]):
+        q, kv_new, kv_cache, meta = _random_paged_batch(lens, 16, 8, dtype, 16, 128)
+        native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
+        native_out = NATIVE(q, kv_new, native_cache, meta, 128**-0.5)
+        expected = TORCH(q, kv_new, torch_cache, meta, 128**-0.5)
+        torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
 def _mixed_step(backend: PagedAttention, dtype=torch.float32):
     """One step with decode rows, short multi-token rows (attended token by token with the kernel)
     and a long prompt chunk; the cache gets the step's keys and values written first."""
