@@ -87,6 +87,39 @@ def test_text_lookup_finds_words_tokenized_differently_where_they_are_copied():
     assert tok.decode(drafter.propose(ids + more, 2)).startswith("\n")
 
 
+def test_field_lookup_drafts_the_value_a_json_key_names():
+    """A record's `key: value` lines and the JSON that restates them: at a value's opening the
+    drafter guesses the record's value (closed with a quote for a string), not what token or text
+    lookup would; nothing where the key is not stated, the value is under way, or a JSON key is the
+    only statement of it."""
+    from weft.speculative.field_lookup import named_value
+
+    record = b"name: Menenius Agrippa\nAge = 52\nhome: 'vienna'\n"
+    assert named_value(record + b'{"name": "') == 'Menenius Agrippa"'
+    assert named_value(record + b'{"name": "Menenius Agrippa", "age": ') == "52"
+    assert named_value(record + b'{"name": "Menenius Agrippa", "age": 52, "home": "') == 'vienna"'
+    for tail in [b'{"name": "Men', b'{"nickname": "', b'{"name": "Menenius Agrippa"', b"{"]:
+        assert named_value(record + tail) is None, tail
+    assert named_value(b'{"home": "rome"}\n{"home": "') is None  # JSON keys state nothing
+    assert named_value(b"home: rome\nhome: mantua\n" + b'{"home": "') == 'mantua"'  # the latest
+
+
+def test_the_drafter_guesses_a_named_value_before_anything_else():
+    from weft.detokenize import token_bytes_for
+    from weft.engine.factory import default_model_path
+    from weft.speculative.drafter import NgramDrafter
+    from weft.speculative.text_lookup import TextLookup
+    from weft.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    ids = tok.encode('name: Romeo\nage: 17\nhome: verona\n{"name": "Romeo", "age": 17, "home": "')
+    drafter = NgramDrafter(
+        2, 4, TextLookup(token_bytes_for(tok), lambda t: tok.encode(t, add_special_tokens=False))
+    )
+    assert tok.decode(drafter.propose(ids, 8)) == 'verona"'
+    assert drafter.propose(ids, 1) == tok.encode("verona", add_special_tokens=False)[:1]
+
+
 def test_the_step_cost_fit_recovers_what_a_token_costs():
     from weft.speculative.policy import StepCost
 

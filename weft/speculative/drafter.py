@@ -32,7 +32,9 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt lookup (`NgramIndex`) over the sequence's prompt and output, fed the tokens appended
     since the last guess; where it has no match and the tokenizer is byte-level, the same lookup on
-    the text (`TextLookup`)."""
+    the text (`TextLookup`). With a byte-level tokenizer, where the output has just opened a JSON
+    key's value that the prompt states (`home: verona`), that value comes first
+    (`weft/speculative/field_lookup.py`)."""
 
     __slots__ = ("index", "text")
 
@@ -44,6 +46,10 @@ class NgramDrafter:
         seen = len(self.index.tokens)
         if seen < len(token_ids):
             self.index.extend(token_ids[seen:])
+        if self.text is not None:  # a JSON value just opened, stated in the prompt: that value
+            guessed = self.text.named_value(token_ids, k)
+            if guessed:
+                return guessed
         guessed = self.index.propose(k)
         if not guessed and self.text is not None:
             guessed = self.text.propose(token_ids, k)

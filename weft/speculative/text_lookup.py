@@ -4,7 +4,8 @@ differently where they are copied (` Menenius` in a record, `Menenius` inside a 
 The sequence's text is kept as bytes (a byte-level tokenizer's tokens stand for fixed bytes); a
 guess takes the last `max_bytes` .. `min_bytes` bytes, finds their latest earlier occurrence, and
 tokenizes the `span` bytes that followed it. Tokenizing costs tens of microseconds, so
-`PromptLookup` asks this only when the token-level index has no match.
+`NgramDrafter` asks this only when the token-level index has no match. The same text answers for
+the value a JSON key names (`named_value`), which the drafter asks first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from weft.detokenize import TokenBytes
+from weft.speculative.field_lookup import named_value
 
 
 class TextLookup:
@@ -30,10 +32,21 @@ class TextLookup:
         self.text = bytearray()
         self.num_tokens = 0  # how many of the sequence's tokens `text` holds
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def update(self, token_ids: Sequence[int]) -> None:
+        """Read the tokens appended since the last call."""
         for token in token_ids[self.num_tokens :]:
             self.text += self.token_bytes(token)
         self.num_tokens = len(token_ids)
+
+    def named_value(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens of the value that the text states for the JSON key whose value it has
+        just opened (`weft/speculative/field_lookup.py`), or []."""
+        self.update(token_ids)
+        value = named_value(self.text)
+        return self.encode(value)[:k] if value else []
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        self.update(token_ids)
         text, end = self.text, len(self.text)
         for size in range(min(self.max_bytes, end - 1), self.min_bytes - 1, -1):
             start = text.rfind(text[end - size :], 0, end - 1)
