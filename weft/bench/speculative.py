@@ -11,9 +11,11 @@ Workloads (the bundled model, prompts from the held-out tenth of Tiny Shakespear
   oracle  drafts that are the model's own greedy continuation, always as many as asked (the
           ceiling of verification, per k), also on random-weight models of real shapes
           (`--oracle-configs`).
-Each at every batch size, weft without and with `speculative_config` alternating `--repeats`
-times (best time kept): generated tokens/s, their ratio, the acceptance rate, the mean accepted
-length (tokens per verifying step), and whether the tokens were identical (they must be).
+Each at every batch size over the same 8 requests (more where the batch is larger), `batch` at a
+time, so that batch 1 is not one passage's luck; weft without and with `speculative_config`
+alternating `--repeats` times (best time kept): generated tokens/s, their ratio, the acceptance
+rate, the mean accepted length (tokens per verifying step), and whether the tokens were identical
+(they must be).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from weft.bench.throughput import SHARED, add_repeats_argument, build_checkpoint
 
 CORPUS = SHARED / "corpora" / "tinyshakespeare.txt"
 CONFIGS = SHARED / "configs"
+NUM_REQUESTS = 8  # per workload and batch size (more at a larger batch), `batch` at a time
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "home": {"type": "string"}},
@@ -106,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
                 for k in (int(x) for x in args.oracle_ks.split(",")):
                     results.append(_oracle("bundled", off, _speculating(None, k), batch, k, args))
                 continue
-            requests = _requests(workload, batch, args.max_tokens)
-            results.append(_compare("bundled", workload, off, on, requests, args.k, args.repeats))
+            requests = _requests(workload, max(batch, NUM_REQUESTS), args.max_tokens)
+            results.append(_compare("bundled", workload, off, on, requests, batch, args.k, args.repeats))
             _print(results[-1])
     for name in (c for c in args.oracle_configs.split(",") if c.strip()):
         with tempfile.TemporaryDirectory() as tmp:
@@ -143,12 +146,12 @@ def _bundled_ids(text: str) -> list[int]:
     return Tokenizer.from_dir(default_model_path()).encode(text)
 
 
-def _requests(workload: str, batch: int, max_tokens: int) -> list[tuple[Any, Any]]:
+def _requests(workload: str, count: int, max_tokens: int) -> list[tuple[Any, Any]]:
     from weft import SamplingParams
 
     text = CORPUS.read_text(encoding="utf-8")
     held = text[int(len(text) * 0.9) :]
-    passages = [held[i * 1500 : i * 1500 + 300] for i in range(batch)]
+    passages = [held[i * 1500 : i * 1500 + 300] for i in range(count)]
     if workload == "copy":
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         return [(p + "\n\n" + p[: _line_start(p, 80)], params) for p in passages]
@@ -156,7 +159,7 @@ def _requests(workload: str, batch: int, max_tokens: int) -> list[tuple[Any, Any
         params = SamplingParams(temperature=0, max_tokens=max_tokens, json_schema=SCHEMA)
         records = [
             f"name: {NAMES[i % 8]}\nage: {17 + 7 * i % 60}\nhome: {HOMES[(3 * i) % 8]}\n"
-            for i in range(batch)
+            for i in range(count)
         ]
         return [(r, params) for r in records]
     if workload == "open":
@@ -173,23 +176,33 @@ def _line_start(text: str, most: int) -> int:
     return text.rfind("\n", 0, most) + 1 or most
 
 
-def _timed(llm: Any, requests: list[tuple[Any, Any]]) -> tuple[float, list[Any]]:
-    prompts = [p for p, _ in requests]
-    params = [s for _, s in requests]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    return time.perf_counter() - started, outputs
+def _timed(llm: Any, requests: list[tuple[Any, Any]], batch: int) -> tuple[float, list[Any]]:
+    """The requests, `batch` at a time: the seconds they took and their outputs, in order."""
+    seconds, outputs = 0.0, []
+    for first in range(0, len(requests), batch):
+        group = requests[first : first + batch]
+        started = time.perf_counter()
+        outputs += llm.generate([p for p, _ in group], [s for _, s in group])
+        seconds += time.perf_counter() - started
+    return seconds, outputs
 
 
 def _compare(
-    model: str, workload: str, off: Any, on: Any, requests: list[tuple[Any, Any]], k: int, repeats: int
+    model: str,
+    workload: str,
+    off: Any,
+    on: Any,
+    requests: list[tuple[Any, Any]],
+    batch: int,
+    k: int,
+    repeats: int,
 ) -> Result:
-    """Both engines on the same requests, alternating, best time each."""
+    """Both engines on the same requests, `batch` at a time, alternating, best time each."""
     best_off = best_on = float("inf")
     for _ in range(repeats):
-        seconds, expected = _timed(off, requests)
+        seconds, expected = _timed(off, requests, batch)
         best_off = min(best_off, seconds)
-        seconds, got = _timed(on, requests)
+        seconds, got = _timed(on, requests, batch)
         best_on = min(best_on, seconds)
     tokens = sum(len(o.outputs[0].token_ids) for o in expected)
     counts = [o.speculation for o in got if o.speculation is not None]
@@ -198,7 +211,7 @@ def _compare(
     drafts = sum(c.num_drafts for c in counts)
     identical = [o.outputs[0].token_ids for o in expected] == [o.outputs[0].token_ids for o in got]
     return Result(
-        model, workload, len(requests), k, tokens / best_off, tokens / best_on,
+        model, workload, batch, k, tokens / best_off, tokens / best_on,
         accepted / drafted if drafted else 0.0, 1 + accepted / drafts if drafts else 1.0, identical,
     )  # fmt: skip
 
@@ -210,12 +223,12 @@ def _oracle(model: str, off: Any, on: Any, batch: int, k: int, args: argparse.Na
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [p for p, _ in _requests("open", batch, args.max_tokens)]  # as the bundled tokenizer's ids:
     requests = [(_bundled_ids(p)[:96], params) for p in prompts]  # any model's vocabulary holds them
-    _, reference = _timed(off, requests)
+    _, reference = _timed(off, requests, batch)
     refs = {tuple(o.prompt_token_ids): o.prompt_token_ids + o.outputs[0].token_ids for o in reference}
     speculation = on.engine.speculation
     speculation.adaptive = False
     speculation.new_drafter = lambda: ReferenceDrafter(refs)
-    result = _compare(model, "oracle", off, on, requests, k, args.repeats)
+    result = _compare(model, "oracle", off, on, requests, batch, k, args.repeats)
     _print(result)
     return result
 
