@@ -148,6 +148,30 @@ def test_short_multi_token_rows_attend_token_by_token():
     assert [g.num_seqs for g in torch_meta.groups] == [2, 3]
 
 
+def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
+    """Rows of 9-16 tokens (forced tokens with drafts after them) join the single-query group where
+    every query head has a KV head of its own and the context is at most 512 tokens; with GQA, or
+    past 512, they take the prefill kernel. Every path computes what SDPA does."""
+    query_lens, context_lens, block_size = [1, 12, 16, 12], [9, 100, 512, 600], 16
+    gen = torch.Generator().manual_seed(11)
+    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
+    kv_cache = torch.randn(num_blocks, block_size, 2, 4, 32, generator=gen)
+    q = torch.randn(sum(query_lens), 4, 32, generator=gen)
+    kv_new = torch.randn(sum(query_lens), 2, 4, 32, generator=gen)
+    outputs, groups = [], []
+    for backend in (
+        PagedAttention(NATIVE_CPU_KERNELS, 32),
+        PagedAttention(NATIVE_CPU_KERNELS, 32, gqa=True),
+        TORCH,
+    ):
+        meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
+        outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
+        groups.append([g.num_seqs for g in meta.groups])
+    assert groups[:2] == [[1 + 12 + 16, 1], [1, 3]]
+    torch.testing.assert_close(outputs[0], outputs[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[1], outputs[2], rtol=1e-5, atol=1e-5)
+
+
 def _prefill_step(
     backend: PagedAttention, query_lens, context_lens, heads, head_dim, block_size, scale=0.3, bfloat16=False
 ):

@@ -100,6 +100,7 @@ def build_attention_metadata(
     ragged: bool = False,
     prefill_in_place: bool = False,
     decode_in_place: bool = False,
+    tokenwise_more: tuple[int, int] | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -107,7 +108,8 @@ def build_attention_metadata(
     `query_lens[i]` of them. `block_tables` are lists of block ids, or already an array
     [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
     `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
-    set's choice); with `prefill_in_place`, longer rows attend through the kernel set's
+    set's choice), and with `tokenwise_more` = (tokens, context) so do rows of up to `tokens` whose
+    context is at most `context`; with `prefill_in_place`, longer rows attend through the kernel set's
     `paged_prefill_attention`; with `decode_in_place`, single-query groups get no mask (the kernel
     set's `paged_decode_attention` reads their context lengths). With `ragged`, the step is one
     `RaggedBatch` instead of groups.
@@ -138,7 +140,10 @@ def build_attention_metadata(
     if num_tokens == num_seqs:  # decode only: every row is one query already
         groups = (_group(shape, None, None, device),)
         return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
-    short_rows = [i for i, q in enumerate(query_lens) if q <= max_tokenwise_query_len]
+    short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
+    if tokenwise_more is not None:
+        short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
+    short_rows = np.flatnonzero(short).tolist()
     if not short_rows:
         groups = (_group(shape, None, None, device),)
     elif len(short_rows) == num_seqs:
@@ -146,7 +151,7 @@ def build_attention_metadata(
     else:
         short_set = set(short_rows)
         long_rows = [i for i in range(num_seqs) if i not in short_set]
-        short_tokens = (q_lens <= max_tokenwise_query_len)[seq_idx]  # [T] bool
+        short_tokens = short[seq_idx]  # [T] bool
         groups = (
             _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
             _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
@@ -355,9 +360,12 @@ class PagedAttention:
     """The attention backend: the KV-cache layout, a step's metadata, and attention over it, with
     the kernel set chosen for the device at load."""
 
-    def __init__(self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None) -> None:
+    def __init__(
+        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, gqa: bool = False
+    ) -> None:
         self.kernels = kernels
         self.head_dim = head_dim  # None: unknown, no ragged batches
+        self.gqa = gqa  # query heads share KV heads (see `TorchKernels.tokenwise_without_gqa`)
         self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
@@ -378,9 +386,10 @@ class PagedAttention:
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
         decode_in_place = self.head_dim is not None and self.kernels.reads_cache_in_place(self.head_dim)
+        more = None if self.gqa or not decode_in_place else self.kernels.tokenwise_without_gqa
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place,
+            decode_in_place, more,
         )  # fmt: skip
 
     @staticmethod
