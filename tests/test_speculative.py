@@ -153,6 +153,29 @@ def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
     assert Acceptance().num_tokens(0.0, 5) == 5  # free tokens: as many as allowed
 
 
+def test_the_gate_measures_steps_with_forced_tokens_but_not_prompts():
+    """A JSON step computes the tokens a grammar forced before its sampled one: the gate counts it
+    (with the forced tokens it appends) as a step of its kind; a prompt's step is neither kind."""
+    from types import SimpleNamespace
+
+    from weft.engine.speculation import Speculation
+    from weft.speculative.config import SpeculativeConfig
+    from weft.speculative.policy import GATE_KNOWN_MOST
+
+    def step(known: int, drafts: int) -> SimpleNamespace:
+        item = SimpleNamespace(samples=True, num_new_tokens=known + drafts, drafts=[0] * drafts)
+        return SimpleNamespace(scheduled=[item], num_batched_tokens=known + drafts)
+
+    speculation = Speculation(SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4}))
+    bucket = speculation.gate._bucket(1)
+    speculation.observe(step(GATE_KNOWN_MOST + 1, 0), 1e-3)  # a prompt
+    assert bucket.plain.steps == bucket.drafting.steps == 0
+    speculation.observe(step(7, 0), 1e-3, num_forced=6)  # forced tokens, then a sampled one
+    speculation.observe(step(7, 3), 2e-3, num_forced=6)
+    assert (bucket.plain.steps, bucket.drafting.steps) == (1, 1)
+    assert bucket.plain.tokens == 7 and bucket.drafting.tokens == 7
+
+
 def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():
     """Per batch size: drafting steps first, then plain ones, then whichever kind produced more
     tokens per second, with one step of the other kind every GATE_PROBE_EVERY steps times the

@@ -21,7 +21,7 @@ from weft.engine.sequence import Sequence, SequenceStatus
 from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
-from weft.speculative.policy import DraftGate, StepCost
+from weft.speculative.policy import GATE_KNOWN_MOST, DraftGate, StepCost
 from weft.speculative.suffix import SuffixCache
 from weft.tokenizer import Tokenizer
 
@@ -85,16 +85,22 @@ class Speculation:
             if seq.is_finished and seq.drafts is not None:
                 self.cache.add(seq.seq_id, seq.output_token_ids)
 
-    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A step took `seconds`, from its drafts' lookup to its tokens' acceptance: a decode step
-        (one known token per row, and drafts) refines what a token costs, and what a drafting
-        and a plain step produce per second."""
+    def observe(self, sched: SchedulerOutput, seconds: float, num_forced: int = 0) -> None:
+        """A step took `seconds`, from its drafts' lookup to its tokens' acceptance, and appended
+        `num_forced` tokens a grammar forced: a decode step (one known token per row, and drafts)
+        refines what a token costs; a step whose every row samples after at most
+        `GATE_KNOWN_MOST` known tokens (a decode token and forced tokens before it; not a prompt)
+        refines what a drafting and a plain step produce per second."""
         num_drafts = sum(len(item.drafts) for item in sched.scheduled)
         accepted = self.tally.num_accepted_tokens - self._accepted_seen
         self._accepted_seen = self.tally.num_accepted_tokens
         if sched.num_batched_tokens - num_drafts == len(sched.scheduled):
             self.cost.record(sched.num_batched_tokens, seconds)
-            tokens = sum(item.samples for item in sched.scheduled) + accepted
+        if all(
+            item.samples and item.num_new_tokens - len(item.drafts) <= GATE_KNOWN_MOST
+            for item in sched.scheduled
+        ):
+            tokens = len(sched.scheduled) + accepted + num_forced
             self.gate.record(len(sched.scheduled), tokens, seconds, drafted=num_drafts > 0)
 
     @staticmethod

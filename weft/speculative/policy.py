@@ -38,6 +38,7 @@ GATE_DECAY = 0.7  # per measured step of a kind (a probe comes 16 to 128 steps a
 GATE_PROBE_EVERY = 16  # steps of the faster kind between two of the other, when they are close
 GATE_PROBE_MOST = 128  # ... and at most, when the other is much slower (DraftGate.allows)
 GATE_MIN_STEPS = 4  # measured steps of each kind before the gate compares them
+GATE_KNOWN_MOST = 16  # known tokens a row computes at most in a step the gate measures (not prompts)
 
 
 @dataclass(slots=True)
