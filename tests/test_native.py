@@ -160,8 +160,8 @@ def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
     kv_new = torch.randn(sum(query_lens), 2, 4, 32, generator=gen)
     outputs, groups = [], []
     for backend in (
-        PagedAttention(NATIVE_CPU_KERNELS, 32),
-        PagedAttention(NATIVE_CPU_KERNELS, 32, gqa=True),
+        PagedAttention(NATIVE_CPU_KERNELS, 32, own_kv_heads=True),
+        PagedAttention(NATIVE_CPU_KERNELS, 32),  # a model with GQA, or one not said to have none
         TORCH,
     ):
         meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)

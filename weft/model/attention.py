@@ -361,11 +361,12 @@ class PagedAttention:
     the kernel set chosen for the device at load."""
 
     def __init__(
-        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, gqa: bool = False
+        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, own_kv_heads: bool = False
     ) -> None:
         self.kernels = kernels
         self.head_dim = head_dim  # None: unknown, no ragged batches
-        self.gqa = gqa  # query heads share KV heads (see `TorchKernels.tokenwise_without_gqa`)
+        # every query head has a KV head of its own, no GQA (see `TorchKernels.tokenwise_without_gqa`)
+        self.own_kv_heads = own_kv_heads
         self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
@@ -386,7 +387,7 @@ class PagedAttention:
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
         decode_in_place = self.head_dim is not None and self.kernels.reads_cache_in_place(self.head_dim)
-        more = None if self.gqa or not decode_in_place else self.kernels.tokenwise_without_gqa
+        more = self.kernels.tokenwise_without_gqa if self.own_kv_heads and decode_in_place else None
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
             decode_in_place, more,
