@@ -136,27 +136,30 @@ def build_attention_metadata(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
         decode_in_place,
     )  # fmt: skip
-    groups: tuple[AttentionGroup, ...]
     if num_tokens == num_seqs:  # decode only: every row is one query already
-        groups = (_group(shape, None, None, device),)
-        return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
-    short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
-    if tokenwise_more is not None:
-        short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
+        groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, device),)
+    else:
+        short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
+        if tokenwise_more is not None:
+            short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
+        groups = _split_groups(shape, short, device)
+    return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+
+
+def _split_groups(shape: _StepShape, short: np.ndarray, device: torch.device) -> tuple[AttentionGroup, ...]:
+    """The groups of a step with multi-token rows: the `short` rows ([B] bool) token by token as
+    single queries, the others as they are; one group where all rows are of one kind."""
     short_rows = np.flatnonzero(short).tolist()
     if not short_rows:
-        groups = (_group(shape, None, None, device),)
-    elif len(short_rows) == num_seqs:
-        groups = (_group(_tokenwise(shape, short_rows), None, None, device),)
-    else:
-        short_set = set(short_rows)
-        long_rows = [i for i in range(num_seqs) if i not in short_set]
-        short_tokens = short[seq_idx]  # [T] bool
-        groups = (
-            _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
-            _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
-        )
-    return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+        return (_group(shape, None, None, device),)
+    if len(short_rows) == len(shape.q_list):
+        return (_group(_tokenwise(shape, short_rows), None, None, device),)
+    long_rows = np.flatnonzero(~short).tolist()
+    short_tokens = short[shape.seq_idx]  # [T] bool
+    return (
+        _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
+        _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
+    )
 
 
 def _ragged_batch(
