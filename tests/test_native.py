@@ -160,7 +160,7 @@ def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
     kv_new = torch.randn(sum(query_lens), 2, 4, 32, generator=gen)
     outputs, groups = [], []
     for backend in (
-        PagedAttention(NATIVE_CPU_KERNELS, 32, own_kv_heads=True),
+        PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group=1),
         PagedAttention(NATIVE_CPU_KERNELS, 32),  # a model with GQA, or one not said to have none
         TORCH,
     ):
@@ -168,6 +168,30 @@ def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
         outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
         groups.append([g.num_seqs for g in meta.groups])
     assert groups[:2] == [[1 + 12 + 16, 1], [1, 3]]
+    torch.testing.assert_close(outputs[0], outputs[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs[1], outputs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_with_wide_gqa_short_rows_after_long_contexts_take_the_prefill_kernel():
+    """With 4 query heads per KV head, a row of 8 tokens attends token by token after 100 tokens
+    of context (8 x 100 <= 2,048) and through the prefill kernel after 600; a model whose group is
+    unknown keeps the rule of up to 8 tokens. Every path computes what SDPA does."""
+    query_lens, context_lens, block_size = [1, 8, 8], [9, 100, 600], 16
+    gen = torch.Generator().manual_seed(12)
+    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
+    kv_cache = torch.randn(num_blocks, block_size, 2, 2, 32, generator=gen)
+    q = torch.randn(sum(query_lens), 8, 32, generator=gen)
+    kv_new = torch.randn(sum(query_lens), 2, 2, 32, generator=gen)
+    outputs, groups = [], []
+    for backend in (
+        PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group=4),
+        PagedAttention(NATIVE_CPU_KERNELS, 32),
+        TORCH,
+    ):
+        meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
+        outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
+        groups.append([g.num_seqs for g in meta.groups])
+    assert groups[:2] == [[1 + 8, 1], [1 + 8 + 8]]
     torch.testing.assert_close(outputs[0], outputs[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outputs[1], outputs[2], rtol=1e-5, atol=1e-5)
 

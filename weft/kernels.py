@@ -71,6 +71,9 @@ class TorchKernels:
     # (tokens, context): where every query head has a KV head of its own, rows of up to `tokens`
     # new tokens whose context is at most `context` also attend token by token (None: no such rows)
     tokenwise_without_gqa: tuple[int, int] | None = None
+    # (group, most): where `group` or more query heads share each KV head, multi-token rows attend
+    # token by token only while their new tokens times their context is at most `most`
+    tokenwise_wide_gqa: tuple[int, int] | None = None
     # The MLP of a step with more rows runs this many at a time (None: all at once).
     mlp_chunk_rows: int | None = None
 
@@ -324,6 +327,11 @@ class NativeCpuKernels(TorchKernels):
     # it costs 1.4x. With GQA the prefill kernel shares each KV head's tiles among its query heads
     # and is 2x faster already at 8 tokens (32 heads over 8: 323 against 157 us at 256).
     tokenwise_without_gqa = (16, 512)
+    # ... and with 4 or more query heads per KV head the prefill kernel wins past short contexts: a
+    # Llama-3.2-1B-shape step of 8 tokens after 1,024 took 79.8 ms token by token in the fused stack
+    # against 65.0 through the prefill kernel (5 tokens: 64.3 / 56.4; after 2,048: 103 / 74; after
+    # 256: 57.2 / 55.7), while SmolLM2-135M's 3 per KV head stay faster token by token to 2,048.
+    tokenwise_wide_gqa = (4, 2048)
     # A long prefill's MLP in chunks: its [T, 2I] float32 intermediate stays in the last-level cache
     # and under glibc's 32 MiB limit for reusing freed memory (a larger one is mapped afresh at every
     # call: 13 ms of page faults per 50 MB on the Zen 4 machine, 4,096 rows of SmolLM2-135M).

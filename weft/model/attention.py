@@ -101,6 +101,7 @@ def build_attention_metadata(
     prefill_in_place: bool = False,
     decode_in_place: bool = False,
     tokenwise_more: tuple[int, int] | None = None,
+    tokenwise_most: int | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -109,7 +110,8 @@ def build_attention_metadata(
     [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
     `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
     set's choice), and with `tokenwise_more` = (tokens, context) so do rows of up to `tokens` whose
-    context is at most `context`; with `prefill_in_place`, longer rows attend through the kernel set's
+    context is at most `context`, and with `tokenwise_most` only rows whose new tokens times their
+    context is at most that; with `prefill_in_place`, longer rows attend through the kernel set's
     `paged_prefill_attention`; with `decode_in_place`, single-query groups get no mask (the kernel
     set's `paged_decode_attention` reads their context lengths). With `ragged`, the step is one
     `RaggedBatch` instead of groups.
@@ -142,6 +144,8 @@ def build_attention_metadata(
         short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
         if tokenwise_more is not None:
             short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
+        if tokenwise_most is not None:
+            short &= (q_lens == 1) | (q_lens * ctx_lens <= tokenwise_most)
         groups = _split_groups(shape, short, device)
     return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
 
@@ -364,12 +368,13 @@ class PagedAttention:
     the kernel set chosen for the device at load."""
 
     def __init__(
-        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, own_kv_heads: bool = False
+        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, kv_group: int | None = None
     ) -> None:
         self.kernels = kernels
         self.head_dim = head_dim  # None: unknown, no ragged batches
-        # every query head has a KV head of its own, no GQA (see `TorchKernels.tokenwise_without_gqa`)
-        self.own_kv_heads = own_kv_heads
+        # query heads per KV head (1: no GQA; None: unknown), for which rows attend token by token
+        # (`TorchKernels.tokenwise_without_gqa`, `tokenwise_wide_gqa`)
+        self.kv_group = kv_group
         self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
@@ -390,11 +395,18 @@ class PagedAttention:
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
         decode_in_place = self.head_dim is not None and self.kernels.reads_cache_in_place(self.head_dim)
-        more = self.kernels.tokenwise_without_gqa if self.own_kv_heads and decode_in_place else None
+        more, most = self._tokenwise_rules() if decode_in_place else (None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more,
+            decode_in_place, more, most,
         )  # fmt: skip
+
+    def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None]:
+        """`build_attention_metadata`'s `tokenwise_more` and `tokenwise_most` for this model."""
+        group, wide = self.kv_group, self.kernels.tokenwise_wide_gqa
+        more = self.kernels.tokenwise_without_gqa if group == 1 else None
+        most = wide[1] if wide is not None and group is not None and group >= wide[0] else None
+        return more, most
 
     @staticmethod
     def build_tree_metadata(
