@@ -148,52 +148,40 @@ def test_short_multi_token_rows_attend_token_by_token():
     assert [g.num_seqs for g in torch_meta.groups] == [2, 3]
 
 
-def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
-    """Rows of 9-16 tokens (forced tokens with drafts after them) join the single-query group where
-    every query head has a KV head of its own and the context is at most 512 tokens; with GQA, or
-    past 512, they take the prefill kernel. Every path computes what SDPA does."""
-    query_lens, context_lens, block_size = [1, 12, 16, 12], [9, 100, 512, 600], 16
-    gen = torch.Generator().manual_seed(11)
-    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
-    kv_cache = torch.randn(num_blocks, block_size, 2, 4, 32, generator=gen)
-    q = torch.randn(sum(query_lens), 4, 32, generator=gen)
-    kv_new = torch.randn(sum(query_lens), 2, 4, 32, generator=gen)
+def _groups_and_outputs(kv_group: int, query_lens, context_lens, heads, seed):
+    """One step of `query_lens` rows after `context_lens` tokens (heads: query, KV; blocks of 16)
+    through a native backend told the model's `kv_group`, one told nothing, and SDPA: each one's
+    group sizes, and the two native outputs checked against SDPA's."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _scattered_block_tables(context_lens, 16, gen)
+    kv_cache = torch.randn(num_blocks, 16, 2, heads[1], 32, generator=gen)
+    q = torch.randn(sum(query_lens), heads[0], 32, generator=gen)
+    kv_new = torch.randn(sum(query_lens), 2, heads[1], 32, generator=gen)
     outputs, groups = [], []
-    for backend in (
-        PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group=1),
-        PagedAttention(NATIVE_CPU_KERNELS, 32),  # a model with GQA, or one not said to have none
-        TORCH,
-    ):
-        meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
+    told, untold = PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group), PagedAttention(NATIVE_CPU_KERNELS, 32)
+    for backend in (told, untold, TORCH):
+        meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
         outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
         groups.append([g.num_seqs for g in meta.groups])
-    assert groups[:2] == [[1 + 12 + 16, 1], [1, 3]]
     torch.testing.assert_close(outputs[0], outputs[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outputs[1], outputs[2], rtol=1e-5, atol=1e-5)
+    return groups[:2]
+
+
+def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
+    """Rows of 9-16 tokens (forced tokens with drafts after them) join the single-query group where
+    every query head has a KV head of its own and the context is at most 512 tokens; past 512, or
+    where the model's group is not known, they take the prefill kernel."""
+    groups = _groups_and_outputs(1, [1, 12, 16, 12], [9, 100, 512, 600], (4, 4), seed=11)
+    assert groups == [[1 + 12 + 16, 1], [1, 3]]
 
 
 def test_with_wide_gqa_short_rows_after_long_contexts_take_the_prefill_kernel():
     """With 4 query heads per KV head, a row of 8 tokens attends token by token after 100 tokens
     of context (8 x 100 <= 2,048) and through the prefill kernel after 600; a model whose group is
-    unknown keeps the rule of up to 8 tokens. Every path computes what SDPA does."""
-    query_lens, context_lens, block_size = [1, 8, 8], [9, 100, 600], 16
-    gen = torch.Generator().manual_seed(12)
-    tables, num_blocks = _scattered_block_tables(context_lens, block_size, gen)
-    kv_cache = torch.randn(num_blocks, block_size, 2, 2, 32, generator=gen)
-    q = torch.randn(sum(query_lens), 8, 32, generator=gen)
-    kv_new = torch.randn(sum(query_lens), 2, 2, 32, generator=gen)
-    outputs, groups = [], []
-    for backend in (
-        PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group=4),
-        PagedAttention(NATIVE_CPU_KERNELS, 32),
-        TORCH,
-    ):
-        meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
-        outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
-        groups.append([g.num_seqs for g in meta.groups])
-    assert groups[:2] == [[1 + 8, 1], [1 + 8 + 8]]
-    torch.testing.assert_close(outputs[0], outputs[2], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outputs[1], outputs[2], rtol=1e-5, atol=1e-5)
+    unknown keeps the rule of up to 8 tokens."""
+    groups = _groups_and_outputs(4, [1, 8, 8], [9, 100, 600], (8, 2), seed=12)
+    assert groups == [[1 + 8, 1], [1 + 8 + 8]]
 
 
 def _prefill_step(
