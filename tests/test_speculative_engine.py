@@ -422,7 +422,11 @@ def test_weft_serve_speculates_and_counts_it_in_vllm_metrics(bundled):
 
     server = Server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     try:
-        text = "All:\nSpeak, speak. Speak, speak. Speak, speak."
+        # the model's first draft here is accepted (its own loop), before any timing moves the gate
+        text = (
+            "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+            "It is the east, and Juliet is the sun.\n\nROMEO:\nBut soft,"
+        )
         reply = server.client().completions.create(
             model="weft-default", prompt=text, max_tokens=24, temperature=0
         )
