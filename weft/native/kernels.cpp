@@ -210,7 +210,7 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
   int64_t q_seq_stride, q_head_stride, num_splits;
-  bool prefetch;  // ask for each next block ahead of its use (the step's cache is larger than L3 holds)
+  bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
 struct Partial {  // running softmax of one work item: [H], [H], [H, D]
