@@ -3,6 +3,7 @@ search of the same rule, and the configuration's checks."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -118,6 +119,53 @@ def test_the_drafter_guesses_a_named_value_before_anything_else():
     )
     assert tok.decode(drafter.propose(ids, 8)) == 'verona"'
     assert drafter.propose(ids, 1) == tok.encode("verona", add_special_tokens=False)[:1]
+
+
+def test_a_draft_runs_on_through_what_the_grammar_forces_to_the_next_named_value():
+    """Under a JSON schema, a name's guess is followed by the tokens the grammar forces after it
+    (`", "age": `) and the age the record states, not by forced tokens that no guess follows; the
+    forced positions are reported, the guesses stay within their number, and the matcher is left
+    as it was."""
+    from weft.detokenize import token_bytes_for
+    from weft.engine.factory import default_model_path
+    from weft.params import StructuredKind, StructuredSpec
+    from weft.speculative.drafter import NgramDrafter
+    from weft.speculative.forced import through_forced
+    from weft.speculative.text_lookup import TextLookup
+    from weft.structured.llguidance_backend import LLGuidanceBackend
+    from weft.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    backend = LLGuidanceBackend(tok.tokenizer.to_str(), tok.vocab_size, [tok.eos_token_id or 0])
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "home": {"type": "string"}},
+        "required": ["name", "age", "home"],
+    }
+    matcher = backend.new_matcher(
+        backend.compile(StructuredSpec(StructuredKind.JSON_SCHEMA, json.dumps(schema)))
+    )
+    record = tok.encode("name: Romeo\nage: 17\nhome: verona\n")
+    opened = tok.encode('{"name": "', add_special_tokens=False)
+    assert matcher.consume(opened)
+    drafter = NgramDrafter(
+        2, 4, TextLookup(token_bytes_for(tok), lambda t: tok.encode(t, add_special_tokens=False))
+    )
+    ids = record + opened
+    guessed = drafter.propose(ids, 8)
+    assert tok.decode(guessed) == 'Romeo"'
+    forced_before, valid_before = matcher.forced_tokens(), matcher.validate(guessed)
+    draft, forced_at = through_forced(matcher, drafter.propose_after, ids, guessed, 8, 64)
+    assert tok.decode(draft) == 'Romeo", "age": 17'
+    assert tok.decode([draft[i] for i in forced_at]) == ', "age": '
+    assert forced_at == list(
+        range(len(guessed), len(draft) - len(tok.encode("17", add_special_tokens=False)))
+    )
+    assert (matcher.forced_tokens(), matcher.validate(guessed)) == (forced_before, valid_before)
+    assert through_forced(matcher, drafter.propose_after, ids, guessed, len(guessed), 64) == (guessed, [])
+    assert through_forced(matcher, None, ids, guessed, 8, 64) == (guessed, [])  # a drafter that cannot
+    assert through_forced(matcher, lambda *_: [], ids, guessed, 8, 64) == (guessed, [])  # nothing after
+    assert through_forced(matcher, drafter.propose_after, ids, guessed, 8, len(guessed) + 3) == (guessed, [])
 
 
 def test_the_step_cost_fit_recovers_what_a_token_costs():

@@ -321,6 +321,86 @@ def test_a_matcher_consumes_only_the_tokens_it_keeps(engines, expected, monkeypa
     assert sum(o.speculation.num_accepted_tokens for o in got if o.speculation) > 0
 
 
+class ChainingOracle(Oracle):
+    """An oracle that also guesses past the tokens a grammar forces (`propose_after`), and counts
+    the drafts that ran on through them."""
+
+    def __init__(self, references: list[list[int]], spoil: Callable[[list[int]], list[int]]) -> None:
+        super().__init__(references, spoil)
+        self.chained = 0
+
+    def propose_after(self, token_ids: Sequence[int], draft: list[int], k: int) -> list[int]:
+        guessed = self.propose([*token_ids, *draft], k)
+        self.chained += bool(guessed)
+        return guessed
+
+
+def _json_requests(n: int) -> list[tuple[str, SamplingParams]]:
+    """Structured requests without logprobs (whose drafts may run on through forced tokens); `n`
+    samples of one (an oracle may then follow the other sample while they share a prefix)."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, json_schema=SCHEMA),
+        SamplingParams(temperature=0.9, seed=21, max_tokens=40, json_schema=SCHEMA, n=n),
+        SamplingParams(
+            temperature=0.8, seed=22, max_tokens=30, regex=r"(ab|cd): [a-z]{1,4}(, (ab|cd): [a-z]{1,4})*"
+        ),
+    ]
+    return [(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+
+
+def _counting_steps(engine: LLMEngine, reqs: list[tuple[str, SamplingParams]], make: Callable[[], Drafter]):
+    """`run` with `make`'s drafters: the outputs and the number of steps."""
+    speculation = engine.speculation
+    assert speculation is not None
+    default, speculation.new_drafter = speculation.new_drafter, make
+    steps = itertools.count()
+    step = engine.step
+    engine.step = lambda: next(steps) is None or step()  # type: ignore[method-assign]
+    try:
+        return run(engine, reqs), next(steps)
+    finally:
+        speculation.new_drafter = default
+        del engine.step
+
+
+@pytest.mark.parametrize("spoil", ["right", "partly"])
+def test_drafts_through_forced_tokens_change_no_output(engines, spoil):
+    """Guesses that go on past the tokens a grammar forces after them (weft/speculative/forced.py)
+    give the outputs of decoding without speculation, in fewer steps when they are right; the
+    forced tokens a draft held count neither as drafted nor as accepted."""
+    off, on = engines
+    reqs = _json_requests(1 if spoil == "right" else 2)
+    expected = run(off, reqs)
+    references = _references(expected)
+    speculation = on.speculation
+    assert speculation is not None
+    rng = random.Random(4)
+    oracles: list[ChainingOracle] = []
+
+    def shortened(guess: list[int]) -> list[int]:  # some end where the grammar forces what follows
+        guess = guess[: 1 + sum(guess) % max(len(guess), 1)]  # (the same cut in both runs below)
+        return guess if spoil == "right" or rng.random() < 0.5 else _partly_right(rng)(guess)
+
+    def make() -> ChainingOracle:
+        oracles.append(ChainingOracle(references, shortened))
+        return oracles[-1]
+
+    before = speculation.tally.counts
+    got, steps = _counting_steps(on, reqs, make)
+    assert fields(got) == fields(expected)
+    assert sum(o.chained for o in oracles) > 0
+    done = speculation.tally.counts
+    num_drafted = done.num_draft_tokens - before.num_draft_tokens
+    num_accepted = done.num_accepted_tokens - before.num_accepted_tokens
+    if spoil == "partly":
+        assert 0 < num_accepted < num_drafted
+        return
+    assert num_accepted == num_drafted > 0  # the forced tokens in the drafts: in neither count
+    got, unchained_steps = _counting_steps(on, reqs, lambda: Oracle(references, shortened))
+    assert fields(got) == fields(expected)
+    assert steps < unchained_steps
+
+
 def test_unseeded_sampling_at_a_draft_position_has_the_model_distribution(tiny_llama):
     """Unseeded, the token sampled at a draft's row follows the model's distribution there:
     chi-square against the probabilities of a forward over the prompt and the draft. (Two pinned

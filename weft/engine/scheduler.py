@@ -331,13 +331,15 @@ class Scheduler:
     def _accept_drafts(self, item: ScheduledSequence, sampled: SampledRows, row: int) -> int:
         """Verify `item`'s drafts from its rows (`row`: its last known token's): each sampled token
         is appended as it would be without speculation, and the next row counts only while the
-        token equals the draft its row was computed after (and appended nothing else: forced
-        tokens end the run). The drafts' KV entries up to the first mismatch stay computed; the
-        rest are rolled back, and blocks past the sequence's tokens freed. Returns the number of
-        tokens the grammar forced."""
+        token equals the draft its row was computed after. Tokens a grammar forces after it end the
+        run, unless the draft holds them too (weft/speculative/forced.py): the run then goes on
+        after them. The drafts' KV entries up to the first mismatch stay computed; the rest are
+        rolled back, and blocks past the sequence's tokens freed. Returns the number of tokens the
+        grammar forced."""
         seq, drafts = item.seq, item.drafts
         num_forced = num_accepted = 0
-        for depth in range(len(drafts) + 1):
+        depth = 0
+        while depth <= len(drafts):
             error = sampled.errors.get(row + depth)
             if error is not None:
                 seq.finish(FinishReason.ERROR, error=error)
@@ -345,12 +347,15 @@ class Scheduler:
             token = sampled.token_ids[row + depth]
             num_appended = seq.append(token, sampled.logprobs[row + depth])
             num_forced += max(num_appended - 1, 0)
-            right = depth < len(drafts) and token == drafts[depth] and num_appended > 0
-            num_accepted += right  # its KV entry, computed after the right token, holds
-            if not right or num_appended != 1 or seq.status >= FIRST_FINISHED:
+            if depth == len(drafts) or token != drafts[depth] or num_appended == 0:
                 break
-        if seq.drafts is not None:
-            seq.drafts.record(len(drafts), num_accepted)
+            num_accepted += 1  # its KV entry, computed after the right token, holds
+            held = _forced_held(seq, drafts, depth, num_appended - 1)
+            num_accepted += held
+            if held < num_appended - 1 or seq.status >= FIRST_FINISHED:
+                break
+            depth += num_appended
+        self._record_drafts(seq, drafts, num_accepted)
         if seq.status >= FIRST_FINISHED:
             self._release(seq)
             return num_forced
@@ -360,6 +365,18 @@ class Scheduler:
         if num_accepted:
             self.kv.cache_full_blocks(seq)
         return num_forced
+
+    @staticmethod
+    def _record_drafts(seq: Sequence, drafts: list[int], num_accepted: int) -> None:
+        """The verification (`num_accepted`: the drafts' first tokens kept) in `seq`'s tallies, of
+        its guesses only: the tokens a grammar forced that its draft held (`DraftState.forced_at`)
+        are neither drafted nor accepted there."""
+        state = seq.drafts
+        if state is None:
+            return
+        forced_at = state.forced_at
+        num_drafted = len(drafts) - sum(1 for at in forced_at if at < len(drafts))
+        state.record(num_drafted, num_accepted - sum(1 for at in forced_at if at < num_accepted))
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their
@@ -404,3 +421,17 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)
+
+
+def _forced_held(seq: Sequence, drafts: list[int], depth: int, num_forced: int) -> int:
+    """How many of the `num_forced` tokens that `seq` has just appended after drafts[depth],
+    forced by its grammar, the drafts hold next, in order (none while they wait for logprobs)."""
+    if num_forced == 0 or seq.num_pending_forced:
+        return 0
+    forced = seq.token_ids[len(seq.token_ids) - num_forced :]
+    held = 0
+    for token, draft in zip(forced, drafts[depth + 1 :], strict=False):
+        if token != draft:
+            break
+        held += 1
+    return held

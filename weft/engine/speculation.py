@@ -21,6 +21,7 @@ from weft.engine.sequence import Sequence, SequenceStatus
 from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
+from weft.speculative.forced import through_forced
 from weft.speculative.policy import GATE_KNOWN_MOST, DraftGate, StepCost
 from weft.speculative.suffix import SuffixCache
 from weft.tokenizer import Tokenizer
@@ -62,11 +63,31 @@ class Speculation:
             room = seq.tokens_left - 1  # the last token comes from a row, not a draft
             wanted = state.acceptance.num_tokens(share, min(k, room)) if room > 0 else 0
             guessed = state.drafter.propose(seq.token_ids, wanted) if wanted > 0 else []
+            if state.forced_at:
+                state.forced_at = []
             if guessed and seq.matcher is not None:
-                guessed = guessed[: seq.matcher.validate(guessed)]
+                guessed = self._under_grammar(seq, state, guessed, wanted, room)
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    @staticmethod
+    def _under_grammar(
+        seq: Sequence, state: DraftState, guessed: list[int], wanted: int, room: int
+    ) -> list[int]:
+        """The guesses cut at the first token the grammar refuses; if it refuses none, and the
+        sequence fast-forwards without logprobs, run on through what the grammar forces after them
+        (weft/speculative/forced.py)."""
+        matcher = seq.matcher
+        assert matcher is not None
+        valid = matcher.validate(guessed)
+        if valid < len(guessed) or not seq.params.fast_forward or seq.positions is not None:
+            return guessed[:valid]
+        propose_after = getattr(state.drafter, "propose_after", None)
+        guessed, state.forced_at = through_forced(
+            matcher, propose_after, seq.token_ids, guessed, wanted, room
+        )
+        return guessed
 
     def lets_stay_in_flight(self, proposed: bool, batch: int) -> bool:
         """Whether a step may stay in flight (lookahead): only if no drafts were `proposed` for it

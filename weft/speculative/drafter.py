@@ -29,6 +29,10 @@ class Drafter(Protocol):
         ...
 
 
+# A drafter may also guess past tokens a grammar forces (`propose_after(token_ids, draft, k)`,
+# weft/speculative/forced.py); `NgramDrafter` does, for the values a prompt states.
+
+
 class NgramDrafter:
     """Prompt lookup (`NgramIndex`) over the sequence's prompt and output, fed the tokens appended
     since the last guess; where it has no match and the tokenizer is byte-level, the same lookup on
@@ -54,6 +58,12 @@ class NgramDrafter:
         if not guessed and self.text is not None:
             guessed = self.text.propose(token_ids, k)
         return guessed
+
+    def propose_after(self, token_ids: Sequence[int], draft: list[int], k: int) -> list[int]:
+        """Up to `k` guesses after `token_ids` and then `draft` (tokens a grammar forces, after
+        guesses: weft/speculative/forced.py), without reading `draft` in: the value a JSON key
+        that `draft` opens names in the prompt, or []."""
+        return self.text.named_value_after(token_ids, draft, k) if self.text is not None else []
 
 
 DrafterFactory = Callable[[], Drafter]
@@ -108,6 +118,7 @@ class DraftState:
     tally: Tally = field(default_factory=Tally)
     acceptance: Acceptance = field(default_factory=Acceptance)
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
+    forced_at: list[int] = field(default_factory=list)  # where its draft holds tokens a grammar forces
 
     def draft_rows(self, base: Row, drafts: list[int]) -> list[DraftRow]:
         """The sampling rows of `base`'s draft positions this step (the same objects step after

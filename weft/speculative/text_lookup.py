@@ -45,6 +45,13 @@ class TextLookup:
         value = named_value(self.text)
         return self.encode(value)[:k] if value else []
 
+    def named_value_after(self, token_ids: Sequence[int], draft: Sequence[int], k: int) -> list[int]:
+        """`named_value` for the text followed by `draft`'s tokens, which are not read in."""
+        self.update(token_ids)
+        text = self.text + b"".join(self.token_bytes(token) for token in draft)
+        value = named_value(text)
+        return self.encode(value)[:k] if value else []
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         self.update(token_ids)
         text, end = self.text, len(self.text)
