@@ -203,7 +203,8 @@ def test_a_sequence_drafts_as_far_as_its_acceptance_pays():
 
 def test_the_gate_measures_steps_with_forced_tokens_but_not_prompts():
     """A JSON step computes the tokens a grammar forced before its sampled one: the gate counts it
-    (with the forced tokens it appends) as a step of its kind; a prompt's step is neither kind."""
+    as a step of its kind, producing the tokens it computes (forced ones included) and the drafts
+    it keeps; a prompt's step is neither kind."""
     from types import SimpleNamespace
 
     from weft.engine.speculation import Speculation
@@ -218,10 +219,12 @@ def test_the_gate_measures_steps_with_forced_tokens_but_not_prompts():
     bucket = speculation.gate._bucket(1)
     speculation.observe(step(GATE_KNOWN_MOST + 1, 0), 1e-3)  # a prompt
     assert bucket.plain.steps == bucket.drafting.steps == 0
-    speculation.observe(step(7, 0), 1e-3, num_forced=6)  # forced tokens, then a sampled one
-    speculation.observe(step(7, 3), 2e-3, num_forced=6)
-    assert (bucket.plain.steps, bucket.drafting.steps) == (1, 1)
-    assert bucket.plain.tokens == 7 and bucket.drafting.tokens == 7
+    speculation.observe(step(7, 0), 1e-3)  # 6 forced tokens, then the one they follow
+    speculation.observe(step(7, 3), 2e-3)  # the same, and 3 drafts, none kept
+    speculation.tally.add(3, 2, 1)  # 3 drafts, 2 guesses and a forced token kept
+    speculation.observe(step(7, 3), 2e-3)
+    assert (bucket.plain.steps, bucket.drafting.steps) == (1, 2)
+    assert bucket.plain.tokens == 7 and bucket.drafting.tokens == pytest.approx(7 * 0.7 + 10)
 
 
 def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():

@@ -319,7 +319,7 @@ class LLMEngine:
         touched = self._admit_compiled_grammars() + self.started
         self.started = []
         previous, self.in_flight = self.in_flight, None
-        started, forced = time.perf_counter(), self.num_forced_tokens
+        started = time.perf_counter()
         drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         launched = None
@@ -344,7 +344,7 @@ class LLMEngine:
                 touched += self._resolve(launched)
             if self.speculation is not None:
                 seconds = time.perf_counter() - started
-                self.speculation.observe(launched.sched, seconds, self.num_forced_tokens - forced)
+                self.speculation.observe(launched.sched, seconds)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)

@@ -376,7 +376,8 @@ class Scheduler:
             return
         forced_at = state.forced_at
         num_drafted = len(drafts) - sum(1 for at in forced_at if at < len(drafts))
-        state.record(num_drafted, num_accepted - sum(1 for at in forced_at if at < num_accepted))
+        num_forced_kept = sum(1 for at in forced_at if at < num_accepted)
+        state.record(num_drafted, num_accepted - num_forced_kept, num_forced_kept)
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their

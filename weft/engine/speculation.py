@@ -22,7 +22,7 @@ from weft.sample.sampler import SamplingRow
 from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
 from weft.speculative.forced import through_forced
-from weft.speculative.policy import GATE_KNOWN_MOST, DraftGate, StepCost
+from weft.speculative.policy import GATE_KNOWN_MOST, POOLED_DECAY, Acceptance, DraftGate, StepCost
 from weft.speculative.suffix import SuffixCache
 from weft.tokenizer import Tokenizer
 
@@ -37,10 +37,11 @@ class Speculation:
             )
         self.new_drafter: DrafterFactory = drafter_factory(config, tokenizer, self.cache)  # tests: their own
         self.tally = Tally()  # the engine's, over every verification
+        self.acceptance = Acceptance(decay=POOLED_DECAY)  # the engine's: new sequences start from it
         self.cost = StepCost()  # what a token costs a decode step (weft/speculative/policy.py)
         self.gate = DraftGate()  # which steps pay, drafting or plain, per batch size
         self.adaptive = True  # draft only the tokens that pay; False: always as many as proposed
-        self._accepted_seen = 0  # the tally's accepted tokens at the last step observed
+        self._kept_seen = 0  # the tally's kept draft tokens (guesses and forced) at the last step observed
         self._next_allowed: bool | None = None  # the gate's answer for the next step, if asked early
 
     def propose(self, running: Iterable[Sequence]) -> dict[int, list[int]]:
@@ -59,7 +60,7 @@ class Speculation:
                 continue
             state = seq.drafts
             if state is None:
-                state = seq.drafts = DraftState(self.new_drafter(), self.tally)
+                state = seq.drafts = self._new_state()
             room = seq.tokens_left - 1  # the last token comes from a row, not a draft
             wanted = state.acceptance.num_tokens(share, min(k, room)) if room > 0 else 0
             guessed = state.drafter.propose(seq.token_ids, wanted) if wanted > 0 else []
@@ -70,6 +71,12 @@ class Speculation:
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    def _new_state(self) -> DraftState:
+        """A sequence's speculation, its acceptance starting from the engine's."""
+        pooled = self.acceptance
+        acceptance = Acceptance.starting_at(pooled.rate)
+        return DraftState(self.new_drafter(), self.tally, acceptance=acceptance, engine_acceptance=pooled)
 
     @staticmethod
     def _under_grammar(
@@ -106,23 +113,25 @@ class Speculation:
             if seq.is_finished and seq.drafts is not None:
                 self.cache.add(seq.seq_id, seq.output_token_ids)
 
-    def observe(self, sched: SchedulerOutput, seconds: float, num_forced: int = 0) -> None:
-        """A step took `seconds`, from its drafts' lookup to its tokens' acceptance, and appended
-        `num_forced` tokens a grammar forced: a decode step (one known token per row, and drafts)
-        refines what a token costs; a step whose every row samples after at most
-        `GATE_KNOWN_MOST` known tokens (a decode token and forced tokens before it; not a prompt)
-        refines what a drafting and a plain step produce per second."""
+    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step took `seconds`, from its drafts' lookup to its tokens' acceptance: a decode step
+        (one known token per row, and drafts) refines what a token costs; a step whose every row
+        samples after at most `GATE_KNOWN_MOST` known tokens (a decode token and tokens a grammar
+        forced before it; not a prompt) refines what a drafting and a plain step produce per
+        second. A step produces the tokens it computes and keeps: its known tokens and its accepted
+        drafts (forced tokens count in the step that computes them, not in the one they follow)."""
         num_drafts = sum(len(item.drafts) for item in sched.scheduled)
-        accepted = self.tally.num_accepted_tokens - self._accepted_seen
-        self._accepted_seen = self.tally.num_accepted_tokens
-        if sched.num_batched_tokens - num_drafts == len(sched.scheduled):
+        tally = self.tally
+        kept = tally.num_accepted_tokens + tally.num_forced_kept
+        accepted, self._kept_seen = kept - self._kept_seen, kept
+        known = sched.num_batched_tokens - num_drafts
+        if known == len(sched.scheduled):
             self.cost.record(sched.num_batched_tokens, seconds)
         if all(
             item.samples and item.num_new_tokens - len(item.drafts) <= GATE_KNOWN_MOST
             for item in sched.scheduled
         ):
-            tokens = len(sched.scheduled) + accepted + num_forced
-            self.gate.record(len(sched.scheduled), tokens, seconds, drafted=num_drafts > 0)
+            self.gate.record(len(sched.scheduled), known + accepted, seconds, drafted=num_drafts > 0)
 
     @staticmethod
     def rows(sched: SchedulerOutput) -> list[SamplingRow]:

@@ -97,11 +97,13 @@ class Tally:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_forced_kept: int = 0  # tokens a grammar forced that drafts held and verification kept
 
-    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def add(self, num_draft_tokens: int, num_accepted: int, num_forced_kept: int = 0) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        self.num_forced_kept += num_forced_kept
 
     @property
     def counts(self) -> SpeculationCounts:
@@ -117,6 +119,7 @@ class DraftState:
     engine_tally: Tally
     tally: Tally = field(default_factory=Tally)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    engine_acceptance: Acceptance | None = None  # the engine's, over all its sequences
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
     forced_at: list[int] = field(default_factory=list)  # where its draft holds tokens a grammar forces
 
@@ -130,8 +133,11 @@ class DraftState:
             row.drafts = drafts
         return rows[: len(drafts)]
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verification: `num_draft_tokens` drafts, the first `num_accepted` of them accepted."""
-        self.tally.add(num_draft_tokens, num_accepted)
+    def record(self, num_draft_tokens: int, num_accepted: int, num_forced_kept: int = 0) -> None:
+        """One verification: `num_draft_tokens` guesses, the first `num_accepted` of them
+        accepted, and `num_forced_kept` forced tokens among them kept (weft/speculative/forced.py)."""
+        self.tally.add(num_draft_tokens, num_accepted, num_forced_kept)
         self.acceptance.record(num_draft_tokens, num_accepted)
-        self.engine_tally.add(num_draft_tokens, num_accepted)
+        self.engine_tally.add(num_draft_tokens, num_accepted, num_forced_kept)
+        if self.engine_acceptance is not None:
+            self.engine_acceptance.record(num_draft_tokens, num_accepted)

@@ -10,7 +10,8 @@ decide it, each a few float operations per row:
   near 1 once the forward is compute-bound (large batches).
 - `Acceptance`, one per sequence: the chance that its next draft token is accepted, `a`, estimated
   from its verifications (accepted tokens over accepted tokens plus rejections, exponentially
-  weighted, starting from 1/2).
+  weighted), starting from the engine's rate over its recent verifications (1/2 before any): a
+  JSON extraction drafts a few values per request, too few for a per-sequence estimate alone.
 
 The j-th draft token is accepted with chance about a^j, so a sequence drafts the j with
 `a^j > c(B)`, at most `num_speculative_tokens`. A sequence that stops drafting (a <= c) tries one
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 DECAY = 0.95  # per decode step, of the step-cost fit
 PRIOR_SHARE = 0.02  # before any fit: one more token costs 2% of a one-row step
 ACCEPTANCE_DECAY = 0.8  # per verification, of a sequence's acceptance estimate
+POOLED_DECAY = 0.95  # per verification, of the engine's, over all its sequences
+PRIOR_WEIGHT = 2.0  # the tokens' worth of a new sequence's first estimate (the engine's rate)
 PROBE_EVERY = 16  # steps between single-token probes of a sequence that stopped drafting
 GATE_DECAY = 0.7  # per measured step of a kind (a probe comes 16 to 128 steps after the last)
 GATE_PROBE_EVERY = 16  # steps of the faster kind between two of the other, when they are close
@@ -81,16 +84,24 @@ class StepCost:
 
 @dataclass(slots=True)
 class Acceptance:
-    """One sequence's chance that a draft token is accepted, and its idle count."""
+    """One sequence's chance that a draft token is accepted, and its idle count (or, with
+    `POOLED_DECAY`, the engine's over all its sequences: a new sequence's first estimate)."""
 
     accepted: float = 1.0  # weighted accepted tokens (a prior of 1 in 2)
     tried: float = 2.0  # weighted accepted tokens + rejections
     idle: int = 0  # steps since it last drafted for want of a good chance
+    decay: float = ACCEPTANCE_DECAY
+
+    @classmethod
+    def starting_at(cls, rate: float) -> Acceptance:
+        """A new sequence's estimate: `rate` (what the engine's recent drafts got), worth
+        `PRIOR_WEIGHT` tokens, so that its own verifications soon outweigh it."""
+        return cls(accepted=PRIOR_WEIGHT * rate, tried=PRIOR_WEIGHT)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         rejected = num_accepted < num_drafted  # tokens after the first rejection were never tested
-        self.accepted = self.accepted * ACCEPTANCE_DECAY + num_accepted
-        self.tried = self.tried * ACCEPTANCE_DECAY + num_accepted + rejected
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.tried = self.tried * self.decay + num_accepted + rejected
 
     @property
     def rate(self) -> float:
