@@ -158,7 +158,8 @@ def _groups_and_outputs(kv_group: int, query_lens, context_lens, heads, seed):
     q = torch.randn(sum(query_lens), heads[0], 32, generator=gen)
     kv_new = torch.randn(sum(query_lens), 2, heads[1], 32, generator=gen)
     outputs, groups = [], []
-    told, untold = PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group), PagedAttention(NATIVE_CPU_KERNELS, 32)
+    told = PagedAttention(NATIVE_CPU_KERNELS, 32, kv_group, heads[0])
+    untold = PagedAttention(NATIVE_CPU_KERNELS, 32)
     for backend in (told, untold, TORCH):
         meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
         outputs.append(backend(q, kv_new, kv_cache.clone(), meta, 0.2))
@@ -174,6 +175,15 @@ def test_forced_tokens_with_drafts_attend_token_by_token_without_gqa():
     where the model's group is not known, they take the prefill kernel."""
     groups = _groups_and_outputs(1, [1, 12, 16, 12], [9, 100, 512, 600], (4, 4), seed=11)
     assert groups == [[1 + 12 + 16, 1], [1, 3]]
+
+
+def test_short_prompts_and_long_verifying_steps_attend_token_by_token_without_gqa():
+    """Without GQA, rows past 16 tokens attend token by token too while their tokens x context x
+    heads x head size is within `tokenwise_work_without_gqa` (a short prompt, a verifying step
+    that runs on through forced tokens): here 4 heads of 32, so up to 3,072 tokens x context."""
+    assert NATIVE_CPU_KERNELS.tokenwise_work_without_gqa == 2048 * 6 * 32
+    groups = _groups_and_outputs(1, [1, 20, 40, 24], [9, 20, 76, 200], (4, 4), seed=13)
+    assert groups == [[1 + 20 + 40, 1], [1, 3]]
 
 
 def test_with_wide_gqa_short_rows_after_long_contexts_take_the_prefill_kernel():

@@ -71,6 +71,9 @@ class TorchKernels:
     # (tokens, context): where every query head has a KV head of its own, rows of up to `tokens`
     # new tokens whose context is at most `context` also attend token by token (None: no such rows)
     tokenwise_without_gqa: tuple[int, int] | None = None
+    # ... and so do rows whose new tokens x context x query heads x head size is at most this
+    # (None: no such rows)
+    tokenwise_work_without_gqa: int | None = None
     # (group, most): where `group` or more query heads share each KV head, multi-token rows attend
     # token by token only while their new tokens times their context is at most `most`
     tokenwise_wide_gqa: tuple[int, int] | None = None
@@ -327,6 +330,12 @@ class NativeCpuKernels(TorchKernels):
     # it costs 1.4x. With GQA the prefill kernel shares each KV head's tiles among its query heads
     # and is 2x faster already at 8 tokens (32 heads over 8: 323 against 157 us at 256).
     tokenwise_without_gqa = (16, 512)
+    # ... and short prompts and long verifying steps: the bundled model's (8 layers, 6 heads of 32)
+    # whole step, token by token in the fused stack against layer by layer, for a prompt of 20 / 32
+    # / 48 / 64 / 128 tokens: 2.32 / 3.16 / 4.39 / 5.60 / 10.53 ms against 2.72 / 3.50 / 4.51 / 5.50
+    # / 9.44 (the per-layer Python against attention that shares no tiles): up to 2,048 tokens x
+    # context at 6 x 32, in proportion for wider heads
+    tokenwise_work_without_gqa = 2048 * 6 * 32
     # ... and with 4 or more query heads per KV head the prefill kernel wins past short contexts: a
     # Llama-3.2-1B-shape step of 8 tokens after 1,024 took 79.8 ms token by token in the fused stack
     # against 65.0 through the prefill kernel (5 tokens: 64.3 / 56.4; after 2,048: 103 / 74; after

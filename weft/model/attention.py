@@ -102,6 +102,7 @@ def build_attention_metadata(
     decode_in_place: bool = False,
     tokenwise_more: tuple[int, int] | None = None,
     tokenwise_most: int | None = None,
+    tokenwise_within: int | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -110,7 +111,8 @@ def build_attention_metadata(
     [B, max_blocks] padded with block 0 (the engine's persistent tables). Rows of up to
     `max_tokenwise_query_len` new tokens attend token by token, as single-query rows (the kernel
     set's choice), and with `tokenwise_more` = (tokens, context) so do rows of up to `tokens` whose
-    context is at most `context`, and with `tokenwise_most` only rows whose new tokens times their
+    context is at most `context`, and rows whose new tokens times their context is at most
+    `tokenwise_within`, and with `tokenwise_most` only rows whose new tokens times their
     context is at most that; with `prefill_in_place`, longer rows attend through the kernel set's
     `paged_prefill_attention`; with `decode_in_place`, single-query groups get no mask (the kernel
     set's `paged_decode_attention` reads their context lengths). With `ragged`, the step is one
@@ -144,6 +146,8 @@ def build_attention_metadata(
         short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
         if tokenwise_more is not None:
             short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
+        if tokenwise_within is not None:
+            short |= q_lens * ctx_lens <= tokenwise_within
         if tokenwise_most is not None:
             short &= (q_lens == 1) | (q_lens * ctx_lens <= tokenwise_most)
         groups = _split_groups(shape, short, device)
@@ -368,13 +372,18 @@ class PagedAttention:
     the kernel set chosen for the device at load."""
 
     def __init__(
-        self, kernels: TorchKernels = TORCH_KERNELS, head_dim: int | None = None, kv_group: int | None = None
+        self,
+        kernels: TorchKernels = TORCH_KERNELS,
+        head_dim: int | None = None,
+        kv_group: int | None = None,
+        num_heads: int | None = None,
     ) -> None:
         self.kernels = kernels
         self.head_dim = head_dim  # None: unknown, no ragged batches
-        # query heads per KV head (1: no GQA; None: unknown), for which rows attend token by token
-        # (`TorchKernels.tokenwise_without_gqa`, `tokenwise_wide_gqa`)
+        # query heads per KV head (1: no GQA; None: unknown) and query heads, for which rows attend
+        # token by token (`TorchKernels.tokenwise_without_gqa`, `tokenwise_wide_gqa`, ...)
         self.kv_group = kv_group
+        self.num_heads = num_heads
         self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
@@ -395,18 +404,21 @@ class PagedAttention:
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
         decode_in_place = self.head_dim is not None and self.kernels.reads_cache_in_place(self.head_dim)
-        more, most = self._tokenwise_rules() if decode_in_place else (None, None)
+        more, most, within = self._tokenwise_rules() if decode_in_place else (None, None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more, most,
+            decode_in_place, more, most, within,
         )  # fmt: skip
 
-    def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None]:
-        """`build_attention_metadata`'s `tokenwise_more` and `tokenwise_most` for this model."""
-        group, wide = self.kv_group, self.kernels.tokenwise_wide_gqa
-        more = self.kernels.tokenwise_without_gqa if group == 1 else None
+    def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None, int | None]:
+        """`build_attention_metadata`'s `tokenwise_more`, `tokenwise_most` and `tokenwise_within`
+        for this model."""
+        group, wide, kernels = self.kv_group, self.kernels.tokenwise_wide_gqa, self.kernels
+        more = kernels.tokenwise_without_gqa if group == 1 else None
         most = wide[1] if wide is not None and group is not None and group >= wide[0] else None
-        return more, most
+        work, width = kernels.tokenwise_work_without_gqa, (self.num_heads or 0) * (self.head_dim or 0)
+        within = work // width if group == 1 and work is not None and width > 0 else None
+        return more, most, within
 
     @staticmethod
     def build_tree_metadata(

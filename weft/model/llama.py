@@ -180,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.bf16_dot = False  # bfloat16 products in every packed matrix (set at load)
         self.norm_pairs = False  # the norms may write bfloat16 pairs (`_norms_write_pairs`; set at load)
         self.huge_page_bytes = 0  # the packed weights moved into 2 MB pages at load (huge_pages.py)
-        self.attention = PagedAttention(kernels, config.head_dim, config.num_heads // config.num_kv_heads)
+        group = config.num_heads // config.num_kv_heads
+        self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, self.attention) for _ in range(config.num_layers)
