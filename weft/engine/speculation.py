@@ -67,7 +67,7 @@ class Speculation:
             if state.forced_at:
                 state.forced_at = []
             if guessed and seq.matcher is not None:
-                guessed = self._under_grammar(seq, state, guessed, wanted, room)
+                guessed = self._under_grammar(seq, state, guessed, (wanted, room), share)
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
@@ -80,19 +80,20 @@ class Speculation:
 
     @staticmethod
     def _under_grammar(
-        seq: Sequence, state: DraftState, guessed: list[int], wanted: int, room: int
+        seq: Sequence, state: DraftState, guessed: list[int], most: tuple[int, int], share: float
     ) -> list[int]:
         """The guesses cut at the first token the grammar refuses; if it refuses none, and the
         sequence fast-forwards without logprobs, run on through what the grammar forces after them
-        (weft/speculative/forced.py)."""
+        (weft/speculative/forced.py) where that pays. `most`: guesses and tokens at most."""
         matcher = seq.matcher
         assert matcher is not None
         valid = matcher.validate(guessed)
         if valid < len(guessed) or not seq.params.fast_forward or seq.positions is not None:
             return guessed[:valid]
         propose_after = getattr(state.drafter, "propose_after", None)
+        rate = state.acceptance.rate
         guessed, state.forced_at = through_forced(
-            matcher, propose_after, seq.token_ids, guessed, wanted, room
+            matcher, propose_after, seq.token_ids, guessed, *most, rate, share
         )
         return guessed
 

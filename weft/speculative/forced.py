@@ -33,12 +33,15 @@ def through_forced(
     guessed: list[int],
     num_guesses: int,
     room: int,
+    rate: float = 1.0,
+    share: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """`guessed` (which the grammar accepts) followed by what the grammar forces after it and a
-    guess after that, as long as guesses come: at most `num_guesses` guesses in all and `room`
-    tokens. Forced tokens that no guess follows are left out (`Sequence.append` appends them after
-    the token sampled at the draft's end, as without a draft). Returns the draft and the positions
-    of the forced tokens in it; the matcher is left as it was."""
+    guess after that, as long as guesses come and it pays (`_pays`, from the chance `rate` that a
+    guess is accepted and a token's cost `share` of a row's step): at most `num_guesses` guesses
+    in all and `room` tokens. Forced tokens that no guess follows are left out (`Sequence.append`
+    appends them after the token sampled at the draft's end, as without a draft). Returns the
+    draft and the positions of the forced tokens in it; the matcher is left as it was."""
     draft, forced_at = list(guessed), list[int]()
     if propose_after is None:
         return draft, forced_at
@@ -57,10 +60,18 @@ def through_forced(
                 break
             consumed += len(forced)
             more = more[: matcher.validate(more)]
-            if not more:
+            if not more or not _pays(rate ** (len(draft) - len(forced_at)), len(forced) + len(more), share):
                 break
             forced_at += range(len(draft), len(draft) + len(forced))
             draft += forced + more
     finally:
         matcher.rollback(consumed)
     return draft, forced_at
+
+
+def _pays(reached: float, num_tokens: int, share: float) -> bool:
+    """Whether `num_tokens` more (forced tokens and the guess after them) pay, where the draft so
+    far is all accepted with chance `reached`: then they save about a step (the guess is drafted
+    now, not a step later, and the forced tokens are computed now instead of then), else each is
+    computed for nothing at `share` of a row's step."""
+    return reached >= (1.0 - reached) * num_tokens * share
