@@ -258,12 +258,12 @@ def test_resampling_draws_each_particle_in_proportion_to_its_weight(scheme):
 
 
 def test_smc_closes_masking_gap_on_the_bundled_model():
-    """Masking's TV to the target is large (about 0.46 here); 40 runs of SMC at N = 16, their
+    """Masking's TV to the target is large (about 0.26 here); 40 runs of SMC at N = 16, their
     weighted particles pooled, are within 0.1 of it (640 particles: a sampling error of about
     0.03 on the heavier names)."""
     goal, masked, log_total = exact_choice_distributions(default_model_path(), PROMPT, NAMES)
     gap = tv(masked, goal)
-    assert gap > 0.3
+    assert gap > 0.2
     bundled = LLM(show_progress=False, device="cpu", dtype="float32")
     smc = {"num_particles": 16, "output": "weighted", "end_of_text": False}
     params = [SamplingParams(choice=NAMES, max_tokens=16, seed=16 * i, smc=smc) for i in range(40)]
