@@ -410,8 +410,10 @@ class LLMEngine:
         seqs = sched.sampling + children
         fill = None
         if self._grammars is not None:
-            drafts = [item.drafts for item in sched.scheduled if item.samples] if self.speculation else None
-            fill = self._grammars.start_fill([seq.matcher for seq in seqs], drafts)
+            drafting = [item for item in sched.scheduled if item.samples] if self.speculation else []
+            drafts = [item.drafts for item in drafting] if drafting else None
+            rowless = [item.rowless for item in drafting] if drafting else None
+            fill = self._grammars.start_fill([seq.matcher for seq in seqs], drafts, rowless)
         step = self.runner.execute(sched, in_flight)
         logits = step.logits  # [S, V]
         if fanouts:  # [S + F, V]: each fanout child samples from its parent's row

@@ -156,8 +156,12 @@ class ModelRunner:
                 pending += (len(input_ids) - 1, in_flight.rows[seq.seq_id])
             query_lens.append(num_new)
             context_lens.append(start + num_new)
-            if drafts:  # its last known token's row and each draft's
-                logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
+            if drafts:  # its last known token's row and each draft's (not those a grammar forces)
+                first = len(input_ids) - 1 - len(drafts)
+                if item.rowless:
+                    logits_indices.extend(first + j for j in range(len(drafts) + 1) if j not in item.rowless)
+                else:
+                    logits_indices.extend(range(first, len(input_ids)))
             elif item.samples:
                 logits_indices.append(len(input_ids) - 1)
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]

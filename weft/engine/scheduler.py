@@ -45,11 +45,15 @@ class ScheduledSequence:
     # Guessed tokens after the last known one, computed by this step (counted in `num_new_tokens`)
     # and verified by the sampling rows of their positions (weft/engine/speculation.py).
     drafts: list[int]
+    # The draft positions whose tokens a grammar forces after the drafts before them: no row
+    # samples them (weft/speculative/forced.py).
+    rowless: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
-        """Its logits rows this step: its last known token's and one per draft, or none."""
-        return self.samples + len(self.drafts)
+        """Its logits rows this step: its last known token's and one per draft (not the rowless
+        ones), or none."""
+        return self.samples + len(self.drafts) - len(self.rowless)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +245,9 @@ class Scheduler:
     ) -> ScheduledSequence:
         # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
         samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
-        return ScheduledSequence(seq, num_new + len(drafts), table, samples, drafts)
+        state = seq.drafts
+        rowless = tuple(at for at in state.forced_at if at < len(drafts)) if drafts and state else ()
+        return ScheduledSequence(seq, num_new + len(drafts), table, samples, drafts, rowless)
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)
@@ -293,14 +299,14 @@ class Scheduler:
             seq = item.seq
             row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
-                row += len(item.drafts)
+                row += len(item.drafts) - len(item.rowless)
                 continue
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
             if item.drafts:
                 num_forced += self._accept_drafts(item, sampled, row)
-                row += len(item.drafts)
+                row += len(item.drafts) - len(item.rowless)
                 continue
             if not item.samples:
                 if seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
@@ -336,16 +342,17 @@ class Scheduler:
         after them. The drafts' KV entries up to the first mismatch stay computed; the rest are
         rolled back, and blocks past the sequence's tokens freed. Returns the number of tokens the
         grammar forced."""
-        seq, drafts = item.seq, item.drafts
+        seq, drafts, rowless = item.seq, item.drafts, item.rowless
         num_forced = num_accepted = 0
         depth = 0
         while depth <= len(drafts):
-            error = sampled.errors.get(row + depth)
+            at = row + depth - sum(1 for skipped in rowless if skipped < depth)  # its row
+            error = sampled.errors.get(at)
             if error is not None:
                 seq.finish(FinishReason.ERROR, error=error)
                 break
-            token = sampled.token_ids[row + depth]
-            num_appended = seq.append(token, sampled.logprobs[row + depth])
+            token = sampled.token_ids[at]
+            num_appended = seq.append(token, sampled.logprobs[at])
             num_forced += max(num_appended - 1, 0)
             if depth == len(drafts) or token != drafts[depth] or num_appended == 0:
                 break

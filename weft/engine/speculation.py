@@ -145,7 +145,7 @@ class Speculation:
             if item.drafts:
                 state = item.seq.drafts
                 assert state is not None
-                rows += state.draft_rows(item.seq, item.drafts)
+                rows += state.draft_rows(item.seq, item.drafts, item.rowless)
         return rows
 
 

@@ -123,14 +123,17 @@ class DraftState:
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
     forced_at: list[int] = field(default_factory=list)  # where its draft holds tokens a grammar forces
 
-    def draft_rows(self, base: Row, drafts: list[int]) -> list[DraftRow]:
-        """The sampling rows of `base`'s draft positions this step (the same objects step after
-        step, so that the sampler's columns are rebuilt only when the rows change)."""
+    def draft_rows(self, base: Row, drafts: list[int], rowless: tuple[int, ...] = ()) -> list[DraftRow]:
+        """The sampling rows of `base`'s draft positions this step, but for the `rowless` ones (the
+        same objects step after step, so that the sampler's columns are rebuilt only when the rows
+        change)."""
         rows = self.rows
         while len(rows) < len(drafts):
             rows.append(DraftRow(base, len(rows) + 1))
         for row in rows[: len(drafts)]:
             row.drafts = drafts
+        if rowless:  # row j samples after j drafts: none where drafts[j] is forced
+            return [row for row in rows[: len(drafts)] if row.depth not in rowless]
         return rows[: len(drafts)]
 
     def record(self, num_draft_tokens: int, num_accepted: int, num_forced_kept: int = 0) -> None:

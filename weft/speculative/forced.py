@@ -10,9 +10,9 @@ matcher, advanced over the guess and rolled back), then a guess after them from 
 Forced tokens that no guess follows stay out of the draft: after the draft's last token they are
 appended anyway, and the next step's draft starts where a guess can (at a value's opening).
 
-Verification does not change: a forced position's row samples from a mask that allows one token,
-the forced one, and `Scheduler._accept_drafts` keeps the forced tokens that `Sequence.append`
-appends after an accepted guess where the draft holds them. Only a sequence without logprobs
+Verification: a forced position gets no sampling row (`ScheduledSequence.rowless`: its token is
+known once the guesses before it are kept), and `Scheduler._accept_drafts` keeps the forced
+tokens that `Sequence.append` appends after an accepted guess where the draft holds them. Only a sequence without logprobs
 drafts so (forced tokens wanting logprobs are computed in a step of their own).
 """
 

@@ -34,14 +34,16 @@ class PendingFill:
 
     future: Future[None]
     bitmask: torch.Tensor  # [R, W] int32, CPU
-    rows: torch.Tensor | None  # [R] int64 logits rows, None when every row is constrained
+    rows: torch.Tensor | None  # [K] int64 logits rows, None when every row is constrained
     kernels: TorchKernels
+    kept: torch.Tensor | None = None  # [K] int64: the bitmask rows that have logits rows (None: all)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Wait for the fill, then mask the constrained rows of `logits` ([B, V]) in place."""
         self.future.result()
         rows = None if self.rows is None else self.rows.to(logits.device)
-        self.kernels.apply_token_bitmask_(logits, self.bitmask, rows)
+        bitmask = self.bitmask if self.kept is None else self.bitmask.index_select(0, self.kept)
+        self.kernels.apply_token_bitmask_(logits, bitmask, rows)
 
 
 class GrammarManager:
@@ -81,34 +83,41 @@ class GrammarManager:
         self,
         matchers: Sequence[GrammarMatcher | None],
         drafts: Sequence[Sequence[int]] | None = None,
+        rowless: Sequence[Sequence[int]] | None = None,
     ) -> PendingFill | None:
         """Begin filling the bitmask for the rows (in logits order) that have a matcher. With
         `drafts` (an entry per leading matcher, most empty; the rows past them have none), a
         matcher's row is followed in the logits by one row per draft, each masked as the grammar
-        stands after the drafts before it."""
-        constrained: list[tuple[int, GrammarMatcher, Sequence[int]]] = []  # (logits row, matcher, drafts)
+        stands after the drafts before it, but for the draft positions in its `rowless` entry (a
+        grammar forces their tokens: their masks are filled, then dropped)."""
+        constrained: list[tuple[int, GrammarMatcher, Sequence[int], Sequence[int]]] = []
         row = 0
         for i, matcher in enumerate(matchers):
             guessed = drafts[i] if drafts is not None and i < len(drafts) else ()
+            skipped = rowless[i] if rowless is not None and i < len(rowless) else ()
             if matcher is not None:
-                constrained.append((row, matcher, guessed))
-            row += 1 + len(guessed)
+                constrained.append((row, matcher, guessed, skipped))
+            row += 1 + len(guessed) - len(skipped)
         if not constrained:
             return None
-        num_rows = sum(1 + len(d) for _, _, d in constrained)
+        num_rows = sum(1 + len(d) for _, _, d, _ in constrained)
         if num_rows > self._bitmask.shape[0]:  # never index past the rows: grow instead
             self._bitmask = self._new_bitmask(num_rows)
         bitmask = self._bitmask[:num_rows]
-        items: list[tuple[GrammarMatcher, int, Sequence[int]]] = []
-        logits_rows: list[int] = []
-        for first, matcher, guessed in constrained:
-            items.append((matcher, len(logits_rows), guessed))
-            logits_rows.extend(range(first, first + 1 + len(guessed)))
+        items: list[tuple[GrammarMatcher, int, Sequence[int]]] = []  # (matcher, bitmask row, drafts)
+        logits_rows: list[int] = []  # of each kept bitmask row
+        kept: list[int] = []  # the bitmask rows with logits rows
+        for first, matcher, guessed, skipped in constrained:
+            base = items[-1][1] + 1 + len(items[-1][2]) if items else 0
+            items.append((matcher, base, guessed))
+            logits_rows.extend(range(first, first + 1 + len(guessed) - len(skipped)))
+            kept.extend(base + j for j in range(1 + len(guessed)) if j not in skipped)
         if num_rows > len(constrained):  # draft rows past a draft the grammar ends at stay unwritten
             bitmask.fill_(-1)
         future = self._filler.submit(self.backend.fill_bitmask, items, bitmask)
-        rows = None if num_rows == row else torch.tensor(logits_rows)
-        return PendingFill(future, bitmask, rows, self.kernels)
+        every = len(kept) == num_rows
+        rows = None if every and num_rows == row else torch.tensor(logits_rows)
+        return PendingFill(future, bitmask, rows, self.kernels, None if every else torch.tensor(kept))
 
 
 def compile_error(future: Future[CompiledGrammar]) -> str | None:
