@@ -143,15 +143,28 @@ def build_attention_metadata(
     if num_tokens == num_seqs:  # decode only: every row is one query already
         groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, device),)
     else:
-        short = q_lens <= max_tokenwise_query_len  # [B] bool: rows attended token by token
-        if tokenwise_more is not None:
-            short |= (q_lens <= tokenwise_more[0]) & (ctx_lens <= tokenwise_more[1])
-        if tokenwise_within is not None:
-            short |= q_lens * ctx_lens <= tokenwise_within
-        if tokenwise_most is not None:
-            short &= (q_lens == 1) | (q_lens * ctx_lens <= tokenwise_most)
-        groups = _split_groups(shape, short, device)
+        rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
+        groups = _split_groups(shape, _tokenwise_rows(q_lens, ctx_lens, *rules), device)
     return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+
+
+def _tokenwise_rows(
+    q_lens: np.ndarray,
+    ctx_lens: np.ndarray,
+    most_tokens: int,
+    more: tuple[int, int] | None,
+    within: int | None,
+    most: int | None,
+) -> np.ndarray:  # [B] bool
+    """The rows attended token by token (`build_attention_metadata`'s rules)."""
+    short = q_lens <= most_tokens
+    if more is not None:
+        short |= (q_lens <= more[0]) & (ctx_lens <= more[1])
+    if within is not None:
+        short |= q_lens * ctx_lens <= within
+    if most is not None:
+        short &= (q_lens == 1) | (q_lens * ctx_lens <= most)
+    return short
 
 
 def _split_groups(shape: _StepShape, short: np.ndarray, device: torch.device) -> tuple[AttentionGroup, ...]:
