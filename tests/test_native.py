@@ -126,6 +126,29 @@ def test_decode_attention_over_several_chunks(dtype):
         torch.testing.assert_close(native_out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+def test_decode_attention_is_batch_invariant():
+    """A row's attention is the same bits alone, beside rows of other lengths (which widen the
+    block table), and on one thread or two: its context is cut into ranges of a fixed size, never
+    by the batch or the thread count (speculative verification relies on it)."""
+    gen = torch.Generator().manual_seed(21)
+    lens = [700, 1, 33, 100, 2000, 700]
+    tables, num_blocks = _scattered_block_tables(lens, 16, gen)
+    cache = torch.randn(num_blocks, 16, 2, 2, 64, generator=gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen)
+    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    attend = torch.ops.weft.paged_decode_attention
+    together = attend(q, cache, padded, torch.tensor(lens), 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for i, n in enumerate(lens):
+                alone = attend(q[i : i + 1], cache, torch.tensor([tables[i]]), torch.tensor([n]), 0.125)
+                assert torch.equal(alone[0], together[i]), (i, num_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _mixed_step(backend: PagedAttention, dtype=torch.float32):
     """One step with decode rows, short multi-token rows (attended token by token with the kernel)
     and a long prompt chunk; the cache gets the step's keys and values written first."""

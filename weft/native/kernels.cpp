@@ -202,14 +202,19 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 // One query token per sequence against its cached keys and values, read in place from the paged
 // cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks]. q: [B, H, D].
 //
+constexpr int64_t kSplitTokens = 256;  // a work item's tokens at least (`DecodeShape::split_blocks`)
+
 // A work item is a range of one sequence's blocks, all heads at once, so that the cache is read
-// front to back in a single pass (each block is one contiguous stretch of memory); a sequence is
-// cut into several ranges when there are fewer sequences than threads. Within a range, each chunk of
-// blocks (`attend_chunk`) updates a running softmax (max m, sum l, weighted values acc per head);
-// the ranges of a sequence are merged at the end.
+// front to back in a single pass (each block is one contiguous stretch of memory). Within a range,
+// each chunk of blocks (`attend_chunk`) updates a running softmax (max m, sum l, weighted values acc
+// per head); the ranges of a sequence are merged at the end, in order. A range is always the same
+// number of blocks (`split_blocks`: a chunk, at least 256 tokens), whatever else the step holds and
+// however many threads run it, so that a row's result depends on its own query and context alone
+// (batch invariance: speculative decoding's verifying rows, computed beside drafts, are then the
+// very numbers decoding computes without them).
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
-  int64_t q_seq_stride, q_head_stride, num_splits;
+  int64_t q_seq_stride, q_head_stride, num_splits, split_blocks;
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
@@ -442,8 +447,7 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
                   const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
                   Partial part) {
   const int64_t D = sh.head_dim, num_blocks = (len + sh.block_size - 1) / sh.block_size;
-  const int64_t per_split = (num_blocks + sh.num_splits - 1) / sh.num_splits;
-  const int64_t first = split * per_split, last = std::min(num_blocks, first + per_split);
+  const int64_t first = split * sh.split_blocks, last = std::min(num_blocks, first + sh.split_blocks);
   for (int64_t h = 0; h < sh.num_heads; ++h) {
     const T* src = qp + b * sh.q_seq_stride + h * sh.q_head_stride;
     for (int64_t i = 0; i < D; ++i) queries[h * D + i] = static_cast<float>(src[i]) * scale;
@@ -469,28 +473,32 @@ template <typename T>
 void merge_splits(const std::vector<float>& m, const std::vector<float>& l, const std::vector<float>& acc,
                   int64_t num_seqs, const DecodeShape& sh, T* op) {
   const int64_t H = sh.num_heads, D = sh.head_dim, S = sh.num_splits;
-  std::vector<float> out(D);
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      float max = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t s = 0; s < S; ++s) max = std::max(max, m[(b * S + s) * H + h]);
-      std::fill(out.begin(), out.end(), 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t row = (b * S + s) * H + h;
-        if (l[row] == 0.f) continue;  // an empty range
-        const float weight = std::exp(m[row] - max);
-        total += l[row] * weight;
-        for (int64_t i = 0; i < D; ++i) out[i] += acc[row * D + i] * weight;
+  at::parallel_for(0, num_seqs, 8, [&](int64_t first, int64_t last) {
+    std::vector<float> out(D);
+    for (int64_t b = first; b < last; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        float max = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t s = 0; s < S; ++s) max = std::max(max, m[(b * S + s) * H + h]);
+        std::fill(out.begin(), out.end(), 0.f);
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t row = (b * S + s) * H + h;
+          if (l[row] == 0.f) continue;  // an empty range
+          const float weight = std::exp(m[row] - max);
+          total += l[row] * weight;
+          for (int64_t i = 0; i < D; ++i) out[i] += acc[row * D + i] * weight;
+        }
+        T* dst = op + (b * H + h) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(out[i] / total);
       }
-      T* dst = op + (b * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(out[i] / total);
     }
-  }
+  });
 }
 
 template <typename T>
 void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
-                   const DecodeShape& sh, float scale, T* op) {
+                   DecodeShape sh, float scale, T* op) {
+  sh.split_blocks = std::max<int64_t>(1, std::max<int64_t>(chunk_tokens<T>(sh), kSplitTokens) / sh.block_size);
+  sh.num_splits = std::max<int64_t>(1, (sh.max_blocks + sh.split_blocks - 1) / sh.split_blocks);
   const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
   std::vector<float> m(items * H), l(items * H), acc(items * H * D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -533,9 +541,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.q_seq_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);
-  // enough work items for every thread twice over, but no range shorter than 4 blocks
-  const int64_t wanted = (2 * at::get_num_threads() + q.size(0) - 1) / std::max<int64_t>(q.size(0), 1);
-  sh.num_splits = std::max<int64_t>(1, std::min(wanted, sh.max_blocks / 4));
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
