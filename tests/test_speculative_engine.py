@@ -348,6 +348,20 @@ def _json_requests(n: int) -> list[tuple[str, SamplingParams]]:
     return [(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
 
 
+def test_long_verifying_rows_compute_what_decoding_does(tiny_llama, engines, expected):
+    """With 12 drafts a verifying row holds 13 tokens, more than the kernels attend token by token
+    in a prompt (this model shares KV heads): rows of generated tokens still attend token by token,
+    so every logprob is the very number decoding computes (the outputs are compared bit for bit)."""
+    on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 12}, **OPTIONS).engine
+    eager(on)
+    speculation = on.speculation
+    assert speculation is not None
+    speculation.new_drafter = lambda: Oracle(_references(expected), list)
+    got = run(on, requests())
+    assert fields(got) == fields(expected)
+    assert speculation.tally.num_accepted_tokens > 100
+
+
 def _counting_steps(engine: LLMEngine, reqs: list[tuple[str, SamplingParams]], make: Callable[[], Drafter]):
     """`run` with `make`'s drafters: the outputs and the number of steps."""
     speculation = engine.speculation

@@ -79,6 +79,10 @@ class StepPlan:
     prompt_targets: list[int]  # [N]
     pending: list[int]  # [2P]: (input row, its row in the step in flight) pairs
     block_copies: list[tuple[int, int]]  # copy-on-write: (source block, destination block)
+    # Rows whose new tokens all follow the prompt (decode, forced and drafted tokens): they attend
+    # token by token however many they are, so that each token gets the numbers decoding gives it
+    # alone (speculation and fast-forward change how many a row holds, never their values).
+    generated_rows: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +142,12 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         spans: list[PromptSpan] = []
+        generated_rows: list[int] = []
         for item in sched.scheduled:
             seq, num_new = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
+            if num_new > 1 and start >= seq.num_prompt_tokens:
+                generated_rows.append(len(query_lens))
             if seq.needs_prompt_logprobs or seq.num_pending_forced:
                 spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
             drafts = item.drafts
@@ -167,7 +174,7 @@ class ModelRunner:
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
         plan = StepPlan(
             input_ids, query_lens, context_lens, tables, logits_indices, prompt_rows, prompt_targets,
-            pending, sched.block_copies,
+            pending, sched.block_copies, generated_rows,
         )  # fmt: skip
         return plan, spans
 
@@ -176,8 +183,9 @@ class ModelRunner:
     ) -> ModelInput:
         """The step's inputs as device tensors."""
         attn, positions = self.attention.build_metadata(
-            plan.query_lens, plan.context_lens, plan.block_tables, self.block_size, self.device
-        )
+            plan.query_lens, plan.context_lens, plan.block_tables, self.block_size, self.device,
+            plan.generated_rows,
+        )  # fmt: skip
         ids = column(plan.input_ids, np.int64, self.device)
         if plan.pending:  # the tokens the step in flight samples, taken on the device
             assert in_flight is not None

@@ -26,6 +26,7 @@ metadata and attends, with the kernel set chosen for the device at load.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,7 @@ def build_attention_metadata(
     tokenwise_more: tuple[int, int] | None = None,
     tokenwise_most: int | None = None,
     tokenwise_within: int | None = None,
+    tokenwise_rows: Sequence[int] = (),
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -113,10 +115,10 @@ def build_attention_metadata(
     set's choice), and with `tokenwise_more` = (tokens, context) so do rows of up to `tokens` whose
     context is at most `context`, and rows whose new tokens times their context is at most
     `tokenwise_within`, and with `tokenwise_most` only rows whose new tokens times their
-    context is at most that; with `prefill_in_place`, longer rows attend through the kernel set's
-    `paged_prefill_attention`; with `decode_in_place`, single-query groups get no mask (the kernel
-    set's `paged_decode_attention` reads their context lengths). With `ragged`, the step is one
-    `RaggedBatch` instead of groups.
+    context is at most that; the rows `tokenwise_rows` always; with `prefill_in_place`, longer
+    rows attend through the kernel set's `paged_prefill_attention`; with `decode_in_place`,
+    single-query groups get no mask (the kernel set's `paged_decode_attention` reads their context
+    lengths). With `ragged`, the step is one `RaggedBatch` instead of groups.
     Arrays are built on the host with numpy and moved to the device once each; nothing is read back
     from a device.
     """
@@ -144,7 +146,9 @@ def build_attention_metadata(
         groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, device),)
     else:
         rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
-        groups = _split_groups(shape, _tokenwise_rows(q_lens, ctx_lens, *rules), device)
+        short = _tokenwise_rows(q_lens, ctx_lens, *rules)
+        short[list(tokenwise_rows)] = True
+        groups = _split_groups(shape, short, device)
     return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
 
 
@@ -411,8 +415,9 @@ class PagedAttention:
         block_tables: list[list[int]] | np.ndarray,
         block_size: int,
         device: torch.device,
+        tokenwise_rows: Sequence[int] = (),
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """See `build_attention_metadata`."""
+        """See `build_attention_metadata` (`tokenwise_rows`: rows of generated tokens)."""
         max_tokenwise = self.kernels.max_tokenwise_query_len
         ragged = self.head_dim is not None and self.kernels.takes_ragged_batch(self.head_dim, block_size)
         in_place = self.head_dim is not None and self.kernels.prefills_in_place(self.head_dim)
@@ -420,7 +425,7 @@ class PagedAttention:
         more, most, within = self._tokenwise_rules() if decode_in_place else (None, None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more, most, within,
+            decode_in_place, more, most, within, tokenwise_rows,
         )  # fmt: skip
 
     def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None, int | None]:
