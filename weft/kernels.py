@@ -323,8 +323,12 @@ class NativeCpuKernels(TorchKernels):
     """weft's C++ kernels for CPU tensors; anything they do not cover falls back to torch."""
 
     name = "native-cpu"
-    max_tokenwise_query_len = 8  # fast-forwarded grammar tokens and short chunks: token by token
-    # ... and forced tokens with drafts after them, without GQA: at 16 tokens and 256 of context
+    # Rows of generated tokens (decode, forced, drafted: `StepPlan.generated_rows`) attend token by
+    # token whatever their length, so that each token gets the numbers decoding gives it alone
+    # (speculation and fast-forward change how many a row holds, never their values). The rules
+    # below are for prompt rows (a short prompt, the rest of one after a cached prefix, a chunk).
+    max_tokenwise_query_len = 8  # short prompt rows and chunks: token by token
+    # ... and, without GQA: at 16 tokens and 256 of context
     # the decode kernel token by token costs what the prefill kernel does (51 against 50 us a
     # layer, 6 heads of 32), and the step stays in the fused stack (no per-layer Python); at 1,024
     # it costs 1.4x. With GQA the prefill kernel shares each KV head's tiles among its query heads
@@ -340,6 +344,8 @@ class NativeCpuKernels(TorchKernels):
     # Llama-3.2-1B-shape step of 8 tokens after 1,024 took 79.8 ms token by token in the fused stack
     # against 65.0 through the prefill kernel (5 tokens: 64.3 / 56.4; after 2,048: 103 / 74; after
     # 256: 57.2 / 55.7), while SmolLM2-135M's 3 per KV head stay faster token by token to 2,048.
+    # (Measured on verifying steps, which now attend token by token for exactness; the rule is
+    # kept for prompt rows of up to 8 tokens after a long cached prefix.)
     tokenwise_wide_gqa = (4, 2048)
     # A long prefill's MLP in chunks: its [T, 2I] float32 intermediate stays in the last-level cache
     # and under glibc's 32 MiB limit for reusing freed memory (a larger one is mapped afresh at every
