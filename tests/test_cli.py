@@ -271,8 +271,8 @@ def test_llm_rejects_an_unknown_engine_option_and_lists_the_known_ones():
 
 
 def test_bench_speculative_runs_every_workload_with_identical_tokens(tmp_path):
-    """`weft bench speculative` end to end on the bundled model: every workload and the oracle, the
-    tokens with speculation on equal to those without it, and the oracle's drafts all accepted; the
+    """`weft bench speculative` end to end on the bundled model: every workload and the oracles, the
+    tokens with speculation on equal to those without it, and the oracles' drafts all accepted; the
     copy prompts show the passage again from a line's start (never cut inside a word)."""
     import json
 
@@ -285,8 +285,9 @@ def test_bench_speculative_runs_every_workload_with_identical_tokens(tmp_path):
     args = ["--batch-sizes", "2", "--repeats", "1", "--max-tokens", "12", "--oracle-ks", "2"]
     assert main(["bench", "speculative", *args, "--oracle-configs", "", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert [r["workload"] for r in results] == ["copy", "json", "open", "oracle"]
+    workloads = ["copy", "json", "open", "oracle", "json-oracle", "json-chained"]
+    assert [r["workload"] for r in results] == workloads
     assert all(r["identical"] and r["tps_off"] > 0 and r["tps_on"] > 0 for r in results)
-    assert results[-1]["acceptance"] == 1.0
+    assert [r["acceptance"] for r in results[3:]] == [1.0] * 3  # the oracles' drafts: all accepted
     assert [_line_start(text, 8) for text in ("ab\ncd\nefgh", "abcdefghij", "abcdefgh\nij")] == [6, 8, 8]
     assert all(prompt.endswith("\n") for prompt, _ in _requests("copy", 4, 8))

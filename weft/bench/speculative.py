@@ -10,7 +10,10 @@ Workloads (the bundled model, prompts from the held-out tenth of Tiny Shakespear
   open    open-ended text (temperature 0.8, seeded): little to copy, where drafting must not cost;
   oracle  drafts that are the model's own greedy continuation, always as many as asked (the
           ceiling of verification, per k), also on random-weight models of real shapes
-          (`--oracle-configs`).
+          (`--oracle-configs`);
+  json-oracle  the ceiling of JSON extraction: the model's own greedy JSON as drafts, value by
+          value (weft/bench/json_oracle.py), each value alone (`json-oracle`) and chained past the
+          tokens the grammar forces (`json-chained`), also on `--oracle-configs`.
 Each at every batch size over the same 8 requests (more where the batch is larger), `batch` at a
 time, so that batch 1 is not one passage's luck; weft without and with `speculative_config`
 alternating `--repeats` times (best time kept): generated tokens/s, their ratio, the acceptance
@@ -44,7 +47,9 @@ HOMES = ["verona", "mantua", "padua", "rome", "london", "sicilia", "vienna", "at
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", default="copy,json,open,oracle", help="comma-separated (default: all)")
+    p.add_argument(
+        "--workloads", default="copy,json,open,oracle,json-oracle", help="comma-separated (default: all)"
+    )
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--oracle-ks", default="2,4,8", help="k values of the oracle workload (default: 2,4,8)")
@@ -109,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
                 for k in (int(x) for x in args.oracle_ks.split(",")):
                     results.append(_oracle("bundled", off, _speculating(None, k), batch, k, args))
                 continue
+            if workload == "json-oracle":
+                results += _json_oracle("bundled", off, _speculating(None, args.k), batch, args)
+                continue
             requests = _requests(workload, max(batch, NUM_REQUESTS), args.max_tokens)
             results.append(_compare("bundled", workload, off, on, requests, batch, args.k, args.repeats))
             _print(results[-1])
@@ -118,8 +126,11 @@ def run(args: argparse.Namespace) -> int:
             path = build_checkpoint(CONFIGS / name / "config.json", _bf16(), Path(tmp))
             model_off = LLM(str(path), show_progress=False)
             for batch in batches:
-                for k in (int(x) for x in args.oracle_ks.split(",")):
-                    results.append(_oracle(name, model_off, _speculating(path, k), batch, k, args))
+                if "oracle" in workloads:
+                    for k in (int(x) for x in args.oracle_ks.split(",")):
+                        results.append(_oracle(name, model_off, _speculating(path, k), batch, k, args))
+                if "json-oracle" in workloads:
+                    results += _json_oracle(name, model_off, _speculating(path, args.k), batch, args)
     _table(results)
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "ratio": r.ratio} for r in results], indent=2))
@@ -167,7 +178,7 @@ def _requests(workload: str, count: int, max_tokens: int) -> list[tuple[Any, Any
             (p[:200], SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens))
             for i, p in enumerate(passages)
         ]
-    raise SystemExit(f"unknown workload {workload!r}: copy, json, open or oracle")
+    raise SystemExit(f"unknown workload {workload!r}: copy, json, open, oracle or json-oracle")
 
 
 def _line_start(text: str, most: int) -> int:
@@ -231,6 +242,25 @@ def _oracle(model: str, off: Any, on: Any, batch: int, k: int, args: argparse.Na
     result = _compare(model, "oracle", off, on, requests, batch, k, args.repeats)
     _print(result)
     return result
+
+
+def _json_oracle(model: str, off: Any, on: Any, batch: int, args: argparse.Namespace) -> list[Result]:
+    """The model's own greedy JSON under `json_oracle.SCHEMA` as drafts, value by value: each
+    value alone, then chained past the tokens the grammar forces (the drafting policy on)."""
+    from weft import SamplingParams
+    from weft.bench.json_oracle import SCHEMA, ChainedValueDrafter, ValueDrafter, references
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, json_schema=SCHEMA)
+    prompts = [p for p, _ in _requests("open", max(batch, NUM_REQUESTS), args.max_tokens)]
+    requests = [(_bundled_ids(p)[:96], params) for p in prompts]  # (as in `_oracle`)
+    _, outputs = _timed(off, requests, batch)
+    refs = references(off.engine, outputs)
+    results = []
+    for workload, drafter in (("json-oracle", ValueDrafter), ("json-chained", ChainedValueDrafter)):
+        on.engine.speculation.new_drafter = lambda drafter=drafter: drafter(refs)
+        results.append(_compare(model, workload, off, on, requests, batch, args.k, args.repeats))
+        _print(results[-1])
+    return results
 
 
 def _print(r: Result) -> None:
