@@ -259,26 +259,6 @@ def test_the_gate_lets_steps_draft_only_while_drafting_steps_are_faster():
     assert slow[8:].count(False) == 4  # plain 9x slower: probed every GATE_PROBE_MOST steps only
 
 
-def test_a_gate_probe_of_drafting_waits_for_a_step_that_drafts():
-    """A step the gate lets draft may find no drafts (none of its sequences has a guess): it is a
-    plain step, and the probe stays due until a step that drafted is measured, however many
-    allowed steps find nothing (a JSON request drafts only where a value opens)."""
-    from weft.speculative.policy import GATE_MIN_STEPS, DraftGate
-
-    gate = DraftGate()
-    for drafted in [True] * GATE_MIN_STEPS + [False] * GATE_MIN_STEPS:
-        assert gate.allows(1) is drafted
-        gate.record(1, 1, 0.002 if drafted else 0.001, drafted=drafted)  # drafting: half as fast
-    allowed = [gate.allows(1) for _ in range(200)]  # nothing recorded: the probe is never measured
-    first = allowed.index(True)
-    assert not any(allowed[:first]) and all(allowed[first:])
-    for _ in range(5):  # allowed, but no sequence had drafts: plain steps
-        gate.record(1, 1, 0.001, drafted=False)
-        assert gate.allows(1)
-    gate.record(1, 1, 0.002, drafted=True)  # the probe measured
-    assert not gate.allows(1)
-
-
 def _brute_counts(outputs: list[list[int]], depth: int) -> dict[tuple[int, ...], dict[int, int]]:
     counts: dict[tuple[int, ...], dict[int, int]] = {}
     for tokens in outputs:
