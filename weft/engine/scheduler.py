@@ -362,6 +362,8 @@ class Scheduler:
             if held < num_appended - 1 or seq.status >= FIRST_FINISHED:
                 break
             depth += num_appended
+            if depth in rowless:  # forced tokens the draft expected and `append` did not add
+                break
         self._record_drafts(seq, drafts, num_accepted)
         if seq.status >= FIRST_FINISHED:
             self._release(seq)
