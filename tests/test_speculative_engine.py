@@ -270,22 +270,40 @@ def test_steps_stay_in_flight_while_the_gate_keeps_drafting_off(
     assert (engine.speculation.tally.num_drafts > 0) == (opens_every > 0)
 
 
-def test_preemption_and_aborts_leak_nothing(tiny_llama):
+@pytest.mark.parametrize("constrained", [False, True], ids=["text", "json-chained"])
+def test_preemption_and_aborts_leak_nothing(tiny_llama, constrained):
     """A cache too small for every sequence at once (preemptions while drafts are in the step)
-    and requests aborted mid-way: the outputs of the others are unchanged, no block is left."""
+    and requests aborted mid-way: the outputs of the others are unchanged, no block is left; also
+    with JSON drafts that run on through forced tokens."""
     small = {**OPTIONS, "num_kv_blocks": 16, "max_model_len": 256}
     off = LLM(str(tiny_llama), **small).engine
     on = LLM(str(tiny_llama), speculative_config={"num_speculative_tokens": 6}, **small).engine
     eager(on)
+    schema = {"json_schema": SCHEMA} if constrained else {}
     reqs = [
-        (p, SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48)) for i, p in enumerate(PROMPTS * 2)
+        (p, SamplingParams(temperature=0.8, seed=30 + i, max_tokens=48, **schema))
+        for i, p in enumerate(PROMPTS * 2)
     ]
     abort = {"r1": 5, "r6": 9}
     expected = run(off, reqs, abort)
     rng = random.Random(1)
     references = _references(expected)
-    on.speculation.new_drafter = lambda: Oracle(references, _partly_right(rng))  # type: ignore[union-attr]
+
+    def spoil(guess: list[int]) -> list[int]:  # cut short, so that some end where forced tokens start
+        guess = guess[: rng.randint(1, max(len(guess), 1))]
+        return guess if rng.random() < 0.5 else _partly_right(rng)(guess)
+
+    chaining: list[ChainingOracle] = []
+
+    def drafter() -> Oracle:
+        if not constrained:
+            return Oracle(references, spoil)
+        chaining.append(ChainingOracle(references, spoil))
+        return chaining[-1]
+
+    on.speculation.new_drafter = drafter  # type: ignore[union-attr]
     got = run(on, reqs, abort)
+    assert not constrained or sum(o.chained for o in chaining) > 0
     assert fields(got) == fields(expected)
     assert on.scheduler.num_preemptions > 0
 
