@@ -202,19 +202,19 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 // One query token per sequence against its cached keys and values, read in place from the paged
 // cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks]. q: [B, H, D].
 //
-constexpr int64_t kSplitTokens = 256;  // a work item's tokens at least (`DecodeShape::split_blocks`)
+constexpr int64_t kMaxSplits = 4;  // ranges of a sequence's context at most (`split_blocks`)
 
 // A work item is a range of one sequence's blocks, all heads at once, so that the cache is read
 // front to back in a single pass (each block is one contiguous stretch of memory). Within a range,
 // each chunk of blocks (`attend_chunk`) updates a running softmax (max m, sum l, weighted values acc
-// per head); the ranges of a sequence are merged at the end, in order. A range is always the same
-// number of blocks (`split_blocks`: a chunk, at least 256 tokens), whatever else the step holds and
-// however many threads run it, so that a row's result depends on its own query and context alone
-// (batch invariance: speculative decoding's verifying rows, computed beside drafts, are then the
-// very numbers decoding computes without them).
+// per head); the ranges of a sequence are merged at the end, in order. A sequence's ranges depend
+// on its own context length alone (`split_blocks`: 1, 2 or 4 of at least 4 blocks), never
+// on what else the step holds or how many threads run it, so that a row's result depends on its
+// own query and context alone (batch invariance: speculative decoding's verifying rows, computed
+// beside drafts, are then the very numbers decoding computes without them).
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
-  int64_t q_seq_stride, q_head_stride, num_splits, split_blocks;
+  int64_t q_seq_stride, q_head_stride, num_splits;
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
@@ -442,12 +442,22 @@ void attend_range(const T* cache, const int64_t* blocks, int64_t begin, int64_t 
   }
 }
 
+// The blocks of each range of a sequence of `num_blocks` blocks, a function of its length alone:
+// as many ranges as a power of two up to kMaxSplits allows with at least 4 blocks each (so that 2
+// or 4 threads share them evenly), of equal length but the last.
+inline int64_t split_blocks(int64_t num_blocks) {
+  int64_t splits = 1;
+  while (2 * splits <= kMaxSplits && 2 * splits * 4 <= num_blocks) splits *= 2;
+  return (num_blocks + splits - 1) / splits;
+}
+
 template <typename T>
 void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t split,
                   const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
                   Partial part) {
   const int64_t D = sh.head_dim, num_blocks = (len + sh.block_size - 1) / sh.block_size;
-  const int64_t first = split * sh.split_blocks, last = std::min(num_blocks, first + sh.split_blocks);
+  const int64_t per_split = split_blocks(num_blocks);
+  const int64_t first = split * per_split, last = std::min(num_blocks, first + per_split);
   for (int64_t h = 0; h < sh.num_heads; ++h) {
     const T* src = qp + b * sh.q_seq_stride + h * sh.q_head_stride;
     for (int64_t i = 0; i < D; ++i) queries[h * D + i] = static_cast<float>(src[i]) * scale;
@@ -497,8 +507,10 @@ void merge_splits(const std::vector<float>& m, const std::vector<float>& l, cons
 template <typename T>
 void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
                    DecodeShape sh, float scale, T* op) {
-  sh.split_blocks = std::max<int64_t>(1, std::max<int64_t>(chunk_tokens<T>(sh), kSplitTokens) / sh.block_size);
-  sh.num_splits = std::max<int64_t>(1, (sh.max_blocks + sh.split_blocks - 1) / sh.split_blocks);
+  int64_t longest = 0;  // blocks of the longest context: its ranges are the most any sequence has
+  for (int64_t b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);
+  longest = (longest + sh.block_size - 1) / sh.block_size;
+  sh.num_splits = (longest + split_blocks(longest) - 1) / std::max<int64_t>(split_blocks(longest), 1);
   const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
   std::vector<float> m(items * H), l(items * H), acc(items * H * D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
