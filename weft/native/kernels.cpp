@@ -199,11 +199,11 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
   });
 }
 
+constexpr int64_t kMaxSplits = 4;  // ranges of a sequence's context at most (`split_blocks`)
+
 // One query token per sequence against its cached keys and values, read in place from the paged
 // cache [num_blocks, block_size, 2, KVH, D] through the block table [B, max_blocks]. q: [B, H, D].
 //
-constexpr int64_t kMaxSplits = 4;  // ranges of a sequence's context at most (`split_blocks`)
-
 // A work item is a range of one sequence's blocks, all heads at once, so that the cache is read
 // front to back in a single pass (each block is one contiguous stretch of memory). Within a range,
 // each chunk of blocks (`attend_chunk`) updates a running softmax (max m, sum l, weighted values acc
