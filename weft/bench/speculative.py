@@ -246,7 +246,8 @@ def _oracle(model: str, off: Any, on: Any, batch: int, k: int, args: argparse.Na
 
 def _json_oracle(model: str, off: Any, on: Any, batch: int, args: argparse.Namespace) -> list[Result]:
     """The model's own greedy JSON under `json_oracle.SCHEMA` as drafts, value by value: each
-    value alone, then chained past the tokens the grammar forces (the drafting policy on)."""
+    value alone, then chained past the tokens the grammar forces (every proposed draft verified,
+    as in `_oracle`)."""
     from weft import SamplingParams
     from weft.bench.json_oracle import SCHEMA, ChainedValueDrafter, ValueDrafter, references
 
@@ -255,6 +256,7 @@ def _json_oracle(model: str, off: Any, on: Any, batch: int, args: argparse.Names
     requests = [(_bundled_ids(p)[:96], params) for p in prompts]  # (as in `_oracle`)
     _, outputs = _timed(off, requests, batch)
     refs = references(off.engine, outputs)
+    on.engine.speculation.adaptive = False
     results = []
     for workload, drafter in (("json-oracle", ValueDrafter), ("json-chained", ChainedValueDrafter)):
         on.engine.speculation.new_drafter = lambda drafter=drafter: drafter(refs)
