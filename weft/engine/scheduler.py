@@ -364,7 +364,7 @@ class Scheduler:
             depth += num_appended
             if depth in rowless:  # forced tokens the draft expected and `append` did not add
                 break
-        self._record_drafts(seq, drafts, num_accepted)
+        self._record_drafts(item, num_accepted)
         if seq.status >= FIRST_FINISHED:
             self._release(seq)
             return num_forced
@@ -376,17 +376,15 @@ class Scheduler:
         return num_forced
 
     @staticmethod
-    def _record_drafts(seq: Sequence, drafts: list[int], num_accepted: int) -> None:
-        """The verification (`num_accepted`: the drafts' first tokens kept) in `seq`'s tallies, of
-        its guesses only: the tokens a grammar forced that its draft held (`DraftState.forced_at`)
+    def _record_drafts(item: ScheduledSequence, num_accepted: int) -> None:
+        """The verification (`num_accepted`: the drafts' first tokens kept) in the sequence's
+        tallies, of its guesses only: the tokens a grammar forced that its draft held (`rowless`)
         are neither drafted nor accepted there."""
-        state = seq.drafts
+        state = item.seq.drafts
         if state is None:
             return
-        forced_at = state.forced_at
-        num_drafted = len(drafts) - sum(1 for at in forced_at if at < len(drafts))
-        num_forced_kept = sum(1 for at in forced_at if at < num_accepted)
-        state.record(num_drafted, num_accepted - num_forced_kept, num_forced_kept)
+        num_forced_kept = sum(1 for at in item.rowless if at < num_accepted)
+        state.record(len(item.drafts) - len(item.rowless), num_accepted - num_forced_kept, num_forced_kept)
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their

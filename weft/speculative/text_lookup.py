@@ -41,14 +41,12 @@ class TextLookup:
     def named_value(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens of the value that the text states for the JSON key whose value it has
         just opened (`weft/speculative/field_lookup.py`), or []."""
-        self.update(token_ids)
-        value = named_value(self.text)
-        return self.encode(value)[:k] if value else []
+        return self.named_value_after(token_ids, (), k)
 
     def named_value_after(self, token_ids: Sequence[int], draft: Sequence[int], k: int) -> list[int]:
         """`named_value` for the text followed by `draft`'s tokens, which are not read in."""
         self.update(token_ids)
-        text = self.text + b"".join(self.token_bytes(token) for token in draft)
+        text = self.text + b"".join(self.token_bytes(token) for token in draft) if draft else self.text
         value = named_value(text)
         return self.encode(value)[:k] if value else []
 

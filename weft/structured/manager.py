@@ -106,18 +106,20 @@ class GrammarManager:
         bitmask = self._bitmask[:num_rows]
         items: list[tuple[GrammarMatcher, int, Sequence[int]]] = []  # (matcher, bitmask row, drafts)
         logits_rows: list[int] = []  # of each kept bitmask row
-        kept: list[int] = []  # the bitmask rows with logits rows
+        dropping = any(skipped for *_, skipped in constrained)
+        kept: list[int] = []  # where rows are dropped: the bitmask rows with logits rows
+        base = 0  # the bitmask row of the next matcher
         for first, matcher, guessed, skipped in constrained:
-            base = items[-1][1] + 1 + len(items[-1][2]) if items else 0
             items.append((matcher, base, guessed))
             logits_rows.extend(range(first, first + 1 + len(guessed) - len(skipped)))
-            kept.extend(base + j for j in range(1 + len(guessed)) if j not in skipped)
+            if dropping:
+                kept.extend(base + j for j in range(1 + len(guessed)) if j not in skipped)
+            base += 1 + len(guessed)
         if num_rows > len(constrained):  # draft rows past a draft the grammar ends at stay unwritten
             bitmask.fill_(-1)
         future = self._filler.submit(self.backend.fill_bitmask, items, bitmask)
-        every = len(kept) == num_rows
-        rows = None if every and num_rows == row else torch.tensor(logits_rows)
-        return PendingFill(future, bitmask, rows, self.kernels, None if every else torch.tensor(kept))
+        rows = None if num_rows == row and not dropping else torch.tensor(logits_rows)
+        return PendingFill(future, bitmask, rows, self.kernels, torch.tensor(kept) if dropping else None)
 
 
 def compile_error(future: Future[CompiledGrammar]) -> str | None:
