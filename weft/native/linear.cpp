@@ -63,6 +63,7 @@ using weft::tiles::finish_tile;
 using weft::tiles::kLanes;
 using weft::tiles::kPrefetchBytes;
 using weft::tiles::kVecs;
+using weft::tiles::prefetch_out_line;
 using weft::tiles::Tile;
 using weft::tiles::vecf;
 using weft::tiles::vecfu;
@@ -136,6 +137,7 @@ struct Float16Row {  // natural column order
 template <int kRows, int kV>
 __attribute__((always_inline)) inline void add_row(vecf (&acc)[kRows][kV], const Tile& t, int64_t k,
                                                    const vecf (&w)[kV]) {
+  prefetch_out_line<kRows, kV>(t, k);
   for (int i = 0; i < kRows; ++i) {
     const float xv = t.x[i * t.x_stride + k];
     for (int j = 0; j < kV; ++j) acc[i][j] += xv * w[j];
@@ -187,6 +189,7 @@ void tile_kernel_bf16_dot(const Tile& t) {
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems) + t.first_vec;  // of words
     BFloat16Row::prefetch(panel, 2 * kk);
+    prefetch_out_line<kRows, kV>(t, kk);
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
       for (int j = 0; j < kV; ++j) acc[i][j] = dot_pairs(acc[i][j], xv, pair[j]);
@@ -236,6 +239,13 @@ inline void bfloat16_pair_words(vecf v, uint32_t words[kLanes / 2]) {
 #endif
 }
 
+// Row `row`'s word of the tile's first MLP column pair in the pairs layout; the next pair's is
+// pair_rows words on.
+inline uint32_t* glu_words(const weft::tiles::GluTile& glu, int64_t row) {
+  return glu.pairs + (row / glu.pair_rows) * glu.pairs_per_row * glu.pair_rows + row % glu.pair_rows +
+         (glu.first_col / 2) * glu.pair_rows;
+}
+
 // A fused gate|up projection with its activation: vectors first_vec .. + kV of a gate panel and of
 // the up panel of the same MLP columns, as tile_kernel_bf16_dot computes each, stored as
 // silu(gate) * up rounded to bfloat16 pairs, the down projection's input. As many
@@ -249,11 +259,15 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
   const auto* up_panel = static_cast<const uint16_t*>(t.glu->up_panel);
   const int64_t pairs = (t.k + 1) / 2;
   const auto* xq = static_cast<const uint32_t*>(t.xq);
+  const weft::tiles::GluTile& glu = *t.glu;
+  uint32_t* const first_word = glu_words(glu, glu.first_row);
+  const int64_t out_lines = (kV * kLanes / 2 * glu.pair_rows * 4 + 63) / 64;  // the tile's columns, all rows
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* g = reinterpret_cast<const wordsv*>(gate_panel + kk * kPairElems) + t.first_vec;
     const wordsv* u = reinterpret_cast<const wordsv*>(up_panel + kk * kPairElems) + t.first_vec;
-    BFloat16Row::prefetch(gate_panel, 2 * kk);
-    BFloat16Row::prefetch(up_panel, 2 * kk);
+    __builtin_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
+    __builtin_prefetch(reinterpret_cast<const char*>(u) + kPrefetchBytes);
+    if (kk < out_lines) __builtin_prefetch(first_word + 16 * kk, 1, 3);  // as prefetch_out_line, for the pairs
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
       for (int j = 0; j < kV; ++j) {
@@ -262,11 +276,8 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
       }
     }
   }
-  const weft::tiles::GluTile& glu = *t.glu;
   for (int i = 0; i < kRows; ++i) {
-    const int64_t row = glu.first_row + i;  // its words: down column (first_col / 2 + c) of its pairs tile
-    uint32_t* words = glu.pairs + (row / glu.pair_rows) * glu.pairs_per_row * glu.pair_rows + row % glu.pair_rows +
-                      (glu.first_col / 2) * glu.pair_rows;
+    uint32_t* words = glu_words(glu, glu.first_row + i);
     for (int j = 0; j < kV; ++j) {
       uint32_t pairs[kLanes / 2];
       bfloat16_pair_words(silu_times(gate[i][j], up[i][j]), pairs);

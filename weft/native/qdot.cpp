@@ -33,6 +33,7 @@ namespace {
 using weft::kDotGroup;
 using weft::kPanel;
 using weft::tiles::finish_tile;
+using weft::tiles::prefetch_out_line;
 using weft::tiles::kLanes;
 using weft::tiles::kPrefetchBytes;  // 2 KB: 4, 8 and 16 KB measured the same here
 using weft::tiles::kVecs;
@@ -302,6 +303,7 @@ void dot_tile_q8_0(const Tile& t) {
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
+    prefetch_out_line<kRows, kV>(t, b);
     const int8_t* block = panel + b * weft::kQ8DotBlockBytes;
     vecf d[kV];  // read first: the block's bytes in order (panels.h)
     for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
@@ -340,6 +342,7 @@ void dot_tile_legacy(const Tile& t) {
   vecw shift[kV];
   for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
+    prefetch_out_line<kRows, kV>(t, b);
     const int8_t* block = panel + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line);
     vecf d[kV];
@@ -396,6 +399,7 @@ void dot_tile_q4_k_vnni(const Tile& t) {
       dmin[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
     }
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      prefetch_out_line<kRows, kV>(t, sb * weft::kQ4KSubBlocks + s);
       const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
       vecf scale[kV], min[kV];
       for (int j = 0; j < kV; ++j) {
@@ -446,6 +450,7 @@ void dot_tile_q4_k_pairs(const Tile& t) {
     const int8_t* block = panel + sb * weft::kQ4KDotBlockBytes;
     veci scaled[kRows][kV] = {}, mins[kRows][kV] = {};
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
+      prefetch_out_line<kRows, kV>(t, sb * weft::kQ4KSubBlocks + s);
       const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
       const int8_t* quants = sub + 2 * kPanel;
       vech pairs[kRows][kV];
@@ -505,6 +510,7 @@ void dot_tile_q6_k(const Tile& t) {
       dmin[j] = kMins ? widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j)) : vecf{};
     }
     for (int64_t s = 0; s < weft::kQ6KSubBlocks; ++s) {
+      prefetch_out_line<kRows, kV>(t, sb * weft::kQ6KSubBlocks + s);
       const int8_t* pair = block + weft::q6k_dot_pair(kMins, s / 2);  // scales (mins), then quants
       const int8_t* quants = pair + weft::q6k_dot_pair_scales(kMins);
       vecf scale[kV], min[kV];
