@@ -64,6 +64,7 @@ using weft::tiles::kLanes;
 using weft::tiles::kPrefetchBytes;
 using weft::tiles::kVecs;
 using weft::tiles::prefetch_out_line;
+using weft::tiles::prefetch_weights;
 using weft::tiles::Tile;
 using weft::tiles::vecf;
 using weft::tiles::vecfu;
@@ -95,8 +96,8 @@ struct Float32Row {
   }
   static void prefetch(const float* panel, int64_t k) {
     const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
-    __builtin_prefetch(ahead);
-    __builtin_prefetch(ahead + 64);
+    prefetch_weights(ahead);
+    prefetch_weights(ahead + 64);
   }
 };
 
@@ -114,8 +115,8 @@ struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k
   }
   static void prefetch(const uint16_t* panel, int64_t k) {  // the pair's two lines
     const char* ahead = reinterpret_cast<const char*>(panel + (k / 2) * kPairElems) + kPrefetchBytes;
-    __builtin_prefetch(ahead);
-    __builtin_prefetch(ahead + 64);
+    prefetch_weights(ahead);
+    prefetch_weights(ahead + 64);
   }
 };
 
@@ -123,7 +124,7 @@ struct Float16Row {  // natural column order
   using Storage = uint16_t;
   static constexpr bool kPaired = false;
   static void prefetch(const uint16_t* panel, int64_t k) {
-    __builtin_prefetch(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
+    prefetch_weights(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
   }
   template <int kV>
   static void load(const uint16_t* panel, int64_t k, int first_vec, vecf w[kV]) {
@@ -265,8 +266,8 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* g = reinterpret_cast<const wordsv*>(gate_panel + kk * kPairElems) + t.first_vec;
     const wordsv* u = reinterpret_cast<const wordsv*>(up_panel + kk * kPairElems) + t.first_vec;
-    __builtin_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
-    __builtin_prefetch(reinterpret_cast<const char*>(u) + kPrefetchBytes);
+    prefetch_weights(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
+    prefetch_weights(reinterpret_cast<const char*>(u) + kPrefetchBytes);
     if (kk < out_lines) __builtin_prefetch(first_word + 16 * kk, 1, 3);  // as prefetch_out_line, for the pairs
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
@@ -299,7 +300,7 @@ void tile_kernel_q8_0(const Tile& t) {
     Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block), 0, t.first_vec, scale);
     const int8_t* quants = reinterpret_cast<const int8_t*>(block + 2 * kPanel) + kLanes * t.first_vec;
     for (int kk = 0; kk < kQ8Block; ++kk) {
-      if (kk < kQ8BlockBytes / 64) __builtin_prefetch(block + kPrefetchBytes + 64 * kk);
+      if (kk < kQ8BlockBytes / 64) prefetch_weights(block + kPrefetchBytes + 64 * kk);
       vecf w[kV];
       for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(quants + kk * kPanel + kLanes * j);
       add_row<kRows, kV>(acc, t, b * kQ8Block + kk, w);
@@ -353,7 +354,7 @@ void tile_kernel_q4_k(const Tile& t) {
       const uint8_t* rows = block + weft::kQ4KQuantsOffset + s * 32 * (kPanel / 2);
       for (int kk = 0; kk < 32; ++kk) {
         const uint8_t* row = rows + kk * (kPanel / 2);
-        if (kk % 4 == 0) __builtin_prefetch(row + kPrefetchBytes);
+        if (kk % 4 == 0) prefetch_weights(row + kPrefetchBytes);
         vecf w[kV];
         for (int j = 0; j < kV; ++j) w[j] = q4_k_quants(row, t.first_vec + j) * scale[j] - min[j];
         add_row<kRows, kV>(acc, t, sb * weft::kQ4KBlock + s * 32 + kk, w);
@@ -383,7 +384,7 @@ void tile_kernel_q6_k(const Tile& t) {
         scale[j] = d[j] * widen_int8(block + weft::kQ6KScalesOffset + s * kPanel + kLanes * (t.first_vec + j));
       for (int kk = 0; kk < kSub; ++kk) {
         const int8_t* row = quants + (s * kSub + kk) * kPanel;
-        if (kk % 2 == 0) __builtin_prefetch(row + kPrefetchBytes);
+        if (kk % 2 == 0) prefetch_weights(row + kPrefetchBytes);
         vecf w[kV];
         for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(row + kLanes * j);
         add_row<kRows, kV>(acc, t, sb * weft::kQ6KBlock + s * kSub + kk, w);

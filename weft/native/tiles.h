@@ -145,6 +145,16 @@ __attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc
   }
 }
 
+// Fetches the weights' line at p ahead of its use (kPrefetchBytes ahead of the panel row read now),
+// into L2 (prefetcht1), not L1: a decode step streams the weights from memory, and prefetches into
+// L1 hold its few fill buffers for a memory latency each, which capped one row's bfloat16, Q8_0,
+// Q4_K, Q6_K and float32 products at 10-30% less bandwidth on the Zen 4 (docs/benchmarks.md).
+// -DWEFT_PREFETCH_LOCALITY=3 (WEFT_NATIVE_CFLAGS) builds the prefetches into L1 for comparison.
+#ifndef WEFT_PREFETCH_LOCALITY
+#define WEFT_PREFETCH_LOCALITY 2
+#endif
+inline void prefetch_weights(const void* p) { __builtin_prefetch(p, 0, WEFT_PREFETCH_LOCALITY); }
+
 // Fetches line `step` of the tile's output for writing, for steps 0 .. kRows * lines per row - 1 (a
 // kernel calls it once per step of its K loop, so the lines arrive while the tile computes): the
 // output of a long product is fresh memory, and a tile's stores to its rows' lines, each a miss,
