@@ -94,10 +94,11 @@ struct Float32Row {
     const float* row = panel + k * kPanel + kLanes * first_vec;
     for (int j = 0; j < kV; ++j) w[j] = *reinterpret_cast<const vecf*>(row + kLanes * j);
   }
+  template <int kRows>
   static void prefetch(const float* panel, int64_t k) {
     const char* ahead = reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes;
-    prefetch_weights(ahead);
-    prefetch_weights(ahead + 64);
+    prefetch_weights<kRows>(ahead);
+    prefetch_weights<kRows>(ahead + 64);
   }
 };
 
@@ -113,18 +114,20 @@ struct BFloat16Row {  // rows in pairs: row k is the low (even k) or high (odd k
     for (int j = 0; j < kV; ++j)
       w[j] = reinterpret_cast<vecf>(kHalf == 0 ? pair[j] << 16 : pair[j] & 0xffff0000u);
   }
+  template <int kRows>
   static void prefetch(const uint16_t* panel, int64_t k) {  // the pair's two lines
     const char* ahead = reinterpret_cast<const char*>(panel + (k / 2) * kPairElems) + kPrefetchBytes;
-    prefetch_weights(ahead);
-    prefetch_weights(ahead + 64);
+    prefetch_weights<kRows>(ahead);
+    prefetch_weights<kRows>(ahead + 64);
   }
 };
 
 struct Float16Row {  // natural column order
   using Storage = uint16_t;
   static constexpr bool kPaired = false;
+  template <int kRows>
   static void prefetch(const uint16_t* panel, int64_t k) {
-    prefetch_weights(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
+    prefetch_weights<kRows>(reinterpret_cast<const char*>(panel + k * kPanel) + kPrefetchBytes);
   }
   template <int kV>
   static void load(const uint16_t* panel, int64_t k, int first_vec, vecf w[kV]) {
@@ -158,7 +161,7 @@ void tile_kernel(const Tile& t) {
     int64_t k = 0;
     for (; k + 1 < t.k; k += 2) {
       Row::template load<0, kV>(panel, k, t.first_vec, w);
-      Row::prefetch(panel, k);
+      Row::template prefetch<kRows>(panel, k);
       add_row<kRows, kV>(acc, t, k, w);
       Row::template load<1, kV>(panel, k, t.first_vec, w);
       add_row<kRows, kV>(acc, t, k + 1, w);
@@ -170,7 +173,7 @@ void tile_kernel(const Tile& t) {
   } else {
     for (int64_t k = 0; k < t.k; ++k) {
       Row::template load<kV>(panel, k, t.first_vec, w);
-      Row::prefetch(panel, k);
+      Row::template prefetch<kRows>(panel, k);
       add_row<kRows, kV>(acc, t, k, w);
     }
   }
@@ -189,7 +192,7 @@ void tile_kernel_bf16_dot(const Tile& t) {
                               // AVX-512 each broadcast folds into its vdpbf16ps as a {1to16} operand)
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* pair = reinterpret_cast<const wordsv*>(panel + kk * kPairElems) + t.first_vec;  // of words
-    BFloat16Row::prefetch(panel, 2 * kk);
+    BFloat16Row::prefetch<kRows>(panel, 2 * kk);
     prefetch_out_line<kRows, kV>(t, kk);
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
@@ -266,8 +269,8 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* g = reinterpret_cast<const wordsv*>(gate_panel + kk * kPairElems) + t.first_vec;
     const wordsv* u = reinterpret_cast<const wordsv*>(up_panel + kk * kPairElems) + t.first_vec;
-    prefetch_weights(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
-    prefetch_weights(reinterpret_cast<const char*>(u) + kPrefetchBytes);
+    prefetch_weights<kRows>(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
+    prefetch_weights<kRows>(reinterpret_cast<const char*>(u) + kPrefetchBytes);
     if (kk < out_lines) __builtin_prefetch(first_word + 16 * kk, 1, 3);  // as prefetch_out_line, for the pairs
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
@@ -300,7 +303,7 @@ void tile_kernel_q8_0(const Tile& t) {
     Float16Row::load<kV>(reinterpret_cast<const uint16_t*>(block), 0, t.first_vec, scale);
     const int8_t* quants = reinterpret_cast<const int8_t*>(block + 2 * kPanel) + kLanes * t.first_vec;
     for (int kk = 0; kk < kQ8Block; ++kk) {
-      if (kk < kQ8BlockBytes / 64) prefetch_weights(block + kPrefetchBytes + 64 * kk);
+      if (kk < kQ8BlockBytes / 64) prefetch_weights<kRows>(block + kPrefetchBytes + 64 * kk);
       vecf w[kV];
       for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(quants + kk * kPanel + kLanes * j);
       add_row<kRows, kV>(acc, t, b * kQ8Block + kk, w);
@@ -354,7 +357,7 @@ void tile_kernel_q4_k(const Tile& t) {
       const uint8_t* rows = block + weft::kQ4KQuantsOffset + s * 32 * (kPanel / 2);
       for (int kk = 0; kk < 32; ++kk) {
         const uint8_t* row = rows + kk * (kPanel / 2);
-        if (kk % 4 == 0) prefetch_weights(row + kPrefetchBytes);
+        if (kk % 4 == 0) prefetch_weights<kRows>(row + kPrefetchBytes);
         vecf w[kV];
         for (int j = 0; j < kV; ++j) w[j] = q4_k_quants(row, t.first_vec + j) * scale[j] - min[j];
         add_row<kRows, kV>(acc, t, sb * weft::kQ4KBlock + s * 32 + kk, w);
@@ -384,7 +387,7 @@ void tile_kernel_q6_k(const Tile& t) {
         scale[j] = d[j] * widen_int8(block + weft::kQ6KScalesOffset + s * kPanel + kLanes * (t.first_vec + j));
       for (int kk = 0; kk < kSub; ++kk) {
         const int8_t* row = quants + (s * kSub + kk) * kPanel;
-        if (kk % 2 == 0) prefetch_weights(row + kPrefetchBytes);
+        if (kk % 2 == 0) prefetch_weights<kRows>(row + kPrefetchBytes);
         vecf w[kV];
         for (int j = 0; j < kV; ++j) w[j] = scale[j] * widen_int8(row + kLanes * j);
         add_row<kRows, kV>(acc, t, sb * weft::kQ6KBlock + s * kSub + kk, w);

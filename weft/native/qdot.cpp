@@ -311,8 +311,8 @@ void dot_tile_q8_0(const Tile& t) {
     a.clear_sub();
     for (int64_t g = 0; g < weft::kQ8Block / kDotGroup; ++g) {
       const int8_t* group = block + weft::kQ8DotQuantsOffset + kDotGroup * kPanel * g;
-      prefetch_weights(group + kPrefetchBytes);
-      prefetch_weights(group + kPrefetchBytes + 64);
+      prefetch_weights<kRows>(group + kPrefetchBytes);
+      prefetch_weights<kRows>(group + kPrefetchBytes + 64);
       vecb w[kV];
       for (int j = 0; j < kV; ++j) w[j] = load_bytes(group + 4 * kLanes * (v0 + j));
       a.template dot<true>(x, b * weft::kQ8Block + kDotGroup * g, w);
@@ -411,7 +411,7 @@ void dot_tile_q4_k_vnni(const Tile& t) {
       a.clear_sub();
       const int8_t* quants = sub + 2 * kPanel;
       for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
-        prefetch_weights(quants + 64 * g + kPrefetchBytes);
+        prefetch_weights<kRows>(quants + 64 * g + kPrefetchBytes);
         vecb w[kV];
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
         a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
@@ -457,7 +457,7 @@ void dot_tile_q4_k_pairs(const Tile& t) {
       const int8_t* quants = sub + 2 * kPanel;
       vech pairs[kRows][kV];
       group_pair_sums<kGroups>(x, sb * weft::kQ4KBlock + s * kSub, [&](int g, vecb (&w)[kV]) {
-        prefetch_weights(quants + 64 * g + kPrefetchBytes);
+        prefetch_weights<kRows>(quants + 64 * g + kPrefetchBytes);
         for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
       }, pairs);
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
@@ -524,7 +524,7 @@ void dot_tile_q6_k(const Tile& t) {
       a.clear_sub();
       for (int64_t g = 0; g < kGroups; ++g) {
         const int64_t group = (s % 2) * kGroups + g;  // of the pair
-        prefetch_weights(quants + weft::q6k_dot_low(group) + kPrefetchBytes);
+        prefetch_weights<kRows>(quants + weft::q6k_dot_low(group) + kPrefetchBytes);
         vecb w[kV];
         for (int j = 0; j < kV; ++j) {
           w[j] = nibbles(quants + weft::q6k_dot_low(group), v0 + j) |

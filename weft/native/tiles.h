@@ -145,15 +145,21 @@ __attribute__((always_inline)) inline void finish_tile(const Tile& t, vecf (&acc
   }
 }
 
-// Fetches the weights' line at p ahead of its use (kPrefetchBytes ahead of the panel row read now),
-// into L2 (prefetcht1), not L1: a decode step streams the weights from memory, and prefetches into
-// L1 hold its few fill buffers for a memory latency each, which capped one row's bfloat16, Q8_0,
-// Q4_K, Q6_K and float32 products at 10-30% less bandwidth on the Zen 4 (docs/benchmarks.md).
-// -DWEFT_PREFETCH_LOCALITY=3 (WEFT_NATIVE_CFLAGS) builds the prefetches into L1 for comparison.
+// Fetches the weights' line at p ahead of its use (kPrefetchBytes ahead of the panel row read now)
+// for a tile of kRows rows. One row (a decode step at batch 1) streams the weights from memory as
+// fast as the lines come in, and prefetches into L1 hold the core's few L1 fill buffers for a whole
+// memory latency each: into L2 (prefetcht1) its bfloat16, Q8_0, Q4_K, Q6_K and float32 products read
+// 10-30% more GB/s on the Zen 4, and the 1B Q8_0 file decodes 5-30% faster. Taller tiles spend more
+// time on each line and wait on the L2 instead: into L1 they measured 6-7% faster at batch 8
+// (docs/benchmarks.md). -DWEFT_PREFETCH_LOCALITY=3 (WEFT_NATIVE_CFLAGS) builds one-row tiles'
+// prefetches into L1 too, for comparison.
 #ifndef WEFT_PREFETCH_LOCALITY
 #define WEFT_PREFETCH_LOCALITY 2
 #endif
-inline void prefetch_weights(const void* p) { __builtin_prefetch(p, 0, WEFT_PREFETCH_LOCALITY); }
+template <int kRows>
+inline void prefetch_weights(const void* p) {
+  __builtin_prefetch(p, 0, kRows == 1 ? WEFT_PREFETCH_LOCALITY : 3);
+}
 
 // Fetches line `step` of the tile's output for writing, for steps 0 .. kRows * lines per row - 1 (a
 // kernel calls it once per step of its K loop, so the lines arrive while the tile computes): the
