@@ -263,15 +263,11 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
   const auto* up_panel = static_cast<const uint16_t*>(t.glu->up_panel);
   const int64_t pairs = (t.k + 1) / 2;
   const auto* xq = static_cast<const uint32_t*>(t.xq);
-  const weft::tiles::GluTile& glu = *t.glu;
-  uint32_t* const first_word = glu_words(glu, glu.first_row);
-  const int64_t out_lines = (kV * kLanes / 2 * glu.pair_rows * 4 + 63) / 64;  // the tile's columns, all rows
   for (int64_t kk = 0; kk < pairs; ++kk, xq += t.xq_stride) {
     const wordsv* g = reinterpret_cast<const wordsv*>(gate_panel + kk * kPairElems) + t.first_vec;
     const wordsv* u = reinterpret_cast<const wordsv*>(up_panel + kk * kPairElems) + t.first_vec;
     prefetch_weights<kRows>(reinterpret_cast<const char*>(g) + kPrefetchBytes);  // the line of the half it reads
     prefetch_weights<kRows>(reinterpret_cast<const char*>(u) + kPrefetchBytes);
-    if (kk < out_lines) __builtin_prefetch(first_word + 16 * kk, 1, 3);  // as prefetch_out_line, for the pairs
     for (int i = 0; i < kRows; ++i) {
       const wordsv xv = wordsv{} + xq[i];  // broadcast
       for (int j = 0; j < kV; ++j) {
@@ -280,7 +276,8 @@ void tile_kernel_bf16_dot_glu(const Tile& t) {
       }
     }
   }
-  for (int i = 0; i < kRows; ++i) {
+  const weft::tiles::GluTile& glu = *t.glu;  // (its output, half as many lines as a float tile's, is not
+  for (int i = 0; i < kRows; ++i) {           // prefetched: that measured no faster)
     uint32_t* words = glu_words(glu, glu.first_row + i);
     for (int j = 0; j < kV; ++j) {
       uint32_t pairs[kLanes / 2];
