@@ -442,12 +442,17 @@ void attend_range(const T* cache, const int64_t* blocks, int64_t begin, int64_t 
   }
 }
 
-// The blocks of each range of a sequence of `num_blocks` blocks, a function of its length alone:
-// as many ranges as a power of two up to kMaxSplits allows with at least 4 blocks each (so that 2
-// or 4 threads share them evenly), of equal length but the last.
-inline int64_t split_blocks(int64_t num_blocks) {
+// The ranges of a sequence of `num_blocks` blocks, a function of its length alone: the largest power
+// of two up to kMaxSplits that leaves each at least 4 blocks (so that 2 or 4 threads share them evenly).
+inline int64_t num_ranges(int64_t num_blocks) {
   int64_t splits = 1;
   while (2 * splits <= kMaxSplits && 2 * splits * 4 <= num_blocks) splits *= 2;
+  return splits;
+}
+
+// The blocks of each of those ranges, of equal length but the last.
+inline int64_t split_blocks(int64_t num_blocks) {
+  const int64_t splits = num_ranges(num_blocks);
   return (num_blocks + splits - 1) / splits;
 }
 
@@ -507,10 +512,9 @@ void merge_splits(const std::vector<float>& m, const std::vector<float>& l, cons
 template <typename T>
 void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
                    DecodeShape sh, float scale, T* op) {
-  int64_t longest = 0;  // blocks of the longest context: its ranges are the most any sequence has
+  int64_t longest = 0;  // the longest context: its ranges are the most any sequence has
   for (int64_t b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);
-  longest = (longest + sh.block_size - 1) / sh.block_size;
-  sh.num_splits = (longest + split_blocks(longest) - 1) / std::max<int64_t>(split_blocks(longest), 1);
+  sh.num_splits = num_ranges((longest + sh.block_size - 1) / sh.block_size);
   const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
   std::vector<float> m(items * H), l(items * H), acc(items * H * D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
