@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import weft.native as native
-from weft import LLM
+from weft import LLM, SamplingParams
 from weft.config import NativeConfig
+from weft.engine.engine import LLMEngine
 from weft.model import prefill_gemm
-from weft.model.layers import Linear, WeightLayout
+from weft.model.layers import GENERATED_ROWS, Linear, StepRows, WeightLayout
 from weft.model.prefill_gemm import (
     CANDIDATE_ROWS,
     NEVER,
@@ -22,6 +23,7 @@ from weft.model.prefill_gemm import (
     linear_shape,
     measure_paths,
 )
+from weft.params import OutputKind
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +115,51 @@ def test_a_model_load_measures_its_shapes_and_says_so(tiny_llama, monkeypatch):
     assert thresholds <= {*CANDIDATE_ROWS, NEVER}
     assert model.lm_head.dense_rows == prefill_gemm.DENSE_PANEL_ROWS  # the lm_head keeps the default
     assert llm.kernels["prefill_gemm"].startswith("torch GEMM from ")
+
+
+def test_generated_rows_take_the_panels_in_a_gemm_step():
+    """A step whose prompt rows take the GEMM computes its generated rows through the panels, bit for
+    bit what they give alone; the prompt rows are the GEMM's."""
+    lin = packed(200, 300)
+    lin.dense_rows = 8
+    x = torch.randn(40, 200)
+    generated = torch.tensor([0, 17, 39])
+    out = lin(x, StepRows(37, generated))
+    assert torch.equal(out[generated], lin.panel_forward(x[generated]))
+    prompt = torch.ones(40, dtype=torch.bool)
+    prompt[generated] = False
+    assert torch.equal(out[prompt], lin.dense_forward(x)[prompt])
+    assert torch.equal(lin(x, StepRows(7, generated)), lin.panel_forward(x))  # under the threshold
+    assert torch.equal(lin(x, GENERATED_ROWS), lin.panel_forward(x))
+    assert torch.equal(lin(x), lin.dense_forward(x))  # no step: every row counts, as in scoring
+    sliced = StepRows(37, generated).slice(10, 30)
+    assert sliced.num_prompt == 19 and sliced.generated is not None and sliced.generated.tolist() == [7]
+
+
+def _decoding(engine: LLMEngine, other_at: int | None) -> list:
+    """A greedy request with logprobs, and from step `other_at` on another with a long prompt."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, output_kind=OutputKind.FINAL_ONLY)
+    engine.add_request("a", "hello there", params)
+    finished, step = [], 0
+    while engine.has_unfinished_requests():
+        if step == other_at:
+            engine.add_request("b", "the quick brown fox " * 12, params)
+        finished += engine.step()
+        step += 1
+    (a,) = [o for o in finished if o.request_id == "a"]
+    return [(c.token_ids, c.logprobs, c.cumulative_logprob) for c in a.outputs]
+
+
+def test_a_long_prompt_beside_a_decoding_request_changes_none_of_its_numbers(checkpoint_factory):
+    """With thresholds low enough that the other request's prompt takes the GEMM, the decoding
+    request's rows in that step still take the panels: its logprobs are bit for bit the same as
+    alone (the step's own count of rows used to send them through the GEMM too). Sums over 256
+    inputs and more, where the GEMM's rounding differs from the panels'."""
+    checkpoint = checkpoint_factory("llama", hidden_size=256, intermediate_size=512)
+    engine = LLM(str(checkpoint), show_progress=False, device="cpu", dtype="float32").engine
+    body = [m for m in engine.model.modules() if isinstance(m, Linear) and m is not engine.model.lm_head]
+    for lin in body:
+        lin.dense_rows = 8
+    alone = _decoding(engine, None)
+    for other_at in (1, 3, 6):
+        assert _decoding(engine, other_at) == alone, other_at

@@ -16,6 +16,7 @@ from test_sampler import assert_matches
 import weft.engine.engine as engine_module
 from weft import LLM, OutputKind, SamplingParams
 from weft.engine.engine import LLMEngine
+from weft.model.layers import Linear
 from weft.speculative.drafter import Drafter
 from weft.structured.llguidance_backend import LLGuidanceMatcher
 
@@ -377,6 +378,29 @@ def test_long_verifying_rows_compute_what_decoding_does(tiny_llama, engines, exp
     speculation.new_drafter = lambda: Oracle(_references(expected), list)
     got = run(on, requests())
     assert fields(got) == fields(expected)
+    assert speculation.tally.num_accepted_tokens > 100
+
+
+def test_verifying_rows_never_take_the_prefill_gemm(checkpoint_factory):
+    """Where a step's row count reaches a matrix's GEMM threshold (`Linear.dense_rows`, measured per
+    machine: from 128-256 rows on AVX2 CPUs, so a batch of 32 with 4 drafts each), verifying rows
+    still multiply through the panels, as decoding does: the outputs stay bit for bit the same. A
+    model of 256 inputs, where the GEMM's sums differ from the panels'; thresholds of 2 rows."""
+    checkpoint = str(checkpoint_factory("llama", hidden_size=256, intermediate_size=512))
+    off = LLM(checkpoint, **OPTIONS).engine
+    on = LLM(checkpoint, speculative_config={"num_speculative_tokens": K}, **OPTIONS).engine
+    eager(on)
+    for engine in (off, on):
+        model = engine.model
+        for module in model.modules():
+            if isinstance(module, Linear) and module is not model.lm_head:
+                module.dense_rows = 2
+    reqs = [r for r in requests() if r[1].structured is None]
+    expected = run(off, reqs)
+    speculation = on.speculation
+    assert speculation is not None
+    speculation.new_drafter = lambda: Oracle(_references(expected), list)
+    assert fields(run(on, reqs)) == fields(expected)
     assert speculation.tally.num_accepted_tokens > 100
 
 

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weft.arrays import column
+from weft.arrays import column, to_device
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.graphs import Capture, CaptureReport, DecodeGraphs
 from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
+from weft.model.layers import GENERATED_ROWS, StepRows
 from weft.model.llama import KVCache, LlamaForCausalLM
 from weft.sample.prompt_logprobs import CHUNK_ROWS as PROMPT_CHUNK_ROWS
 
@@ -64,6 +65,7 @@ class ModelInput:
     prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is known and wants logprobs
     prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) tokens
     prompt_spans: list[PromptSpan]
+    rows: StepRows  # which rows may multiply through the BLAS GEMM: the prompt rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,9 @@ class StepPlan:
     # token by token however many they are, so that each token gets the numbers decoding gives it
     # alone (speculation and fast-forward change how many a row holds, never their values).
     generated_rows: list[int]
+    # (first, end) step rows of each sequence's prompt tokens, where it has some: every other row
+    # holds a generated token and multiplies through the panels (`StepRows`)
+    prompt_token_rows: list[tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +148,16 @@ class ModelRunner:
         prompt_targets: list[int] = []
         spans: list[PromptSpan] = []
         generated_rows: list[int] = []
+        prompt_token_rows: list[tuple[int, int]] = []
         for item in sched.scheduled:
             seq, num_new = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            if num_new > 1 and start >= seq.num_prompt_tokens:
-                generated_rows.append(len(query_lens))
+            if start >= seq.num_prompt_tokens:
+                if num_new > 1:
+                    generated_rows.append(len(query_lens))
+            else:  # (its drafts come after its last known token, so after any prompt token)
+                first = len(input_ids)
+                prompt_token_rows.append((first, first + min(num_new, seq.num_prompt_tokens - start)))
             if seq.needs_prompt_logprobs or seq.num_pending_forced:
                 spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
             drafts = item.drafts
@@ -174,7 +184,7 @@ class ModelRunner:
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
         plan = StepPlan(
             input_ids, query_lens, context_lens, tables, logits_indices, prompt_rows, prompt_targets,
-            pending, sched.block_copies, generated_rows,
+            pending, sched.block_copies, generated_rows, prompt_token_rows,
         )  # fmt: skip
         return plan, spans
 
@@ -200,7 +210,17 @@ class ModelRunner:
             prompt_rows=column(prompt_rows, np.int64, self.device) if prompt_rows else None,
             prompt_targets=column(plan.prompt_targets, np.int64, self.device) if prompt_rows else None,
             prompt_spans=spans,
+            rows=self._step_rows(plan.prompt_token_rows, len(plan.input_ids)),
         )
+
+    def _step_rows(self, prompt_token_rows: list[tuple[int, int]], num_rows: int) -> StepRows:
+        num_prompt = sum(end - first for first, end in prompt_token_rows)
+        if num_prompt in (0, num_rows):  # one kind of row: no index to keep
+            return StepRows(num_prompt)
+        generated = np.ones(num_rows, dtype=bool)  # [T]
+        for first, end in prompt_token_rows:
+            generated[first:end] = False
+        return StepRows(num_prompt, to_device(np.flatnonzero(generated), self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> StepLogits:
@@ -214,7 +234,7 @@ class ModelRunner:
         self.copy_blocks(plan.block_copies)
         inputs = self.inputs(plan, spans, in_flight)
         hidden = self._forward(inputs)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
         prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
         return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
 
@@ -225,7 +245,7 @@ class ModelRunner:
         self.copy_blocks(plan.block_copies)
         inputs = self.inputs(plan, [])
         hidden = self._forward(inputs)  # [T, hidden]
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
         if inputs.prompt_rows is not None:  # as `prompt_logprobs` computes them on rank 0, in chunks
             prompt_hidden = hidden[inputs.prompt_rows]
             for start in range(0, prompt_hidden.shape[0], PROMPT_CHUNK_ROWS):
@@ -237,7 +257,7 @@ class ModelRunner:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
             if hidden is not None:
                 return hidden
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn, inputs.rows)
 
     @torch.inference_mode()
     def capture_graphs(

@@ -29,6 +29,29 @@ def num_rows(x: torch.Tensor | BFloat16Pairs) -> int:
     return x.num_rows if isinstance(x, BFloat16Pairs) else x.shape[0]
 
 
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """Which rows of a step may multiply through the BLAS GEMM (`Linear.dense_rows`). The panel
+    kernel computes a row the same whatever else is in the step; the GEMM's rounding is its own. So
+    a row of a generated token (decode, forced, drafted, recomputed after preemption) always takes
+    the panels, and speculation, fast-forward and the batch around a sequence never change its
+    numbers; a step's prompt rows take the GEMM when a matrix's threshold counts at least that many
+    of them (long prefills, where it is faster)."""
+
+    num_prompt: int  # rows of prompt tokens
+    generated: torch.Tensor | None = None  # [G] int64, the generated rows, where the step has both
+
+    def slice(self, start: int, stop: int) -> StepRows:
+        """The rows [start, stop) of the step (a long prefill's MLP, a chunk at a time)."""
+        if self.generated is None:
+            return StepRows(min(self.num_prompt, stop - start))
+        inside = self.generated[(self.generated >= start) & (self.generated < stop)] - start
+        return StepRows(stop - start - inside.numel(), inside if inside.numel() else None)
+
+
+GENERATED_ROWS = StepRows(0)  # every row a generated token's (sampling rows): the panels alone
+
+
 class WeightLayout(enum.Enum):
     """How a `Linear` stores its weight; the loader picks one per device and dtype (`weight_layout`)."""
 
@@ -81,13 +104,17 @@ class Linear(nn.Module):
         self.layout = WeightLayout.PANELS
         self.quantized = quantized
 
-    def forward(self, x: torch.Tensor | BFloat16Pairs) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(
+        self, x: torch.Tensor | BFloat16Pairs, rows: StepRows | None = None
+    ) -> torch.Tensor:  # [T, in] -> [T, out]
+        """`rows`: which of the step's rows hold prompt tokens (None: every row, as in scoring)."""
         if isinstance(x, BFloat16Pairs):  # rounded already: bfloat16 products (bf16_dot panels)
-            words, rows = x.words, x.num_rows
-            return torch.ops.weft.packed_linear_pairs(words, rows, self.weight, self.bias, self.out_features)
+            words, count = x.words, x.num_rows
+            return torch.ops.weft.packed_linear_pairs(words, count, self.weight, self.bias, self.out_features)
         if self.layout is WeightLayout.PANELS:
-            if x.shape[0] >= self.dense_rows and not (self.bf16_dot or self.quantized):  # long: BLAS GEMM
-                return self.dense_forward(x)
+            num_prompt = x.shape[0] if rows is None else rows.num_prompt
+            if num_prompt >= self.dense_rows and not (self.bf16_dot or self.quantized):  # long: BLAS GEMM
+                return self.dense_forward(x, None if rows is None else rows.generated)
             return self.panel_forward(x)
         if self.layout is WeightLayout.IN_OUT:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -99,9 +126,15 @@ class Linear(nn.Module):
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
         return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
 
-    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
+    def dense_forward(
+        self, x: torch.Tensor, generated: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
+        """`generated` ([G] int64): rows computed through the panels all the same (`StepRows`)."""
         dense = self._dense_from_panels(x.shape[1])  # [in, out] float32
-        return torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)
+        out = torch.mm(x, dense) if self.bias is None else torch.addmm(self.bias, x, dense)
+        if generated is not None:
+            out[generated] = self.panel_forward(x[generated])
+        return out
 
     def _dense_from_panels(self, in_features: int) -> torch.Tensor:
         """W.T as float32 [in, out] from the panels (half precision widened exactly), a copy made for

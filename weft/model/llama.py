@@ -28,6 +28,7 @@ from weft.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    StepRows,
     WeightLayout,
     num_rows,
 )
@@ -77,10 +78,11 @@ class Attention(nn.Module):
         rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        rows: StepRows | None = None,  # which rows may take the BLAS GEMM (`StepRows`)
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = num_rows(x)
         num_q, num_kv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
+        qkv = self.qkv(x, rows).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
         if self.q_norm is not None and self.k_norm is not None:
             qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
             qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         q = qkv[:, :num_q]  # [T, H, D]
         kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
         out = self.backend(q, kv, kv_cache, meta, self.scale)
-        return self.reduce(self.o(out))
+        return self.reduce(self.o(out, rows))
 
 
 class MLP(nn.Module):
@@ -99,15 +101,18 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.hidden_size)
         self.reduce: Reduce = _alone  # tensor parallel: the down projection's sum over the ranks
 
-    def forward(self, x: torch.Tensor | BFloat16Pairs) -> torch.Tensor:  # [T, hidden]
+    def forward(
+        self, x: torch.Tensor | BFloat16Pairs, rows: StepRows | None = None
+    ) -> torch.Tensor:  # [T, hidden]
         if isinstance(x, BFloat16Pairs):  # its norm rounded it for the fused MLP (`takes_pairs`)
             return self.reduce(glu.glu_down(self.gate_up, self.down, x))
-        rows = self._chunk_rows()
-        if rows is None or x.shape[0] <= rows:
-            return self._forward(x)
+        chunk = self._chunk_rows()
+        if chunk is None or x.shape[0] <= chunk:
+            return self._forward(x, rows)
         out = x.new_empty(x.shape[0], self.down.out_features)  # [T, hidden]
-        for start in range(0, x.shape[0], rows):  # a long prefill: [rows, 2I] at a time
-            out[start : start + rows] = self._forward(x[start : start + rows])
+        for start in range(0, x.shape[0], chunk):  # a long prefill: [chunk, 2I] at a time
+            stop = min(start + chunk, x.shape[0])
+            out[start:stop] = self._forward(x[start:stop], None if rows is None else rows.slice(start, stop))
         return out
 
     def takes_pairs(self, num_tokens: int) -> bool:
@@ -126,11 +131,11 @@ class MLP(nn.Module):
             return rows
         return max(rows, GLU_CHUNK_BYTES // (4 * self.down.in_features))
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+    def _forward(self, x: torch.Tensor, rows: StepRows | None) -> torch.Tensor:  # [T, hidden]
         if glu.fuses(self.gate_up, self.down):  # bfloat16 products: in two passes (weft/model/glu.py)
             return self.reduce(glu.glu_down(self.gate_up, self.down, x))
-        act = self.kernels.silu_mul(self.gate_up(x))  # [T, 2I]: gate | up -> [T, I]
-        return self.reduce(self.down(act))  # [T, hidden]
+        act = self.kernels.silu_mul(self.gate_up(x, rows))  # [T, 2I]: gate | up -> [T, I]
+        return self.reduce(self.down(act, rows))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -151,11 +156,12 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         pairs: tuple[bool, bool] = (False, False),  # the MLP's input, next_norm's output as pairs
+        rows: StepRows | None = None,  # which rows may take the BLAS GEMM (`StepRows`)
     ) -> torch.Tensor | BFloat16Pairs:  # [T, hidden], next_norm(x) after this layer
-        delta = self.attn(normed, rope, kv_cache, meta)
+        delta = self.attn(normed, rope, kv_cache, meta, rows)
         post = self.post_attn_norm
         normed = post.pairs_(x, delta) if pairs[0] else post.add_residual_(x, delta)
-        delta = self.mlp(normed)
+        delta = self.mlp(normed, rows)
         return next_norm.pairs_(x, delta) if pairs[1] else next_norm.add_residual_(x, delta)
 
     def takes_pairs(self, num_tokens: int) -> bool:
@@ -210,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        rows: StepRows | None = None,  # which rows may take the BLAS GEMM (None: all, as in scoring)
     ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
         x = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
@@ -232,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         normed = layers[0].input_norm.pairs_(x) if pairs else layers[0].input_norm(x)
         last = len(layers) - 1
         for i, (layer, next_norm, kv_cache) in enumerate(zip(layers, next_norms, kv_caches, strict=True)):
-            normed = layer(x, normed, next_norm, rope, kv_cache, meta, (pairs, pairs and i < last))
+            normed = layer(x, normed, next_norm, rope, kv_cache, meta, (pairs, pairs and i < last), rows)
         return cast(torch.Tensor, normed)  # the final norm's output is float
 
     def _norms_write_pairs(self, num_tokens: int) -> bool:
@@ -282,9 +289,12 @@ class LlamaForCausalLM(nn.Module):
         kinds = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized]
         return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        """Tensor parallel: each rank's vocabulary range, gathered on rank 0 (the others get theirs)."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: StepRows | None = None
+    ) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        """Tensor parallel: each rank's vocabulary range, gathered on rank 0 (the others get theirs).
+        `rows`: `GENERATED_ROWS` for sampling rows, whose logits never take the BLAS GEMM."""
+        logits = self.lm_head(hidden, rows).float()
         return logits if self.tp is None else self.tp.gather_columns(logits)
 
 
