@@ -81,6 +81,22 @@ def test_preemption_under_memory_pressure_gives_same_outputs(tiny_llama, llm):
     assert small.stats()["kv_blocks_used"] == 0
 
 
+def test_a_preempted_request_recomputes_the_numbers_it_had(checkpoint_factory):
+    """After a preemption a sequence recomputes its prompt, then its generated tokens in a step of
+    their own, as a row of generated tokens (attending token by token, through the panels), so its
+    logprobs are bit for bit those of a run without preemption. A model of 256 inputs, where a
+    prompt's kernels round otherwise than decoding's."""
+    checkpoint = str(checkpoint_factory("llama", hidden_size=256, intermediate_size=512))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    options = {"show_progress": False, "block_size": 8, "max_model_len": 64}
+    roomy = LLM(checkpoint, **options)
+    expected = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in roomy.generate(PROMPTS, params)]
+    small = LLM(checkpoint, num_kv_blocks=10, **options)
+    outputs = small.generate(PROMPTS, params)
+    assert small.stats()["num_preemptions"] > 0
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs] == expected
+
+
 def test_stop_string_spanning_tokens(llm):
     base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     full = base.outputs[0].text

@@ -170,7 +170,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(_uncomputed(seq), budget)
             if num_new <= 0 or (seq.num_pending and seq.tokens_left <= 0):
                 # (nothing new, or the pending token is its last: it finishes for length when read back)
                 idx += 1
@@ -218,7 +218,7 @@ class Scheduler:
             if table is None:
                 break
             self.waiting.popleft()
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(_uncomputed(seq), budget)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new, table))
@@ -230,7 +230,7 @@ class Scheduler:
         fresh = seq.num_computed_tokens == 0  # not a fork holding its parent's blocks, not parked
         computed = self.kv.get_computed_blocks(seq) if fresh else None
         num_cached = computed.num_tokens(self.kv.block_size) if computed else 0
-        num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+        num_new = min(_uncomputed(seq, num_cached), budget)
         table = self.kv.allocate_slots(seq, num_new, computed)
         if table is None:
             return None
@@ -443,3 +443,14 @@ def _forced_held(seq: Sequence, drafts: list[int], depth: int, num_forced: int) 
             break
         held += 1
     return held
+
+
+def _uncomputed(seq: Sequence, num_cached: int = 0) -> int:
+    """The tokens `seq` may compute in one step, after `num_cached` more from the prefix cache: all
+    it has not, but where a preempted sequence recomputes its prompt, up to the prompt's end. Its
+    generated tokens then come in a step of their own, as a row of generated tokens, which
+    attends token by token and multiplies through the panels as decoding did (`StepPlan`): a
+    sequence's numbers after a preemption are those it had before."""
+    start = seq.num_computed_tokens + num_cached
+    end = seq.num_prompt_tokens if start < seq.num_prompt_tokens else len(seq.token_ids)
+    return end - start
