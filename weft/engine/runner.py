@@ -151,13 +151,12 @@ class ModelRunner:
         prompt_token_rows: list[tuple[int, int]] = []
         for item in sched.scheduled:
             seq, num_new = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            if start >= seq.num_prompt_tokens:
-                if num_new > 1:
-                    generated_rows.append(len(query_lens))
-            else:  # (its drafts come after its last known token, so after any prompt token)
+            start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
+            if start < num_prompt:  # (its drafts come after its last known token, so after any prompt token)
                 first = len(input_ids)
-                prompt_token_rows.append((first, first + min(num_new, seq.num_prompt_tokens - start)))
+                prompt_token_rows.append((first, first + min(num_new, num_prompt - start)))
+            elif num_new > 1:
+                generated_rows.append(len(query_lens))
             if seq.needs_prompt_logprobs or seq.num_pending_forced:
                 spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
             drafts = item.drafts

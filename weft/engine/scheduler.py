@@ -451,6 +451,5 @@ def _uncomputed(seq: Sequence, num_cached: int = 0) -> int:
     generated tokens then come in a step of their own, as a row of generated tokens, which
     attends token by token and multiplies through the panels as decoding did (`StepPlan`): a
     sequence's numbers after a preemption are those it had before."""
-    start = seq.num_computed_tokens + num_cached
-    end = seq.num_prompt_tokens if start < seq.num_prompt_tokens else len(seq.token_ids)
-    return end - start
+    start, num_prompt = seq.num_computed_tokens + num_cached, len(seq.prompt_token_ids)
+    return (num_prompt if start < num_prompt else len(seq.token_ids)) - start
