@@ -83,6 +83,9 @@ class TrainConfig:
     word_swap: float = 0.0
     word_swap_min: float | None = None  # if set, each passage's swap rate is drawn from [this, word_swap]
     passage_share: float = 0.5  # of the copy rows, the share of passages (the rest: records)
+    # of the record rows, the share of word lists instead (`words: a b c` then `["a", "b", "c"]`):
+    # many words each a row, each tokenized after a space in the line and after a quote in the JSON
+    list_share: float = 0.0
     # of the passages, the share drawn from `copy_corpus` (another text, never trained on as
     # language: only the second showing of its passages counts in the loss), natural text that
     # memory of the training text cannot predict
@@ -171,17 +174,22 @@ class CopyTasks:
         word_swap_min: float | None = None,
         other: str | None = None,
         other_share: float = 0.0,
+        lists: float = 0.0,
     ) -> None:
         self.data, self.text, self.tok, self.word_swap, self.passages = data, text, tok, word_swap, passages
+        self.lists = lists
         self.other, self.other_share = other, other_share
         self.word_swap_min = word_swap if word_swap_min is None else word_swap_min
         self.vocab_size = tok.get_vocab_size()
         self.separator = torch.tensor(tok.encode("\n\n").ids, dtype=torch.long)
         self.names = sorted(set(re.findall(r"^([A-Z][A-Za-z ]+):$", text, flags=re.MULTILINE)))
         self.words = sorted({w for w in re.findall(r"\b[a-z]{4,9}\b", text)})
+        self.single_names = [name.title() for name in self.names if " " not in name]  # for word lists
 
     def row(self, length: int, gen: torch.Generator) -> torch.Tensor:
-        make = self._passage if torch.rand((), generator=gen).item() < self.passages else self._records
+        if torch.rand((), generator=gen).item() < self.passages:
+            return self._passage(length, gen)[:length]
+        make = self._word_lists if torch.rand((), generator=gen).item() < self.lists else self._records
         return make(length, gen)[:length]
 
     def induction(
@@ -255,6 +263,20 @@ class CopyTasks:
             return word.title() if match.group(0)[0].isupper() else word
 
         return torch.tensor(self.tok.encode(re.sub(r"[A-Za-z]+", swap, passage)).ids, dtype=torch.long)
+
+    def _word_lists(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        """Lines of 3-8 words (the speakers' names and words of the text), each followed by the same
+        words as a JSON list: a word after a space in the line is other tokens than the same word
+        after a quote, the mapping a record's values need on their way into JSON, many times a row."""
+        ids: list[int] = []
+        while len(ids) < length:
+            count = int(torch.randint(3, 9, (), generator=gen))
+            words = []
+            for _ in range(count):
+                pool = self.single_names if torch.rand((), generator=gen).item() < 0.5 else self.words
+                words.append(pool[int(torch.randint(len(pool), (), generator=gen))])
+            ids += self.tok.encode("words: " + " ".join(words) + "\n" + json.dumps(words) + "\n\n").ids
+        return torch.tensor(ids, dtype=torch.long)
 
     def _records(self, length: int, gen: torch.Generator) -> torch.Tensor:
         ids: list[int] = []
@@ -485,6 +507,9 @@ def main() -> None:
     parser.add_argument(
         "--passage-share", type=float, default=TrainConfig.passage_share, help="of the copy rows: passages"
     )
+    parser.add_argument(
+        "--list-share", type=float, default=TrainConfig.list_share, help="of the record rows: word lists"
+    )
     parser.add_argument("--induction-len", type=int, default=TrainConfig.induction_len)
     parser.add_argument("--induction-span", type=int, default=TrainConfig.induction_span)
     parser.add_argument(
@@ -529,6 +554,7 @@ def main() -> None:
         word_swap=args.word_swap,
         word_swap_min=args.word_swap_min,
         passage_share=args.passage_share,
+        list_share=args.list_share,
         copy_corpus=args.copy_corpus,
         copy_corpus_share=args.copy_corpus_share,
         induction_short_steps=args.induction_short_steps,
@@ -571,6 +597,7 @@ def main() -> None:
             cfg.word_swap_min,
             Path(cfg.copy_corpus).read_text(encoding="utf-8") if cfg.copy_corpus else None,
             cfg.copy_corpus_share,
+            cfg.list_share,
         )
         if cfg.copy_share > 0
         else None
