@@ -15,7 +15,7 @@ from weft.engine.graphs import Capture, CaptureReport, DecodeGraphs
 from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
-from weft.model.layers import GENERATED_ROWS, StepRows
+from weft.model.layers import GENERATED_ROWS, Linear, StepRows
 from weft.model.llama import KVCache, LlamaForCausalLM
 from weft.sample.prompt_logprobs import CHUNK_ROWS as PROMPT_CHUNK_ROWS
 
@@ -124,6 +124,8 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
         self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
+        # whether a step's generated rows need an index (`StepRows`): some matrix may take the GEMM
+        self.takes_gemm = any(m.takes_gemm for m in model.modules() if isinstance(m, Linear))
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -213,8 +215,10 @@ class ModelRunner:
         )
 
     def _step_rows(self, prompt_token_rows: list[tuple[int, int]], num_rows: int) -> StepRows:
+        """The step's prompt rows, and where it also holds generated ones and some matrix may take
+        the GEMM, their index (built for those steps alone: a few microseconds a step)."""
         num_prompt = sum(end - first for first, end in prompt_token_rows)
-        if num_prompt in (0, num_rows):  # one kind of row: no index to keep
+        if num_prompt in (0, num_rows) or not self.takes_gemm:  # no index to keep
             return StepRows(num_prompt)
         generated = np.ones(num_rows, dtype=bool)  # [T]
         for first, end in prompt_token_rows:

@@ -113,7 +113,7 @@ class Linear(nn.Module):
             return torch.ops.weft.packed_linear_pairs(words, count, self.weight, self.bias, self.out_features)
         if self.layout is WeightLayout.PANELS:
             num_prompt = x.shape[0] if rows is None else rows.num_prompt
-            if num_prompt >= self.dense_rows and not (self.bf16_dot or self.quantized):  # long: BLAS GEMM
+            if num_prompt >= self.dense_rows and self.takes_gemm:  # long: BLAS GEMM
                 return self.dense_forward(x, None if rows is None else rows.generated)
             return self.panel_forward(x)
         if self.layout is WeightLayout.IN_OUT:
@@ -122,6 +122,12 @@ class Linear(nn.Module):
             out = torch.mv(self.weight, x[0]).unsqueeze(0)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def takes_gemm(self) -> bool:
+        """Whether long steps multiply through the BLAS GEMM (`dense_rows`): float panels, neither
+        bfloat16 products nor quantized."""
+        return self.layout is WeightLayout.PANELS and not (self.bf16_dot or self.quantized)
 
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
         return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
