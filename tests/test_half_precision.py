@@ -28,7 +28,7 @@ from weft import LLM, SamplingParams
 from weft.config import ConfigError, resolve_dtype
 from weft.kernels import cpu_isa_path
 from weft.model import glu
-from weft.model.layers import Linear, RMSNorm, WeightLayout
+from weft.model.layers import Linear, RMSNorm, StepRows, WeightLayout
 from weft.model.prefill_gemm import NEVER
 
 HALF = [torch.bfloat16, torch.float16]
@@ -207,7 +207,7 @@ def bfloat16_rounded_reference(llm: LLM) -> LLM:
     model.stack = None
     model.attention.bf16_dot = True  # prefill attention's products: the kernel's own rounding (test_native)
 
-    def rounded_forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
+    def rounded_forward(self: Linear, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
         return torch.ops.weft.packed_linear(x.bfloat16().float(), self.weight, self.bias, self.out_features)
 
     for module in model.modules():

@@ -771,7 +771,7 @@ def test_a_long_prefill_runs_its_mlp_in_chunks_with_the_same_result(checkpoint_f
     monkeypatch.setattr(llama, "GLU_CHUNK_BYTES", 0)  # bfloat16 products: the fused MLP's own bound
     chunks: list[int] = []
     forward = MLP._forward
-    monkeypatch.setattr(MLP, "_forward", lambda self, x: chunks.append(x.shape[0]) or forward(self, x))
+    monkeypatch.setattr(MLP, "_forward", lambda mlp, x, r: chunks.append(x.shape[0]) or forward(mlp, x, r))
     chunked = LLM(path, **options).generate(prompts, params, use_tqdm=False)
     assert max(chunks) == 7 and 53 % 7 in chunks  # the 53-row prefill step, in chunks
     for a, b in zip(whole, chunked, strict=True):
