@@ -39,7 +39,9 @@ class StepRows:
     of them (long prefills, where it is faster)."""
 
     num_prompt: int  # rows of prompt tokens
-    generated: torch.Tensor | None = None  # [G] int64, the generated rows, where the step has both
+    # [G] int64, the generated rows, where the step has both kinds and some matrix may take the GEMM
+    # (else None: no row of it ever does where the two kinds mix)
+    generated: torch.Tensor | None = None
 
     def slice(self, start: int, stop: int) -> StepRows:
         """The rows [start, stop) of the step (a long prefill's MLP, a chunk at a time)."""
