@@ -373,3 +373,39 @@ def test_bench_throughput_measures_a_gguf_file_as_it_is_stored(tmp_path, capsys,
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where llama-cpp-python is not installed
     assert main(args) == 2
     assert "pip install llama-cpp-python" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_0"] if torch.cuda.is_available() else ["q4_k_m"])
+def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkeypatch):
+    """The Triton kernel set (CUDA; here Triton's interpreter where there is no GPU) keeps every
+    quantized matrix in its GGUF blocks, the tied table included (no float copy), and its logits
+    equal transformers' float32 dequantization of the same file within 1e-4 (float32 activations:
+    exact float32 products, prompt rows through `tl.dot`, decode rows through products and sums)."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("WEFT_KERNELS", "triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = GGUF_DIR / FILES[name]
+    if not path.is_file():  # a GPU machine carries only some of the files
+        pytest.skip(f"{path} is not here")
+    llm = LLM(str(path), show_progress=False, max_logprobs=20, device=device, dtype="float32")
+    model = llm.engine.model
+    assert "(GGUF blocks, dequantized in the kernel)" in llm.kernels["linear"], llm.kernels
+    assert model.embed.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed.weight
+    assert model.layers[0].mlp.down.weight.dtype == torch.uint8
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = [17, 4000, 123, 9000, 48000, 77, 2024, 31337, 5, 6]
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=20, logprobs=20, ignore_eos=True)
+    out = llm.generate([ids], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + tokens])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)  # [T, V]
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        for token, logprob in entry.items():
+            assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
+    for step, entry in enumerate(out.outputs[0].logprobs):  # decode rows
+        assert tokens[step] == int(expected[len(ids) - 1 + step].argmax())
+        for token, logprob in entry.items():
+            assert abs(logprob.logprob - expected[len(ids) - 1 + step, token].item()) <= 1e-4

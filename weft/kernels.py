@@ -52,6 +52,19 @@ class RaggedBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockPart:
+    """Rows `out_start` .. `out_start + rows` of a matrix kept in GGUF blocks of one `kind` ("q8_0",
+    "q4_0", "q5_0", "q4_k", "q6_k"), at `byte_start` of its flat uint8 weight, `row_bytes` a row
+    (`block_linear`): a fused q|k|v or gate|up of Q4_K and Q6_K rows is two parts."""
+
+    kind: str
+    out_start: int
+    rows: int
+    byte_start: int
+    row_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class StackShape:
     """What `decoder_stack_` needs to know of a model besides its weights."""
 
@@ -83,6 +96,28 @@ class TorchKernels:
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether linear weights are packed into column panels for `packed_linear`."""
         return False
+
+    def multiplies_blocks(self, device: torch.device) -> bool:
+        """Whether linear layers on `device` keep quantized matrices in their GGUF blocks and
+        multiply them through `block_linear` (else they are dequantized at load)."""
+        return False
+
+    def block_linear(
+        self,
+        x: torch.Tensor,  # [T, in]
+        weight: torch.Tensor,  # [bytes] uint8, every part's rows of blocks
+        parts: tuple[BlockPart, ...],
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:  # [T, out]
+        """x times a matrix in GGUF blocks, dequantized as it streams (where `multiplies_blocks`)."""
+        raise NotImplementedError(f"the {self.name} kernel set does not multiply GGUF blocks")
+
+    def block_rows(
+        self, weight: torch.Tensor, parts: tuple[BlockPart, ...], ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:  # [T, in]
+        """Rows `ids` ([T] int64) of a matrix in GGUF blocks, dequantized (a quantized embedding)."""
+        raise NotImplementedError(f"the {self.name} kernel set does not read GGUF blocks")
 
     def activation_dtype(self, device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
         """The dtype of activations and of the KV cache for a model whose weights are `weight_dtype`."""

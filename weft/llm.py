@@ -88,7 +88,10 @@ class LLM:
         quantized = self.engine.model.quantized_matrices()
         if quantized:
             kinds = ", ".join(f"{kind.upper()} for {count} matrices" for kind, count in quantized.items())
-            panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
+            if self.engine.model.keeps_blocks:  # the kernel set multiplies the file's blocks (Triton)
+                panels = "GGUF blocks, dequantized in the kernel"
+            else:
+                panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
             info["linear"] += f"; {kinds} ({panels})"
         if self.engine.model.huge_page_bytes:
             info["pages"] = f"weights in 2 MB pages ({self.engine.model.huge_page_bytes / 1e6:.0f} MB)"

@@ -8,7 +8,11 @@ What it replaces in `TorchKernels`, and why:
   (`cuda/elementwise.py`), where torch takes 3-6 kernels and temporaries (at batch 1 a step is
   about 330 launches, and launches, not bytes, set its time).
 
-The linear layers stay cuBLAS (`F.linear`); everything else (sampling, logprobs, bitmask) is the
+- linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K): the blocks stay on the device and
+  each tile is dequantized in the kernel as it streams (`cuda/quant.py`), where a float copy of the
+  weights would take 3.5-7x their memory and bandwidth.
+
+Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, logprobs, bitmask) is the
 torch version, which runs on the device without a host sync.
 """
 
@@ -16,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from weft.cuda import attention, elementwise
-from weft.kernels import RaggedBatch, RopeTables, TorchKernels
+from weft.cuda import attention, elementwise, quant
+from weft.kernels import BlockPart, RaggedBatch, RopeTables, TorchKernels
 
 MAX_HEAD_DIM = 256
 
@@ -43,6 +47,24 @@ class TritonKernels(TorchKernels):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return super().silu_mul(gate_up)
         return elementwise.silu_mul(gate_up)
+
+    def multiplies_blocks(self, device: torch.device) -> bool:
+        return True  # CUDA, or CPU tensors in Triton's interpreter
+
+    def block_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        parts: tuple[BlockPart, ...],
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return quant.quantized_linear(x, weight, parts, out_features, bias)
+
+    def block_rows(
+        self, weight: torch.Tensor, parts: tuple[BlockPart, ...], ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return quant.dequantize_rows(weight, parts, ids, dtype)
 
     def rope_tables(
         self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype

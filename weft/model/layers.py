@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.config import RopeConfig, RopeType
-from weft.kernels import TORCH_KERNELS, RopeTables, TorchKernels
+from weft.kernels import TORCH_KERNELS, BlockPart, RopeTables, TorchKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,7 @@ class WeightLayout(enum.Enum):
     OUT_IN = "out_in"  # [out, in] as checkpoints store it, applied with F.linear: any device and dtype
     IN_OUT = "in_out"  # contiguous [in, out], applied as x @ W: CPU float32 without weft's kernels
     PANELS = "panels"  # [ceil(out / 32), in, 32] column panels for weft's packed_linear: CPU, any float
+    BLOCKS = "blocks"  # GGUF blocks, flat uint8, multiplied by the kernel set (`block_linear`): CUDA
 
 
 class Linear(nn.Module):
@@ -86,6 +87,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
+        self.blocks: BlockWeight | None = None  # BLOCKS: the parts and the kernel set that multiplies them
 
     def set_layout(self, layout: WeightLayout) -> None:
         """Store the weight in `layout` (from [out, in]; a tied weight is no longer shared)."""
@@ -106,10 +108,22 @@ class Linear(nn.Module):
         self.layout = WeightLayout.PANELS
         self.quantized = quantized
 
+    def expect_blocks(self, blocks: BlockWeight, num_bytes: int, label: str) -> None:
+        """Built on the meta device, to be assigned a matrix in GGUF blocks (flat uint8 [num_bytes])."""
+        self.weight = nn.Parameter(torch.empty(num_bytes, dtype=torch.uint8), requires_grad=False)
+        self.layout = WeightLayout.BLOCKS
+        self.blocks = blocks
+        self.quantized = label
+
     def forward(
         self, x: torch.Tensor | BFloat16Pairs, rows: StepRows | None = None
     ) -> torch.Tensor:  # [T, in] -> [T, out]
         """`rows`: which of the step's rows hold prompt tokens (None: every row, as in scoring)."""
+        if self.blocks is not None:
+            assert isinstance(x, torch.Tensor)
+            return self.blocks.kernels.block_linear(
+                x, self.weight, self.blocks.parts, self.out_features, self.bias
+            )
         if isinstance(x, BFloat16Pairs):  # rounded already: bfloat16 products (bf16_dot panels)
             words, count = x.words, x.num_rows
             return torch.ops.weft.packed_linear_pairs(words, count, self.weight, self.bias, self.out_features)
@@ -166,6 +180,15 @@ class Linear(nn.Module):
 DENSE_PANEL_ROWS = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class BlockWeight:
+    """A matrix kept in GGUF blocks (`WeightLayout.BLOCKS`): its parts, each of one kind, and the
+    kernel set that multiplies (or looks up) them."""
+
+    parts: tuple[BlockPart, ...]
+    kernels: TorchKernels
+
+
 class Embedding(nn.Module):
     """Token embeddings, a [vocab, hidden] table. When the table is tied to an lm_head whose weight
     was packed into panels (`read_from_panels`), the lookup reads the panels and the table is not
@@ -176,6 +199,12 @@ class Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.from_panels = False
+        self.blocks: BlockWeight | None = None  # a table in GGUF blocks, its rows dequantized per lookup
+
+    def expect_blocks(self, blocks: BlockWeight, num_bytes: int) -> None:
+        """Built on the meta device, to be assigned a table in GGUF blocks (flat uint8 [num_bytes])."""
+        self.weight = nn.Parameter(torch.empty(num_bytes, dtype=torch.uint8), requires_grad=False)
+        self.blocks = blocks
 
     def read_from_panels(self, lm_head: Linear) -> None:
         """Share the packed weight of `lm_head` (tied to this table) and look tokens up in it."""
@@ -185,6 +214,8 @@ class Embedding(nn.Module):
         self.from_panels = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
+        if self.blocks is not None:  # float32 rows: the model casts them to its activations' dtype
+            return self.blocks.kernels.block_rows(self.weight, self.blocks.parts, ids, torch.float32)
         if self.from_panels:
             return torch.ops.weft.embedding_from_panels(
                 ids, self.weight, self.num_embeddings, self.embedding_dim
@@ -276,4 +307,13 @@ class RotaryEmbedding(nn.Module):
         return self.kernels.rope_tables(self.cos, self.sin, positions, dtype)
 
 
-__all__ = ["Embedding", "Linear", "RMSNorm", "RopeTables", "RotaryEmbedding", "WeightLayout", "weight_layout"]
+__all__ = [
+    "BlockWeight",
+    "Embedding",
+    "Linear",
+    "RMSNorm",
+    "RopeTables",
+    "RotaryEmbedding",
+    "WeightLayout",
+    "weight_layout",
+]

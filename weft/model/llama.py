@@ -289,6 +289,11 @@ class LlamaForCausalLM(nn.Module):
         kinds = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized]
         return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether quantized matrices stay in their GGUF blocks (`WeightLayout.BLOCKS`)."""
+        return any(isinstance(m, Linear) and m.blocks is not None for m in self.modules())
+
     def compute_logits(
         self, hidden: torch.Tensor, rows: StepRows | None = None
     ) -> torch.Tensor:  # [N, hidden] -> [N, V] float32

@@ -39,11 +39,27 @@ from weft.kernels import TorchKernels
 from weft.model import safetensors_io
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.huge_pages import move_weights_to_huge_pages
-from weft.model.layers import Linear, RMSNorm, RotaryEmbedding, WeightLayout, weight_layout
+from weft.model.layers import (
+    BlockWeight,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    WeightLayout,
+    weight_layout,
+)
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
-from weft.model.quantized import MixedRows, QuantizedRows, Weight, cat_rows, dequantized, logical_shape
+from weft.model.quantized import (
+    MixedRows,
+    QuantizedRows,
+    Weight,
+    cat_rows,
+    dequantized,
+    flat_blocks,
+    logical_shape,
+)
 from weft.model.registry import resolve_architecture
 from weft.parallel.group import TensorParallel
 from weft.parallel.shard import Shard
@@ -195,9 +211,10 @@ def load_model(
     measured = layout is WeightLayout.PANELS and not bf16_dot
     dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
+    blocks = not panels and kernels.multiplies_blocks(device)  # quantized matrices stay in their blocks
     _check_quantization(quantization, layout)
     weights = _read_weights(
-        model_dir, config, dtype, packs_table, show_progress, panels, int8_dot, quantization, cut
+        model_dir, config, dtype, packs_table, show_progress, panels or blocks, int8_dot, quantization, cut
     )
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     with torch.device("meta"):
@@ -206,7 +223,7 @@ def load_model(
             assert isinstance(table, torch.Tensor)  # packed: panels
             model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))
             model.embed.read_from_panels(model.lm_head)
-    state = _expect_quantized(model, _convert(weights, arch.spec, config), int8_dot)
+    state = _expected_state(model, _convert(weights, arch.spec, config), kernels, blocks, int8_dot)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
@@ -241,7 +258,7 @@ def _place_weights(
         model.lm_head.weight = cast(nn.Parameter, model.embed.weight)  # one tensor, after the dtype too
     if layout is not WeightLayout.OUT_IN:
         for module in model.modules():
-            if isinstance(module, Linear) and module.layout is not layout:
+            if isinstance(module, Linear) and module.layout not in (layout, WeightLayout.BLOCKS):
                 module.set_layout(layout)
     if layout is WeightLayout.PANELS:
         model.huge_page_bytes = move_weights_to_huge_pages(_panel_modules(model))
@@ -296,6 +313,35 @@ def _expect_quantized(
             assert isinstance(weight, (QuantizedRows, MixedRows))
             tensors[name] = weight.pack(dot)
             module.expect_panels(tensors[name].shape, quantized=weight.label)
+        else:
+            tensors[name] = dequantized(weight)
+    return tensors
+
+
+def _expected_state(
+    model: LlamaForCausalLM, state: dict[str, Weight], kernels: TorchKernels, blocks: bool, dot: bool
+) -> dict[str, torch.Tensor]:
+    """The state to assign: matrices that came in blocks kept in them (`blocks`: the kernel set
+    multiplies them) or packed into panels, the rest float."""
+    return _expect_blocks(model, state, kernels) if blocks else _expect_quantized(model, state, dot)
+
+
+def _expect_blocks(
+    model: LlamaForCausalLM, state: dict[str, Weight], kernels: TorchKernels
+) -> dict[str, torch.Tensor]:
+    """Keep every matrix that came in blocks in them, flat (`WeightLayout.BLOCKS`), its Linear or
+    Embedding (still on the meta device) taking their size: the kernel set multiplies them as they
+    are. A tied table is one tensor for both (re-tied after the move to the device)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, weight in state.items():
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(weight, (QuantizedRows, MixedRows)) and isinstance(module, (Linear, Embedding)):
+            flat, parts = flat_blocks(weight)
+            tensors[name] = flat
+            if isinstance(module, Linear):
+                module.expect_blocks(BlockWeight(parts, kernels), flat.numel(), weight.label)
+            else:
+                module.expect_blocks(BlockWeight(parts, kernels), flat.numel())
         else:
             tensors[name] = dequantized(weight)
     return tensors

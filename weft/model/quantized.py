@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weft.kernels import BlockPart
+
 # kind -> (input features per block, bytes per block in the file)
 BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q4_k": (256, 144), "q6_k": (256, 210)}
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
@@ -107,6 +109,23 @@ def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
     return QuantizedRows("q8_0", torch.from_numpy(q8.reshape(rows.shape[0], -1)))
 
 
+def flat_blocks(weight: QuantizedRows | MixedRows) -> tuple[torch.Tensor, tuple[BlockPart, ...]]:
+    """A matrix in blocks as one flat uint8 tensor and its parts (`WeightLayout.BLOCKS`: the kernel
+    set multiplies the blocks as they are, on the device)."""
+    matrices = weight.parts if isinstance(weight, MixedRows) else (weight,)
+    parts, out_start, byte_start = [], 0, 0
+    for matrix in matrices:
+        rows, row_bytes = matrix.rows.shape
+        parts.append(BlockPart(matrix.kind, out_start, rows, byte_start, row_bytes))
+        out_start, byte_start = out_start + rows, byte_start + rows * row_bytes
+    flat = (
+        torch.cat([m.rows.reshape(-1) for m in matrices])
+        if len(matrices) > 1
+        else matrices[0].rows.reshape(-1)
+    )
+    return flat, tuple(parts)
+
+
 def logical_shape(weight: Weight) -> tuple[int, ...]:
     return weight.shape if isinstance(weight, (QuantizedRows, MixedRows)) else tuple(weight.shape)
 
@@ -143,5 +162,6 @@ __all__ = [
     "as_q8_0",
     "cat_rows",
     "dequantized",
+    "flat_blocks",
     "logical_shape",
 ]

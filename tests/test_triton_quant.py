@@ -1,0 +1,86 @@
+"""Products over GGUF blocks in Triton (weft/cuda/quant.py) against the gguf package's reference
+dequantization: every kind, rows that are not whole 256-feature chunks, decode-sized and
+prefill-sized inputs, parts of two kinds in one output. On a CUDA GPU where there is one, else on
+CPU tensors in Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear
+from weft.kernels import BlockPart
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SCALES = {"q8_0": [0], "q4_0": [0], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208]}  # float16 fields
+
+
+def random_blocks(kind: str, rows: int, features: int, seed: int) -> np.ndarray:
+    """[rows, bytes] uint8: random blocks of `kind` whose float16 scales are small and finite."""
+    rng = np.random.default_rng(seed)
+    _, block, size = KINDS[kind]
+    blocks = rng.integers(0, 256, size=(rows, features // block, size), dtype=np.uint8)
+    for offset in SCALES[kind]:
+        scales = rng.uniform(0.001, 0.01, size=(rows, features // block)).astype(np.float16)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference(kind: str, rows: np.ndarray) -> torch.Tensor:  # [N, K] float32
+    values = dequantize(rows, GGMLQuantizationType[kind.upper()])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def flat(rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(rows.reshape(-1).copy()).to(DEVICE)
+
+
+# K-quants take whole 256-feature super-blocks; 32-wide kinds also 576 (18 blocks: a partial chunk)
+SHAPES = [(kind, k) for kind in KINDS for k in ((256, 512) if kind in ("q4_k", "q6_k") else (576, 256))]
+
+
+@pytest.mark.parametrize(("kind", "features"), SHAPES)
+def test_dequantized_rows_are_ggufs(kind, features):
+    rows = random_blocks(kind, 20, features, seed=features)
+    parts = (BlockPart(kind, 0, 20, 0, rows.shape[1]),)
+    ids = torch.tensor([3, 0, 19, 3], device=DEVICE)
+    got = dequantize_rows(flat(rows), parts, ids, torch.float32).cpu()
+    torch.testing.assert_close(got, reference(kind, rows)[ids.cpu()], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 20])
+@pytest.mark.parametrize(("kind", "features"), SHAPES)
+def test_products_over_blocks_are_the_dequantized_products(kind, features, num_rows):
+    """Decode-sized inputs take float32 products and sums, larger ones `tl.dot` (exact float32 for
+    float32 activations); both equal x @ W.T of the reference dequantization."""
+    rows = random_blocks(kind, 37, features, seed=num_rows)  # 37: a partial column tile
+    x = torch.randn(num_rows, features, generator=torch.Generator().manual_seed(1))
+    parts = (BlockPart(kind, 0, 37, 0, rows.shape[1]),)
+    got = quantized_linear(x.to(DEVICE), flat(rows), parts, 37).cpu()
+    expected = x @ reference(kind, rows).T
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_parts_of_two_kinds_write_their_own_columns():
+    """A fused matrix of Q4_K then Q6_K rows (Q4_K_M's q|k|v), with a bias."""
+    q4, q6 = random_blocks("q4_k", 32, 512, seed=1), random_blocks("q6_k", 16, 512, seed=2)
+    weight = torch.cat([flat(q4), flat(q6)])
+    parts = (BlockPart("q4_k", 0, 32, 0, q4.shape[1]), BlockPart("q6_k", 32, 16, q4.size, q6.shape[1]))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
+    got = quantized_linear(x.to(DEVICE), weight, parts, 48, bias.to(DEVICE)).cpu()
+    expected = x @ torch.cat([reference("q4_k", q4), reference("q6_k", q6)]).T + bias
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_activations_round_only_the_tile():
+    """Half-precision activations: within bfloat16's rounding of the exact product."""
+    rows = random_blocks("q4_k", 64, 512, seed=5)
+    x = torch.randn(24, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    parts = (BlockPart("q4_k", 0, 64, 0, rows.shape[1]),)
+    got = quantized_linear(x.to(DEVICE), flat(rows), parts, 64).cpu().float()
+    expected = x.float() @ reference("q4_k", rows).T
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

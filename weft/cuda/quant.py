@@ -1,0 +1,275 @@
+"""Matrix products over GGUF blocks in Triton: the weights stay in the file's blocks on the device
+(Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) and each program dequantizes its tile as it streams it in; no float
+copy of a matrix is ever made.
+
+Every kind is read 256 input features at a time (a chunk: one K-quant super-block, or eight 32-wide
+blocks) as two planes of 128 columns in the order of the block's bytes, not of the features: a
+Q4_K byte holds feature 64j + l in its low nibble and 64j + 32 + l in its high one, so the low
+nibbles of 128 consecutive bytes are one plane and the high nibbles the other. The weights are
+then read with contiguous loads, and the activations, which are few, are gathered in the plane's
+order instead (`_dequant` returns each plane's feature offsets). Scales are per group of columns
+(a 16- or 32-wide sub-block), computed once per group and broadcast over it.
+
+`quantized_linear(x, weight, parts, out_features)` multiplies x [M, K] by a matrix whose rows come
+in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4_K_M files have): a
+launch per part, each writing its columns of one output. Up to four rows (decode) take products and
+sums in float32 per tile; more rows take `tl.dot` with the weights rounded to the activations' dtype
+(float32 activations: exact float32 products). `dequantize_rows` gives rows of a matrix in float
+(the embedding lookup of a tied table).
+
+Runs on CUDA, and on CPU tensors in Triton's interpreter, where the tests check every kind against
+gguf's reference dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from weft.kernels import BlockPart
+
+# kind -> (its code in the kernels, input features per block, bytes per block)
+KINDS = {
+    "q8_0": (0, 32, 34),
+    "q4_0": (1, 32, 18),
+    "q5_0": (2, 32, 22),
+    "q4_k": (3, 256, 144),
+    "q6_k": (4, 256, 210),
+}
+CHUNK = 256  # input features per iteration
+PLANE = 128  # columns of each of a chunk's two planes
+GEMV_ROWS = 4  # up to this many rows, products and sums in float32; more, `tl.dot` (tensor cores)
+
+
+@triton.jit
+def _f16(ptr, offsets, mask):
+    """float16 values at byte `offsets` (even) of the uint8 `ptr`, widened to float32."""
+    return tl.load((ptr + offsets).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _spread(values, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """[N, GROUPS] -> [N, PLANE]: each group's value over its PLANE // GROUPS columns."""
+    wide = tl.broadcast_to(values[:, :, None], (BLOCK_N, GROUPS, 128 // GROUPS))
+    return tl.reshape(wide, (BLOCK_N, 128))
+
+
+@triton.jit
+def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Q8_0, Q4_0, Q5_0: eight 32-wide blocks; plane columns c = 16 g + i of block g hold its
+    features i (low plane) and 16 + i (high plane)."""
+    cols = tl.arange(0, 128)
+    group = cols // 16
+    inner = cols % 16
+    block = chunk * 8 + group  # [P]
+    ok = block < num_blocks
+    if KIND == 0:
+        size = 34
+    elif KIND == 1:
+        size = 18
+    else:
+        size = 22
+    base = rows[:, None] + (block * size)[None, :]  # [N, P] byte offsets of the blocks
+    mask = tl.broadcast_to(ok[None, :], base.shape)
+    groups = tl.arange(0, 8)
+    gbase = rows[:, None] + ((chunk * 8 + groups) * size)[None, :]  # [N, 8]
+    d = _spread(
+        _f16(w_ptr, gbase, tl.broadcast_to((chunk * 8 + groups < num_blocks)[None, :], gbase.shape)),
+        BLOCK_N,
+        8,
+    )
+    if KIND == 0:
+        lo = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
+        hi = tl.load(w_ptr + base + 18 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
+        q_lo, q_hi = lo.to(tl.float32), hi.to(tl.float32)
+    elif KIND == 1:
+        byte = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int32)
+        q_lo = ((byte & 15) - 8).to(tl.float32)
+        q_hi = ((byte >> 4) - 8).to(tl.float32)
+    else:  # Q5_0: the fifth bit of feature j is bit j of the little-endian uint32 at byte 2
+        byte = tl.load(w_ptr + base + 6 + inner[None, :], mask=mask, other=0).to(tl.int32)
+        bits_lo = tl.load(w_ptr + base + 2 + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        bits_hi = tl.load(w_ptr + base + 4 + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        shift = (inner % 8)[None, :]
+        q_lo = ((byte & 15) | (((bits_lo >> shift) & 1) << 4)) - 16
+        q_hi = ((byte >> 4) | (((bits_hi >> shift) & 1) << 4)) - 16
+        q_lo, q_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
+    feature = group * 32 + inner
+    return d * q_lo, d * q_hi, feature, feature + 16, ok
+
+
+@triton.jit
+def _q4_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
+    """Q4_K: 144 bytes (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles); byte
+    32 j + l holds feature 64 j + l (low, sub-block 2 j) and 64 j + 32 + l (high, 2 j + 1)."""
+    base = rows + chunk * 144  # [N]
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    cols = tl.arange(0, 128)
+    nibbles = tl.load(w_ptr + base[:, None] + 16 + cols[None, :]).to(tl.int32)  # [N, P]
+    j = tl.arange(0, 4)
+    lo = _q4_k_plane(w_ptr, base, nibbles & 15, 2 * j, d, dmin, BLOCK_N)
+    hi = _q4_k_plane(w_ptr, base, nibbles >> 4, 2 * j + 1, d, dmin, BLOCK_N)
+    feature = (cols // 32) * 64 + cols % 32
+    return lo, hi, feature, feature + 32, cols >= 0
+
+
+@triton.jit
+def _q4_k_plane(w_ptr, base, q, sub, d, dmin, BLOCK_N: tl.constexpr):
+    """One plane of Q4_K weights: q [N, P] times its sub-blocks' (`sub` [4]) scales, less their mins."""
+    scales = w_ptr + base[:, None] + 4  # the 12 bytes of scales and mins
+    first = sub < 4
+    a = tl.load(scales + sub[None, :]).to(tl.int32)  # [N, 4] byte sub
+    b = tl.load(scales + sub[None, :] + 4).to(tl.int32)  # byte sub + 4
+    c = tl.load(scales + tl.where(first, sub, sub - 4)[None, :]).to(tl.int32)  # byte sub - 4 (sub >= 4)
+    scale = tl.where(first[None, :], a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
+    low = tl.where(first[None, :], b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    return _spread(d * scale, BLOCK_N, 4) * q.to(tl.float32) - _spread(dmin * low, BLOCK_N, 4)
+
+
+@triton.jit
+def _q6_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
+    """Q6_K: 210 bytes (128 of low nibbles, 64 of high bit pairs, 16 int8 scales, d); low-nibble
+    byte 64 h + r holds feature 128 h + r (low) and 128 h + 64 + r (high), each with two bits of
+    byte 128 + 32 h + r % 32 and a scale per 16 features."""
+    base = rows + chunk * 210  # [N]
+    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    cols = tl.arange(0, 128)
+    half = cols // 64
+    r = cols % 64
+    low = tl.load(w_ptr + base[:, None] + cols[None, :]).to(tl.int32)  # [N, P]
+    high = tl.load(w_ptr + base[:, None] + 128 + (32 * half + r % 32)[None, :]).to(tl.int32)
+    shift = ((r // 32) * 2)[None, :]
+    q_lo = ((low & 15) | (((high >> shift) & 3) << 4)) - 32
+    q_hi = ((low >> 4) | (((high >> (shift + 4)) & 3) << 4)) - 32
+    t = tl.arange(0, 8)  # groups of 16 columns
+    sub = 8 * (t // 4) + t % 4
+    sc_lo = tl.load(w_ptr + base[:, None] + 192 + sub[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_hi = tl.load(w_ptr + base[:, None] + 196 + sub[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+    lo = _spread(d * sc_lo, BLOCK_N, 8) * q_lo.to(tl.float32)
+    hi = _spread(d * sc_hi, BLOCK_N, 8) * q_hi.to(tl.float32)
+    feature = 128 * half + r
+    return lo, hi, feature, feature + 64, cols >= 0
+
+
+@triton.jit
+def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Chunk `chunk` of the rows at byte offsets `rows` [N]: (low plane [N, P], high plane [N, P]
+    float32, each plane's feature offsets within the chunk [P], which columns exist [P])."""
+    if KIND == 3:
+        return _q4_k(w_ptr, rows, chunk, BLOCK_N)
+    elif KIND == 4:
+        return _q6_k(w_ptr, rows, chunk, BLOCK_N)
+    else:
+        return _legacy(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+
+
+@triton.jit
+def _quantized_linear_kernel(
+    x_ptr, w_ptr, out_ptr, num_rows, num_out, num_chunks, num_blocks, stride_x, row_bytes, stride_out,
+    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] rows of x
+    m_ok = m < num_rows
+    rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the weight rows
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x  # [M, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for chunk in range(0, num_chunks):
+        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+        x_mask = m_ok[:, None] & ok[None, :]
+        x_lo = tl.load(x_rows + (chunk * 256 + f_lo)[None, :], mask=x_mask, other=0.0)  # [M, P]
+        x_hi = tl.load(x_rows + (chunk * 256 + f_hi)[None, :], mask=x_mask, other=0.0)
+        if USE_DOT:
+            if DOT_FP32:  # float32 activations (no TF32), or Triton's interpreter, which multiplies
+                # half-precision operands wrongly
+                acc += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
+                acc += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
+            else:
+                acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)))
+                acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)))
+        else:
+            acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * lo[None, :, :], axis=2)
+            acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * hi[None, :, :], axis=2)
+    out = out_ptr + m.to(tl.int64)[:, None] * stride_out + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < num_out)[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, ids_ptr, out_ptr, num_chunks, num_blocks, row_bytes, stride_out, dim,
+    KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Row ids[i] of the matrix into row i of out, in out's dtype (BLOCK_N is 1: one row a program)."""
+    i = tl.program_id(0)
+    row = tl.load(ids_ptr + i).to(tl.int64)
+    rows = tl.zeros([BLOCK_N], tl.int64) + row * row_bytes
+    out = out_ptr + i.to(tl.int64) * stride_out
+    for chunk in range(0, num_chunks):
+        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+        keep = ok & (chunk * 256 + f_lo < dim)
+        tl.store(out + chunk * 256 + f_lo, tl.sum(lo, 0).to(out_ptr.dtype.element_ty), mask=keep)
+        tl.store(out + chunk * 256 + f_hi, tl.sum(hi, 0).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def tile_config(num_rows: int, interpreted: bool = False) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, USE_DOT, num_warps) for a product of `num_rows` rows: up to `GEMV_ROWS`
+    rows (decode) take narrow column tiles and float32 products, so that a step has several
+    programs per multiprocessor streaming the weights; more take tensor-core tiles. Triton's
+    interpreter (CPU tensors) costs per program, not per element: wide tiles there."""
+    wide = 128 if interpreted else 0
+    if num_rows <= GEMV_ROWS:
+        return triton.next_power_of_2(num_rows), wide or 8, False, 4
+    return (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), wide or 64, True, 4
+
+
+def quantized_linear(
+    x: torch.Tensor,  # [M, K], unit stride along K
+    weight: torch.Tensor,  # [bytes] uint8: every part's rows of blocks
+    parts: tuple[BlockPart, ...],
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, out_features] in x's dtype
+    num_rows = x.shape[0]
+    out = x.new_empty(num_rows, out_features)
+    if num_rows == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m, block_n, use_dot, warps = tile_config(num_rows, x.device.type == "cpu")
+    for part in parts:
+        code, block, size = KINDS[part.kind]
+        num_blocks = part.row_bytes // size
+        w = weight[part.byte_start : part.byte_start + part.rows * part.row_bytes]
+        grid = (triton.cdiv(part.rows, block_n), triton.cdiv(num_rows, block_m))
+        _quantized_linear_kernel[grid](
+            x, w, out[:, part.out_start :], num_rows, part.rows, triton.cdiv(num_blocks * block, CHUNK),
+            num_blocks, x.stride(0), part.row_bytes, out.stride(0),
+            KIND=code, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+            DOT_FP32=x.device.type == "cpu" or x.dtype == torch.float32, num_warps=warps,
+        )  # fmt: skip
+    return out if bias is None else out.add_(bias)
+
+
+def dequantize_rows(
+    weight: torch.Tensor,  # [bytes] uint8
+    parts: tuple[BlockPart, ...],
+    ids: torch.Tensor,  # [T] int64, rows of the matrix (all in one part)
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [T, in_features]
+    """Rows of a matrix in blocks, dequantized (the embedding lookup of a tied, quantized table).
+    The matrix is of one part (a token embedding is never fused)."""
+    (part,) = parts
+    code, block, size = KINDS[part.kind]
+    num_blocks = part.row_bytes // size
+    dim = num_blocks * block
+    out = torch.empty(ids.shape[0], dim, dtype=dtype, device=weight.device)
+    if ids.shape[0]:
+        w = weight[part.byte_start : part.byte_start + part.rows * part.row_bytes]
+        _dequantize_kernel[(ids.shape[0],)](
+            w, ids, out, triton.cdiv(dim, CHUNK), num_blocks, part.row_bytes, out.stride(0), dim,
+            KIND=code, BLOCK_N=1,
+        )  # fmt: skip
+    return out
