@@ -198,3 +198,38 @@ def test_kernel_choice_is_validated(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
             kernels_for(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_split_decode_attention_matches_sdpa(splits, gqa):
+    """Flash-decoding: each context cut into `splits` shares of whole blocks (some empty where the
+    context is short), merged by their softmax sums, equals SDPA over the whole context."""
+    from weft.cuda.attention import split_decode_attention
+
+    context_lens, block_size, num_kv_heads, head_dim = [1, 5, 16, 17, 100, 300], 16, 2, 64
+    tables, num_blocks = random_step([1] * len(context_lens), context_lens, block_size, seed=splits)
+    gen = torch.Generator().manual_seed(splits * 10 + gqa)
+    cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    q = torch.randn(len(context_lens), gqa * num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    meta, _ = build_attention_metadata(
+        [1] * len(context_lens), context_lens, tables, block_size, DEVICE, 1, True
+    )
+    assert meta.ragged is not None
+    split = split_decode_attention(q, cache, meta.ragged, head_dim**-0.5, splits)
+    meta, _ = build_attention_metadata([1] * len(context_lens), context_lens, tables, block_size, DEVICE)
+    kv = cache.view(-1, 2, num_kv_heads, head_dim)[meta.slot_mapping]  # the step's own K/V, unchanged
+    expected = paged_attention(q, kv, cache.clone(), meta, head_dim**-0.5, TORCH_KERNELS)
+    torch.testing.assert_close(split.view(len(context_lens), -1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_split_contexts_only_while_the_gpu_would_idle():
+    from weft.cuda.attention import MAX_SPLITS, decode_splits
+
+    cuda = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(cuda).multi_processor_count if torch.cuda.is_available() else None
+    cpu = torch.device("cpu")  # as a GPU of 8 multiprocessors
+    assert decode_splits(1, 2, cpu) == 8 and decode_splits(1, 8, cpu) == 2 and decode_splits(2, 8, cpu) == 1
+    assert decode_splits(64, 8, cpu) == 1
+    if sms is not None:
+        assert decode_splits(1, 8, cuda) == min(MAX_SPLITS, 1 << (-(-2 * sms // 8) - 1).bit_length())

@@ -9,6 +9,12 @@ position with an online softmax (the flash-attention recurrence), masking keys a
 position (causal within the step, full over the cached context). Programs of tiles past a
 sequence's new tokens return at once, so one grid serves ragged lengths.
 
+Decode-only steps with few sequences split each sequence's context too (flash-decoding): a program
+per sequence, KV head and split walks its share of the blocks and writes its partial output with
+the log of its softmax sum, and a second launch merges a sequence's splits (`decode_splits`). At
+batch 1 the plain grid is one program per KV head, most of the GPU idle while each walks the whole
+context in turn.
+
 The cache layout is `PagedAttention.kv_cache_shape`: `[num_blocks, block_size, 2, KVH, D]`, keys
 and values side by side. Runs on CUDA, and on CPU tensors in Triton's interpreter
 (`TRITON_INTERPRET=1`), which is how CI tests it against the SDPA path.
@@ -24,6 +30,8 @@ from weft.kernels import RaggedBatch
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows, columns and depth
 PREFILL_ROWS = 64  # rows of a program when a step has multi-token rows
+MAX_SPLITS = 16  # splits of a decode row's context, at most
+PROGRAMS_PER_SM = 2  # decode steps split contexts until about this many programs per multiprocessor
 
 
 @triton.jit
@@ -95,6 +103,113 @@ def _paged_attention_kernel(
         )
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, part_ptr, lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,  # [B, H, SPLITS, Dp], [B, H, SPLITS]
+    scale, stride_qt, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
+    stride_table, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """One split of one decode row's context for one KV head: its share of the blocks, rounded up
+    to whole blocks, with the online softmax; writes the split's normalised output and the log of
+    its softmax sum (-inf for a split past the context)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_SIZE) * BLOCK_SIZE  # tokens of each split
+    start = split * share
+    rows = tl.arange(0, BLOCK_M)  # [M]: the query heads of this KV head, padded
+    head = kv_head * GQA + rows
+    row_ok = rows < GQA
+    dims = tl.arange(0, HEAD_PAD)  # [Dp]
+    dim_ok = dims < HEAD_DIM
+    out_base = (seq * GQA * tl.num_programs(1) + head) * SPLITS + split  # [M]: (seq, head, split)
+    if start < seq_len:
+        q_offsets = seq * stride_qt + head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [M, Dp]
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        end = tl.minimum(start + share, seq_len)
+        slots = tl.arange(0, BLOCK_SIZE)  # [S]
+        for j in range(start // BLOCK_SIZE, tl.cdiv(end, BLOCK_SIZE)):
+            block = tl.load(block_table_ptr + seq * stride_table + j).to(tl.int64)
+            kv_offsets = (
+                block * stride_cache_block
+                + slots[:, None] * stride_cache_slot
+                + kv_head * stride_cache_head
+                + dims[None, :]
+            )  # [S, Dp]
+            keys = tl.load(cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
+            values = tl.load(cache_ptr + kv_offsets + stride_cache_kv, mask=dim_ok[None, :], other=0.0)
+            visible = tl.broadcast_to(((j * BLOCK_SIZE + slots) < end)[None, :], (BLOCK_M, BLOCK_SIZE))
+            acc, row_max, row_sum = _online_softmax_step(
+                q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
+            )
+        tl.store(part_ptr + out_base[:, None] * HEAD_PAD + dims[None, :], acc / row_sum[:, None],
+                 mask=row_ok[:, None])  # fmt: skip
+        tl.store(lse_ptr + out_base, row_max + tl.log(row_sum), mask=row_ok)
+    else:
+        tl.store(lse_ptr + out_base, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """A decode row's output for one query head: its splits weighed by their softmax sums."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    base = seq * tl.num_programs(1) + head
+    splits = tl.arange(0, SPLITS)
+    lse = tl.load(lse_ptr + base * SPLITS + splits)  # [SPLITS]; split 0 always holds keys
+    weight = tl.exp(lse - tl.max(lse, 0))  # [SPLITS], 0 for empty splits
+    dims = tl.arange(0, HEAD_PAD)
+    parts = tl.load(part_ptr + (base * SPLITS + splits)[:, None] * HEAD_PAD + dims[None, :],
+                    mask=(weight > 0)[:, None], other=0.0)  # fmt: skip
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)  # [Dp]
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)  # fmt: skip
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of each context for a decode-only step of `num_seqs` sequences: enough programs for
+    about `PROGRAMS_PER_SM` per multiprocessor, at most `MAX_SPLITS`, a power of two (1: no split).
+    Off CUDA (Triton's interpreter) as for a GPU of 8 multiprocessors."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    wanted = -(-PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
+    return min(MAX_SPLITS, 1 << max(0, wanted - 1).bit_length()) if wanted > 1 else 1
+
+
+def split_decode_attention(
+    q: torch.Tensor,  # [B, H, D], one query per sequence
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+    batch: RaggedBatch,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:  # [B, H, D]
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, _, num_kv_heads, _ = kv_cache.shape
+    gqa = num_heads // num_kv_heads
+    head_pad = max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))
+    part = torch.empty(num_seqs, num_heads, splits, head_pad, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, part, lse, kv_cache, batch.block_table, batch.seq_lens, scale, q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        batch.block_table.stride(0), GQA=gqa, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=max(MIN_DOT_ROWS, triton.next_power_of_2(gqa)), SPLITS=splits,
+        DOT_FP32=q.device.type == "cpu",
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits
+    )
+    return out
+
+
 def tile_rows(gqa: int, max_query_len: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): tokens per program and its padded row count. Decode-only steps take one
     token per program; steps with multi-token rows take as many tokens as fill `PREFILL_ROWS` rows."""
@@ -115,6 +230,10 @@ def paged_attention(
     if q.stride(2) != 1 or kv_cache.stride(4) != 1 or not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs q with unit-stride head dims and a contiguous cache")
     gqa = num_heads // num_kv_heads
+    if batch.max_query_len == 1 and q.shape[0] == batch.seq_lens.shape[0]:
+        splits = decode_splits(q.shape[0], num_kv_heads, q.device)
+        if splits > 1:
+            return split_decode_attention(q, kv_cache, batch, scale, splits)
     block_q, block_m = tile_rows(gqa, batch.max_query_len)
     out = torch.empty_like(q)  # [T, H, D]
     num_seqs = batch.seq_lens.shape[0]
