@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weft.arrays import column, to_device
+from weft.arrays import StepUploads, Upload, column, to_device
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.graphs import Capture, CaptureReport, DecodeGraphs
 from weft.engine.scheduler import SchedulerOutput
@@ -126,6 +126,8 @@ class ModelRunner:
         self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
         # whether a step's generated rows need an index (`StepRows`): some matrix may take the GEMM
         self.takes_gemm = any(m.takes_gemm for m in model.modules() if isinstance(m, Linear))
+        # CUDA: a step's inputs go to the device in one copy from one pinned buffer
+        self.uploads = StepUploads(device) if device.type == "cuda" else None
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -192,29 +194,38 @@ class ModelRunner:
     def inputs(
         self, plan: StepPlan, spans: list[PromptSpan], in_flight: InFlightTokens | None = None
     ) -> ModelInput:
-        """The step's inputs as device tensors."""
+        """The step's inputs as device tensors (on CUDA all of them in one copy, `StepUploads`)."""
+        uploads = self.uploads
+        put = uploads.begin() if uploads is not None else self._put
         attn, positions = self.attention.build_metadata(
             plan.query_lens, plan.context_lens, plan.block_tables, self.block_size, self.device,
-            plan.generated_rows,
+            plan.generated_rows, put,
         )  # fmt: skip
-        ids = column(plan.input_ids, np.int64, self.device)
-        if plan.pending:  # the tokens the step in flight samples, taken on the device
-            assert in_flight is not None
-            where = column(plan.pending, np.int64, self.device).view(-1, 2)  # [P, 2]
-            ids[where[:, 0]] = in_flight.tokens[where[:, 1]]
+        ids = put(np.array(plan.input_ids, dtype=np.int64))
+        where = put(np.array(plan.pending, dtype=np.int64)) if plan.pending else None
         prompt_rows = plan.prompt_rows
-        return ModelInput(
+        step_input = ModelInput(
             input_ids=ids,
             positions=positions,
             attn=attn,
-            logits_indices=column(plan.logits_indices, np.int64, self.device),
-            prompt_rows=column(prompt_rows, np.int64, self.device) if prompt_rows else None,
-            prompt_targets=column(plan.prompt_targets, np.int64, self.device) if prompt_rows else None,
+            logits_indices=put(np.array(plan.logits_indices, dtype=np.int64)),
+            prompt_rows=put(np.array(prompt_rows, dtype=np.int64)) if prompt_rows else None,
+            prompt_targets=put(np.array(plan.prompt_targets, dtype=np.int64)) if prompt_rows else None,
             prompt_spans=spans,
-            rows=self._step_rows(plan.prompt_token_rows, len(plan.input_ids)),
+            rows=self._step_rows(plan.prompt_token_rows, len(plan.input_ids), put),
         )
+        if uploads is not None:
+            uploads.send()  # before any device work reads an input
+        if where is not None:  # the tokens the step in flight samples, taken on the device
+            assert in_flight is not None
+            pairs = where.view(-1, 2)  # [P, 2]
+            ids[pairs[:, 0]] = in_flight.tokens[pairs[:, 1]]
+        return step_input
 
-    def _step_rows(self, prompt_token_rows: list[tuple[int, int]], num_rows: int) -> StepRows:
+    def _put(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
+
+    def _step_rows(self, prompt_token_rows: list[tuple[int, int]], num_rows: int, put: Upload) -> StepRows:
         """The step's prompt rows, and where it also holds generated ones and some matrix may take
         the GEMM, their index (built for those steps alone: a few microseconds a step)."""
         num_prompt = sum(end - first for first, end in prompt_token_rows)
@@ -223,7 +234,7 @@ class ModelRunner:
         generated = np.ones(num_rows, dtype=bool)  # [T]
         for first, end in prompt_token_rows:
             generated[first:end] = False
-        return StepRows(num_prompt, to_device(np.flatnonzero(generated), self.device))
+        return StepRows(num_prompt, put(np.flatnonzero(generated)))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> StepLogits:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from weft.arrays import padded, to_device
+from weft.arrays import Upload, padded, to_device
 from weft.kernels import TORCH_KERNELS, RaggedBatch, TorchKernels
 
 
@@ -105,6 +105,7 @@ def build_attention_metadata(
     tokenwise_most: int | None = None,
     tokenwise_within: int | None = None,
     tokenwise_rows: Sequence[int] = (),
+    put: Upload | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -119,9 +120,10 @@ def build_attention_metadata(
     rows attend through the kernel set's `paged_prefill_attention`; with `decode_in_place`,
     single-query groups get no mask (the kernel set's `paged_decode_attention` reads their context
     lengths). With `ragged`, the step is one `RaggedBatch` instead of groups.
-    Arrays are built on the host with numpy and moved to the device once each; nothing is read back
-    from a device.
+    Arrays are built on the host with numpy and moved to the device by `put` (default: once each,
+    `to_device`; the runner's `StepUploads` on CUDA); nothing is read back from a device.
     """
+    put = put or (lambda array: to_device(array, device))
     num_seqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
     ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
@@ -136,20 +138,20 @@ def build_attention_metadata(
         positions = (ctx_lens - q_lens)[seq_idx] + np.arange(num_tokens) - starts[seq_idx]  # [T]
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
     if ragged:
-        batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), device)
-        return AttentionMetadata(to_device(slot_mapping, device), (), batch), to_device(positions, device)
+        batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put)
+        return AttentionMetadata(put(slot_mapping), (), batch), put(positions)
     shape = _StepShape(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
         decode_in_place,
     )  # fmt: skip
     if num_tokens == num_seqs:  # decode only: every row is one query already
-        groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, device),)
+        groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, put),)
     else:
         rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
         short = _tokenwise_rows(q_lens, ctx_lens, *rules)
         short[list(tokenwise_rows)] = True
-        groups = _split_groups(shape, short, device)
-    return AttentionMetadata(to_device(slot_mapping, device), groups), to_device(positions, device)
+        groups = _split_groups(shape, short, put)
+    return AttentionMetadata(put(slot_mapping), groups), put(positions)
 
 
 def _tokenwise_rows(
@@ -171,32 +173,32 @@ def _tokenwise_rows(
     return short
 
 
-def _split_groups(shape: _StepShape, short: np.ndarray, device: torch.device) -> tuple[AttentionGroup, ...]:
+def _split_groups(shape: _StepShape, short: np.ndarray, put: Upload) -> tuple[AttentionGroup, ...]:
     """The groups of a step with multi-token rows: the `short` rows ([B] bool) token by token as
     single queries, the others as they are; one group where all rows are of one kind."""
     short_rows = np.flatnonzero(short).tolist()
     if not short_rows:
-        return (_group(shape, None, None, device),)
+        return (_group(shape, None, None, put),)
     if len(short_rows) == len(shape.q_list):
-        return (_group(_tokenwise(shape, short_rows), None, None, device),)
+        return (_group(_tokenwise(shape, short_rows), None, None, put),)
     long_rows = np.flatnonzero(~short).tolist()
     short_tokens = short[shape.seq_idx]  # [T] bool
     return (
-        _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], device),
-        _group(shape, long_rows, np.nonzero(~short_tokens)[0], device),
+        _group(_tokenwise(shape, short_rows), None, np.nonzero(short_tokens)[0], put),
+        _group(shape, long_rows, np.nonzero(~short_tokens)[0], put),
     )
 
 
 def _ragged_batch(
-    table: np.ndarray, q_lens: np.ndarray, ctx_lens: np.ndarray, max_query_len: int, device: torch.device
+    table: np.ndarray, q_lens: np.ndarray, ctx_lens: np.ndarray, max_query_len: int, put: Upload
 ) -> RaggedBatch:
     """table: [B, max_blocks]; q_lens, ctx_lens: [B] int64."""
     query_start = np.zeros(len(q_lens) + 1, dtype=np.int32)  # [B + 1]
     np.cumsum(q_lens, out=query_start[1:])
     return RaggedBatch(
-        block_table=to_device(table.astype(np.int32), device),
-        seq_lens=to_device(ctx_lens.astype(np.int32), device),
-        query_start=to_device(query_start, device),
+        block_table=put(table.astype(np.int32)),
+        seq_lens=put(ctx_lens.astype(np.int32)),
+        query_start=put(query_start),
         max_query_len=max_query_len,
     )
 
@@ -255,7 +257,7 @@ def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
 
 
 def _group(
-    shape: _StepShape, rows: list[int] | None, token_idx: np.ndarray | None, device: torch.device
+    shape: _StepShape, rows: list[int] | None, token_idx: np.ndarray | None, put: Upload
 ) -> AttentionGroup:
     """The attention metadata of the sequences `rows` (None: all of them, in order), whose tokens
     are `token_idx` ([Tg] int64; None: all of the step's)."""
@@ -268,7 +270,7 @@ def _group(
     max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
     if max_q > 1 and shape.prefill_in_place:
-        return _in_place_group(token_idx, q_lens, ctx_lens, table[:, :num_blocks], device)
+        return _in_place_group(token_idx, q_lens, ctx_lens, table[:, :num_blocks], put)
     is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
     scatter_idx, mask = None, None
     if max_q > 1 and not is_causal:
@@ -281,11 +283,11 @@ def _group(
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
         mask = mask[:, None]  # [Bg, 1, max_q, kv_len]
     return AttentionGroup(
-        token_idx=None if token_idx is None else to_device(token_idx, device),
-        block_table=to_device(table[:, :num_blocks], device),
-        context_lens=to_device(ctx_lens, device),
-        query_scatter_idx=None if scatter_idx is None else to_device(scatter_idx, device),
-        attn_mask=None if mask is None else to_device(mask, device),
+        token_idx=None if token_idx is None else put(token_idx),
+        block_table=put(table[:, :num_blocks]),
+        context_lens=put(ctx_lens),
+        query_scatter_idx=None if scatter_idx is None else put(scatter_idx),
+        attn_mask=None if mask is None else put(mask),
         max_query_len=max_q,
         kv_len=kv_len,
         is_causal=is_causal,
@@ -297,21 +299,21 @@ def _in_place_group(
     q_lens: np.ndarray,  # [Bg] int64
     ctx_lens: np.ndarray,  # [Bg] int64
     table: np.ndarray,  # [Bg, num_blocks] int64
-    device: torch.device,
+    put: Upload,
 ) -> AttentionGroup:
     """A group of multi-token rows for `paged_prefill_attention`: each sequence's tokens are a run
     of the group's, and the kernel reads the cache in place (no mask, no padding)."""
     query_start = np.zeros(len(q_lens) + 1, dtype=np.int64)  # [Bg + 1]
     np.cumsum(q_lens, out=query_start[1:])
     return AttentionGroup(
-        token_idx=None if token_idx is None else to_device(token_idx, device),
-        block_table=to_device(table, device),
-        context_lens=to_device(ctx_lens, device),
+        token_idx=None if token_idx is None else put(token_idx),
+        block_table=put(table),
+        context_lens=put(ctx_lens),
         query_scatter_idx=None,
         attn_mask=None,
         max_query_len=int(q_lens.max()),
         kv_len=int(ctx_lens.max()),
-        query_start=to_device(query_start, device),
+        query_start=put(query_start),
     )
 
 
@@ -416,6 +418,7 @@ class PagedAttention:
         block_size: int,
         device: torch.device,
         tokenwise_rows: Sequence[int] = (),
+        put: Upload | None = None,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """See `build_attention_metadata` (`tokenwise_rows`: rows of generated tokens)."""
         max_tokenwise = self.kernels.max_tokenwise_query_len
@@ -425,7 +428,7 @@ class PagedAttention:
         more, most, within = self._tokenwise_rules() if decode_in_place else (None, None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more, most, within, tokenwise_rows,
+            decode_in_place, more, most, within, tokenwise_rows, put,
         )  # fmt: skip
 
     def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None, int | None]:
