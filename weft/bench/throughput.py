@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="measure this checkpoint instead of a random one built from --config: a Hugging Face "
         "directory (against transformers) or a GGUF file (against llama.cpp)",
     )
+    p.add_argument(
+        "--gguf-type",
+        default=None,
+        help="build the --config shape as a GGUF file of random blocks of this type instead: q4_k_m "
+        "(llama.cpp's mix of Q4_K and Q6_K), q8_0 or q4_0; measured alone (pass --no-reference)",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument(
@@ -85,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_repeats_argument(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
     p.add_argument("--no-reference", "--no-transformers", action="store_true", help="measure weft alone")
+    p.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="transformers with a static KV cache, which its generate() compiles with torch.compile "
+        "(its fastest decode on a GPU; each batch size compiles once, in the untimed warm-up)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -175,7 +187,7 @@ def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
     return Timing(prefill_s=prefill, total_s=total)
 
 
-def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timing:
+def time_transformers(model, prompts: list[list[int]], output_len: int, **options) -> Timing:
     """One generate() call; a streamer marks the first new token, which ends the prefill."""
     from transformers.generation.streamers import BaseStreamer
 
@@ -192,7 +204,7 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> Timin
             pass
 
     streamer = FirstToken()
-    start, total = generate_exactly(model, prompts, output_len, do_sample=False, streamer=streamer)
+    start, total = generate_exactly(model, prompts, output_len, do_sample=False, streamer=streamer, **options)
     if streamer.calls < 2:
         raise RuntimeError("transformers' streamer saw no new token")
     return Timing(prefill_s=streamer.at - start, total_s=total)
@@ -247,7 +259,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _subject(args: argparse.Namespace) -> Path:
     """What is measured: the --model checkpoint, or the --config whose shape is built."""
-    return args.model if args.model is not None else args.config.parent
+    if args.model is not None:
+        return args.model
+    return args.config.parent if args.gguf_type is None else args.config.parent / f"({args.gguf_type})"
 
 
 def _device_name(device: torch.device) -> str:
@@ -264,10 +278,11 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             print(f"[{name}] building a random-weight checkpoint ...", flush=True)
-        path = args.model or build_checkpoint(args.config, dtype, Path(tmp))
+        path, tokenizer = _checkpoint(args, dtype, Path(tmp))
         max_len = args.prompt_len + args.output_len + 8
         llm = LLM(
             str(path),
+            tokenizer=tokenizer,
             dtype=dtype,
             device=device,
             max_model_len=max_len,
@@ -277,7 +292,7 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             show_progress=False,
         )
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
-        reference = None if args.no_reference else load_reference(path, dtype, device)
+        reference = None if args.no_reference else load_reference(path, dtype, device, args.static_cache)
         try:
             results = _measure_all(llm, reference, batch_sizes, args)
         finally:
@@ -296,6 +311,21 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
     }
 
 
+def _checkpoint(args: argparse.Namespace, dtype: torch.dtype, tmp: Path) -> tuple[Path, Path | None]:
+    """(the checkpoint to measure, a tokenizer directory for it or None: its own)."""
+    if args.model is not None:
+        return args.model, None
+    if args.gguf_type is None:
+        return build_checkpoint(args.config, dtype, tmp), None
+    from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
+
+    if not args.no_reference:
+        raise ValueError("--gguf-type builds random blocks no reference engine loads: add --no-reference")
+    vocab = json.loads(args.config.read_text())["vocab_size"]
+    path = write_random_gguf(args.config, args.gguf_type, tmp / f"random-{args.gguf_type}.gguf")
+    return path, word_level_tokenizer(vocab, tmp / "tokenizer")
+
+
 class Reference(Protocol):
     """The engine weft is measured against: `time` runs a batch of prompts to exactly `output_len`
     new tokens each, greedy, timed as `time_weft` times weft."""
@@ -310,25 +340,29 @@ class Reference(Protocol):
 class TransformersReference:
     name = "transformers"
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, static: bool = False) -> None:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         self.model = torch.nn.Module.to(model, device).eval()
+        self.options = {"cache_implementation": "static"} if static else {}
+        if static:
+            self.name = "transformers (static cache, compiled)"
 
     def time(self, prompts: list[list[int]], output_len: int) -> Timing:
-        return time_transformers(self.model, prompts, output_len)
+        return time_transformers(self.model, prompts, output_len, **self.options)
 
     def close(self) -> None:
         pass
 
 
-def load_reference(path: Path, dtype: torch.dtype, device: torch.device) -> Reference:
-    """llama.cpp for a GGUF file (on the CPU, with weft's threads), transformers otherwise."""
+def load_reference(path: Path, dtype: torch.dtype, device: torch.device, static: bool = False) -> Reference:
+    """llama.cpp for a GGUF file (on the CPU, with weft's threads), transformers otherwise (with
+    `static`, its static cache, compiled)."""
     from weft.model.gguf_checkpoint import is_gguf
 
     if not is_gguf(path):
-        return TransformersReference(path, dtype, device)
+        return TransformersReference(path, dtype, device, static)
     if device.type != "cpu":
         raise ValueError("the llama.cpp reference runs on the CPU: pass --no-reference with --device cuda")
     from weft.bench.llama_cpp import LlamaCppReference
@@ -352,7 +386,8 @@ def _measure_all(
 ) -> list[dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.model.vocab_size  # prompts are token ids drawn from the config's vocabulary
-    warm = torch.randint(3, vocab, (1, 8), generator=gen).tolist()
+    # a prompt of the measured length: kernels compiled per shape (Triton's) compile here, untimed
+    warm = torch.randint(3, vocab, (1, args.prompt_len), generator=gen).tolist()
     time_weft(llm, warm, 4)
     if reference is not None:
         reference.time(warm, 4)
@@ -361,6 +396,10 @@ def _measure_all(
         prompts = torch.randint(3, vocab, (batch, args.prompt_len), generator=gen).tolist()
         print(f"  batch {batch}:", end="", flush=True)
         weft_runs, ref_runs = [], []
+        if reference is not None and getattr(
+            args, "static_cache", False
+        ):  # its compile, for this batch size, untimed
+            reference.time(prompts, args.output_len)
         for _ in range(args.repeats):
             print(" weft", end="", flush=True)
             weft_runs.append(time_weft(llm, prompts, args.output_len))
@@ -379,7 +418,8 @@ def _measure_all(
             r = Timing.best(ref_runs)
             row["ref_prefill_tps"] = r.prefill_tps(batch, args.prompt_len)
             row["ref_decode_tps"] = r.decode_tps(batch, args.output_len)
-        print(" done", flush=True)
+        ref_text = f", reference {row['ref_decode_tps']:.1f}" if "ref_decode_tps" in row else ""
+        print(f" done: weft decode {decode_tps:.1f} tok/s{ref_text}", flush=True)  # kept if cut short
         results.append(row)
     return results
 

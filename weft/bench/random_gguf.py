@@ -1,0 +1,123 @@
+"""A GGUF file of a real model's shape with random weights in a quantized type's blocks, for
+`weft bench throughput --gguf-type` (speed only: the values are random, the bytes and their layout
+are those of a real file).
+
+`q4_k_m` follows llama.cpp's Q4_K_M choice of types: Q4_K everywhere, but Q6_K for the output
+matrix (the token embedding where it is tied) and for attn_v and ffn_down in the layers its
+`use_more_bits` picks (the first and last eighth of the layers, and every third between); rows
+that are not whole 256-feature super-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q6_K to
+Q8_0). `q8_0`,
+`q4_0`: every matrix in that type. Each block's float16 scales are drawn small and finite, its
+quants uniformly; norms are 1. The file carries the configuration but no tokenizer: the benchmark
+feeds token ids and names a word-level tokenizer of the vocabulary's size (`tokenizer=`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# kind -> (features per block, bytes per block, float16 scale offsets within a block)
+_LAYOUT = {
+    "q8_0": (32, 34, (0,)),
+    "q4_0": (32, 18, (0,)),
+    "q5_0": (32, 22, (0,)),
+    "q4_k": (256, 144, (0, 2)),
+    "q6_k": (256, 210, (208,)),
+}
+MIXES = ("q4_k_m", "q8_0", "q4_0")
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: which layers' attn_v and ffn_down Q4_K_M keeps in Q6_K."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int) -> str:
+    if mix != "q4_k_m":
+        return mix
+    six = name in ("output", "token_embd_tied") or (
+        name in ("attn_v", "ffn_down") and _more_bits(layer, num_layers)
+    )
+    if features % 256:  # not whole super-blocks
+        return "q8_0" if six else "q5_0"
+    return "q6_k" if six else "q4_k"
+
+
+def random_blocks(kind: str, rows: int, features: int, rng: np.random.Generator) -> np.ndarray:
+    block, size, scales = _LAYOUT[kind]
+    if features % block:
+        raise ValueError(f"{features} input features are not whole {kind} blocks of {block}")
+    data = rng.integers(0, 256, size=(rows, features // block, size), dtype=np.uint8)
+    for offset in scales:
+        values = rng.uniform(1e-4, 1e-3, size=(rows, features // block)).astype(np.float16)
+        data[..., offset : offset + 2] = values.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+def write_random_gguf(config_path: Path, mix: str, out: Path, seed: int = 0) -> Path:
+    """Write `out`: the shape of `config_path` (a Llama-family config.json) in `mix` blocks."""
+    import gguf
+
+    if mix not in MIXES:
+        raise ValueError(f"--gguf-type {mix!r}: choose one of {', '.join(MIXES)}")
+    config = json.loads(config_path.read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    tied = bool(config.get("tie_word_embeddings", False))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(15 if mix == "q4_k_m" else {"q8_0": 7, "q4_0": 2}[mix])
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, kind_name: str, layer: int, rows: int, features: int) -> None:
+        kind = tensor_kind(mix, kind_name, layer, layers, features)
+        qtype = gguf.GGMLQuantizationType[kind.upper()]
+        writer.add_tensor(name, random_blocks(kind, rows, features, rng), raw_dtype=qtype)
+
+    matrix("token_embd.weight", "token_embd_tied" if tied else "token_embd", 0, vocab, hidden)
+    for i in range(layers):
+        ones = np.ones(hidden, dtype=np.float32)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        matrix(f"blk.{i}.attn_q.weight", "attn_q", i, heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_k.weight", "attn_k", i, kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", "attn_v", i, kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
+        matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", i, inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", "ffn_up", i, inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", "ffn_down", i, hidden, inter)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    if not tied:
+        matrix("output.weight", "output", 0, vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def word_level_tokenizer(vocab_size: int, out: Path) -> Path:
+    """A directory with a tokenizer.json of one entry per id (the benchmark feeds token ids)."""
+    from tokenizers import Tokenizer, models
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(out / "tokenizer.json"))
+    return out
