@@ -6,8 +6,11 @@ attention of multi-token rows over the paged cache), compiled on first use and c
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
      by a hash of the sources, the torch version and the Python version);
-  2. if there is none, compile it with the system C++ compiler (about half a minute, once; a line on
-     stderr says so);
+  2. if there is none, take the cache directory's build lock (`flock`: the operating system
+     releases it when its holder dies, so a build killed mid-way never blocks the next process),
+     look again (another process may have built it meanwhile), and compile it with the system C++
+     compiler in a fresh `build/` folder (about half a minute, once; a line on stderr says so);
+     only a finished build is moved into place, so a killed one is redone, never loaded;
   3. load it, which registers the `torch.ops.weft.*` operators.
 
 Any failure (no compiler, a build error) leaves a warning with the reason and weft runs the same
@@ -17,12 +20,15 @@ The kernels run on CPU tensors only; CUDA always takes the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,39 +108,80 @@ def build_jobs() -> int:
 def _load(config: NativeConfig) -> bool:
     if not config.enabled:
         return False
-    from torch.utils import cpp_extension
-
     directory = build_dir(config)
     library = directory / f"{_NAME}.so"
     try:
-        if library.is_file():
-            torch.ops.load_library(str(library))
-            return True
-        directory.mkdir(parents=True, exist_ok=True)
-        print(
-            "weft: compiling CPU kernels (first use only, about half a minute) ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        cflags, ldflags = build_flags(config)
-        cpp_extension.load(
-            name=_NAME,
-            sources=[str(unit) for unit in units(directory, build_jobs())],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        if not library.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            with _build_lock(directory):
+                if not library.is_file():  # nobody built it while this process waited
+                    _build(config, directory, library)  # (which loads it)
+                    return True
+        torch.ops.load_library(str(library))
         return True
     except Exception as exc:  # any build or load failure means: use the torch path
         warnings.warn(
             f"weft: CPU kernels unavailable, using plain torch operations (slower): {_first_error(exc)}\n"
-            "Install a C++ compiler (g++) and ninja to enable them, or set WEFT_NATIVE=0 to skip this.",
+            f"{_what_to_do()}",
             RuntimeWarning,
             stacklevel=2,
         )
         return False
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """The build lock of `directory`: an exclusive `flock`, which the operating system releases when
+    the process holding it exits or is killed (none where `fcntl` is missing: not Linux or macOS)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(directory / "build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("weft: another process is compiling the CPU kernels; waiting for it ...", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(config: NativeConfig, directory: Path, library: Path) -> None:
+    """Compile and load the kernels in a fresh `directory/build` (whatever an earlier, killed build
+    left there is removed first), then move the finished library to `library`."""
+    from torch.utils import cpp_extension
+
+    build = directory / "build"
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir()
+    print("weft: compiling CPU kernels (first use only, about half a minute) ...", file=sys.stderr, flush=True)
+    cflags, ldflags = build_flags(config)
+    cpp_extension.load(
+        name=_NAME,
+        sources=[str(unit) for unit in units(build, build_jobs())],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    os.replace(build / f"{_NAME}.so", library)  # atomic: a library in place is a whole one
+    shutil.rmtree(build, ignore_errors=True)
+
+
+def _what_to_do() -> str:
+    """The way out of a failed build, by what this machine lacks."""
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return f"Install {' and '.join(missing)} to enable them, or set WEFT_NATIVE=0 to skip this."
+    return (
+        "A C++ compiler and ninja are installed: the build itself failed. Set WEFT_CACHE_DIR to a "
+        "fresh folder to rebuild there, or WEFT_NATIVE=0 to skip the kernels."
+    )
 
 
 def _first_error(exc: Exception) -> str:
