@@ -72,3 +72,9 @@ def test_the_main_commands_import_only_main_dependencies():
         [sys.executable, "-c", CHILD, str(ROOT)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_readmes_names_are_exported():
+    from weft import LLM, SamplingParams, SMCParams
+
+    assert SMCParams(num_particles=4).num_particles == 4 and LLM and SamplingParams

@@ -15,7 +15,14 @@ from weft.outputs import (
     Logprob,
     RequestOutput,
 )
-from weft.params import BeamSearchParams, ChoiceSelection, LogprobsMode, OutputKind, SamplingParams
+from weft.params import (
+    BeamSearchParams,
+    ChoiceSelection,
+    LogprobsMode,
+    OutputKind,
+    SamplingParams,
+    SMCParams,
+)
 
 __all__ = [
     "LLM",
@@ -31,6 +38,7 @@ __all__ = [
     "LogprobsMode",
     "OutputKind",
     "RequestOutput",
+    "SMCParams",
     "SamplingParams",
     "default_model_path",
     "field_logprobs",

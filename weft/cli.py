@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             "serve",
             help="an OpenAI-compatible HTTP server (completions, chat, streaming, tools)",
             description="Serve the model over the OpenAI API: /v1/completions, /v1/chat/completions, "
-            "/v1/models, /health, /metrics.",
+            "/v1/responses, /v1/models, /health, /metrics.",
         )
     )
     _add_quantize(

@@ -158,7 +158,8 @@ def _build(config: NativeConfig, directory: Path, library: Path) -> None:
     build = directory / "build"
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir()
-    print("weft: compiling CPU kernels (first use only, about half a minute) ...", file=sys.stderr, flush=True)
+    message = "weft: compiling CPU kernels (first use only, about half a minute) ..."
+    print(message, file=sys.stderr, flush=True)
     cflags, ldflags = build_flags(config)
     cpp_extension.load(
         name=_NAME,
