@@ -70,7 +70,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     own = cpu_isa_path()
     for path, (_, _, isa, _) in other_builds.BUILDS.items():
         if isa != own and path in selected:
-            out = background.scratch(f"build-{path}")
+            out = other_builds.cache_dir(path)  # kept: a later session reuses the build
             background.start(f"build-{path}", other_builds.command(path, out))
 
 

@@ -58,6 +58,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cache_dir(path: str) -> Path:
+    """Where the build `path` is kept between sessions: under weft's kernel cache, in a folder keyed
+    by the sources and flags (`weft.native.build_dir`), so only changed kernels are built again."""
+    from weft.config import NativeConfig
+
+    return NativeConfig.from_env().cache_dir / "other-builds" / path
+
+
 def command(path: str, out: Path) -> list[str]:
     """The command that checks the build `path`, its files under `out`."""
     return [sys.executable, str(Path(__file__).resolve()), path, str(out)]
@@ -74,7 +82,8 @@ def check(path: str, out: Path) -> None:
         print(f"{path}: compiled (this CPU cannot run it)")
         return
     code = "import weft.native as n, weft.kernels as k; n.kernels_available(); print(k.cpu_isa_path())"
-    info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    # a loaded 2-core machine leaves this lowest-priority build little CPU: as long as the job may take
+    info = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert info.returncode == 0 and info.stdout.split() == [isa], info.stdout + info.stderr[-3000:]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", child_selection()]
     cmd += [str(TESTS / test_file) for _, test_file in CHILD_TESTS]
@@ -102,11 +111,15 @@ def compile_only(arch: str, cflags: str, out: Path) -> None:
 
     flags, _ = native.build_flags(NativeConfig(True, out, arch=arch, extra_cflags=tuple(cflags.split())))
     flags = ["-O0" if flag == "-O3" else flag for flag in flags]  # the same errors, half the time
+    stamp = native.build_dir(NativeConfig(True, out, arch=arch, extra_cflags=tuple(cflags.split())))
+    if stamp.with_suffix(".compiled").is_file():  # these sources, these flags: compiled before
+        return
     includes = [f"-I{path}" for path in include_paths()]
     (unit,) = native.units(out, 1)
     cmd = ["c++", "-std=c++17", "-fPIC", *flags, *includes, "-c", str(unit), "-o", f"{unit}.o"]
     compiler = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
     assert compiler.returncode == 0, compiler.stderr[-3000:]
+    stamp.with_suffix(".compiled").touch()
 
 
 if __name__ == "__main__":

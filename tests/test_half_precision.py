@@ -21,7 +21,7 @@ import background
 import pytest
 import torch
 from conftest import require_native_kernels
-from other_builds import BUILDS, CHILD_BUILD, command, is_x86
+from other_builds import BUILDS, CHILD_BUILD, cache_dir, command, is_x86
 
 import weft.native as native
 from weft import LLM, SamplingParams
@@ -194,7 +194,7 @@ def test_other_builds_of_the_kernels_pass_the_same_tests(path):
     if BUILDS[path][2] == cpu_isa_path():
         pytest.skip(f"this machine's own build takes the {path} path: every test here runs against it")
     if not background.started(f"build-{path}"):  # a run that did not go through the collection hook
-        background.start(f"build-{path}", command(path, background.scratch(f"build-{path}")))
+        background.start(f"build-{path}", command(path, cache_dir(path)))
     code, output = background.finish(f"build-{path}")
     assert code == 0, output[-6000:]
 
