@@ -7,13 +7,14 @@ blocks) as two planes of 128 columns in the order of the block's bytes, not of t
 Q4_K byte holds feature 64j + l in its low nibble and 64j + 32 + l in its high one, so the low
 nibbles of 128 consecutive bytes are one plane and the high nibbles the other. The weights are
 then read with contiguous loads, and the activations, which are few, are gathered in the plane's
-order instead (`_dequant` returns each plane's feature offsets). Scales are per group of columns
-(a 16- or 32-wide sub-block), computed once per group and broadcast over it.
+order instead (`_dequant` returns each plane's feature offsets). Each column's scale is loaded for
+it (the loads of one sub-block's columns coincide, and the cache serves them), so no tile is
+reshaped.
 
 `quantized_linear(x, weight, parts, out_features)` multiplies x [M, K] by a matrix whose rows come
 in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4_K_M files have): a
-launch per part, each writing its columns of one output. Up to four rows (decode) take products and
-sums in float32 per tile; more rows take `tl.dot` with the weights rounded to the activations' dtype
+launch per part, each writing its columns of one output. Up to four rows (decode) add float32
+products into a [rows, columns, 128] accumulator summed once at the end; more rows take `tl.dot` with the weights rounded to the activations' dtype
 (float32 activations: exact float32 products). `dequantize_rows` gives rows of a matrix in float
 (the embedding lookup of a tied table).
 
@@ -38,7 +39,6 @@ KINDS = {
     "q6_k": (4, 256, 210),
 }
 CHUNK = 256  # input features per iteration
-PLANE = 128  # columns of each of a chunk's two planes
 GEMV_ROWS = 4  # up to this many rows, products and sums in float32; more, `tl.dot` (tensor cores)
 
 
@@ -49,14 +49,7 @@ def _f16(ptr, offsets, mask):
 
 
 @triton.jit
-def _spread(values, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """[N, GROUPS] -> [N, PLANE]: each group's value over its PLANE // GROUPS columns."""
-    wide = tl.broadcast_to(values[:, :, None], (BLOCK_N, GROUPS, 128 // GROUPS))
-    return tl.reshape(wide, (BLOCK_N, 128))
-
-
-@triton.jit
-def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
     """Q8_0, Q4_0, Q5_0: eight 32-wide blocks; plane columns c = 16 g + i of block g hold its
     features i (low plane) and 16 + i (high plane)."""
     cols = tl.arange(0, 128)
@@ -70,15 +63,9 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.cons
         size = 18
     else:
         size = 22
-    base = rows[:, None] + (block * size)[None, :]  # [N, P] byte offsets of the blocks
+    base = rows[:, None] + (block * size)[None, :]  # [N, P] byte offsets of the columns' blocks
     mask = tl.broadcast_to(ok[None, :], base.shape)
-    groups = tl.arange(0, 8)
-    gbase = rows[:, None] + ((chunk * 8 + groups) * size)[None, :]  # [N, 8]
-    d = _spread(
-        _f16(w_ptr, gbase, tl.broadcast_to((chunk * 8 + groups < num_blocks)[None, :], gbase.shape)),
-        BLOCK_N,
-        8,
-    )
+    d = _f16(w_ptr, base, mask)  # [N, P]: each column's block scale (the loads of a block coincide)
     if KIND == 0:
         lo = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
         hi = tl.load(w_ptr + base + 18 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
@@ -100,7 +87,7 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _q4_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
+def _q4_k(w_ptr, rows, chunk):
     """Q4_K: 144 bytes (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles); byte
     32 j + l holds feature 64 j + l (low, sub-block 2 j) and 64 j + 32 + l (high, 2 j + 1)."""
     base = rows + chunk * 144  # [N]
@@ -108,28 +95,30 @@ def _q4_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
     dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
     cols = tl.arange(0, 128)
     nibbles = tl.load(w_ptr + base[:, None] + 16 + cols[None, :]).to(tl.int32)  # [N, P]
-    j = tl.arange(0, 4)
-    lo = _q4_k_plane(w_ptr, base, nibbles & 15, 2 * j, d, dmin, BLOCK_N)
-    hi = _q4_k_plane(w_ptr, base, nibbles >> 4, 2 * j + 1, d, dmin, BLOCK_N)
+    sub = 2 * (cols // 32)  # [P] the low nibbles' sub-block
+    lo = _q4_k_plane(w_ptr, base, nibbles & 15, sub, d, dmin)
+    hi = _q4_k_plane(w_ptr, base, nibbles >> 4, sub + 1, d, dmin)
     feature = (cols // 32) * 64 + cols % 32
     return lo, hi, feature, feature + 32, cols >= 0
 
 
 @triton.jit
-def _q4_k_plane(w_ptr, base, q, sub, d, dmin, BLOCK_N: tl.constexpr):
-    """One plane of Q4_K weights: q [N, P] times its sub-blocks' (`sub` [4]) scales, less their mins."""
-    scales = w_ptr + base[:, None] + 4  # the 12 bytes of scales and mins
-    first = sub < 4
-    a = tl.load(scales + sub[None, :]).to(tl.int32)  # [N, 4] byte sub
-    b = tl.load(scales + sub[None, :] + 4).to(tl.int32)  # byte sub + 4
-    c = tl.load(scales + tl.where(first, sub, sub - 4)[None, :]).to(tl.int32)  # byte sub - 4 (sub >= 4)
-    scale = tl.where(first[None, :], a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
-    low = tl.where(first[None, :], b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
-    return _spread(d * scale, BLOCK_N, 4) * q.to(tl.float32) - _spread(dmin * low, BLOCK_N, 4)
+def _q4_k_plane(w_ptr, base, q, sub, d, dmin):
+    """One plane of Q4_K weights: q [N, P] times each column's sub-block (`sub` [P]) scale, less its
+    min. The 6-bit scale and min of sub-block s: bytes s and s + 4 of the 12 (s < 4), or packed
+    from bytes s + 4, s - 4 and s (s >= 4)."""
+    scales = w_ptr + base[:, None] + 4  # [N, 1]: the 12 bytes of scales and mins
+    first = (sub < 4)[None, :]
+    a = tl.load(scales + sub[None, :]).to(tl.int32)  # [N, P] byte s
+    b = tl.load(scales + sub[None, :] + 4).to(tl.int32)  # byte s + 4
+    c = tl.load(scales + tl.where(sub < 4, sub, sub - 4)[None, :]).to(tl.int32)  # byte s - 4 (s >= 4)
+    scale = tl.where(first, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
+    low = tl.where(first, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    return (d * scale) * q.to(tl.float32) - dmin * low
 
 
 @triton.jit
-def _q6_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
+def _q6_k(w_ptr, rows, chunk):
     """Q6_K: 210 bytes (128 of low nibbles, 64 of high bit pairs, 16 int8 scales, d); low-nibble
     byte 64 h + r holds feature 128 h + r (low) and 128 h + 64 + r (high), each with two bits of
     byte 128 + 32 h + r % 32 and a scale per 16 features."""
@@ -143,26 +132,29 @@ def _q6_k(w_ptr, rows, chunk, BLOCK_N: tl.constexpr):
     shift = ((r // 32) * 2)[None, :]
     q_lo = ((low & 15) | (((high >> shift) & 3) << 4)) - 32
     q_hi = ((low >> 4) | (((high >> (shift + 4)) & 3) << 4)) - 32
-    t = tl.arange(0, 8)  # groups of 16 columns
-    sub = 8 * (t // 4) + t % 4
-    sc_lo = tl.load(w_ptr + base[:, None] + 192 + sub[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-    sc_hi = tl.load(w_ptr + base[:, None] + 196 + sub[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-    lo = _spread(d * sc_lo, BLOCK_N, 8) * q_lo.to(tl.float32)
-    hi = _spread(d * sc_hi, BLOCK_N, 8) * q_hi.to(tl.float32)
+    sub = (8 * half + r // 16)[None, :]  # [1, P] the low plane's scale; the high plane's is 4 on
+    sc_lo = tl.load(w_ptr + base[:, None] + 192 + sub).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_hi = tl.load(w_ptr + base[:, None] + 196 + sub).to(tl.int8, bitcast=True).to(tl.float32)
     feature = 128 * half + r
-    return lo, hi, feature, feature + 64, cols >= 0
+    return (
+        (d * sc_lo) * q_lo.to(tl.float32),
+        (d * sc_hi) * q_hi.to(tl.float32),
+        feature,
+        feature + 64,
+        cols >= 0,
+    )
 
 
 @triton.jit
-def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
     """Chunk `chunk` of the rows at byte offsets `rows` [N]: (low plane [N, P], high plane [N, P]
     float32, each plane's feature offsets within the chunk [P], which columns exist [P])."""
     if KIND == 3:
-        return _q4_k(w_ptr, rows, chunk, BLOCK_N)
+        return _q4_k(w_ptr, rows, chunk)
     elif KIND == 4:
-        return _q6_k(w_ptr, rows, chunk, BLOCK_N)
+        return _q6_k(w_ptr, rows, chunk)
     else:
-        return _legacy(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+        return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
 
 
 @triton.jit
@@ -171,14 +163,20 @@ def _quantized_linear_kernel(
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
+    """out [M, N] = x [M, K] times the rows' blocks, transposed. Decode tiles (not USE_DOT) keep a
+    [M, N, P] float32 accumulator of products and sum it once at the end, so that the loop over
+    the chunks carries no reduction across threads."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] rows of x
     m_ok = m < num_rows
     rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the weight rows
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x  # [M, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        products = tl.zeros([BLOCK_M, BLOCK_N, 128], tl.float32)
     for chunk in range(0, num_chunks):
-        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND)
         x_mask = m_ok[:, None] & ok[None, :]
         x_lo = tl.load(x_rows + (chunk * 256 + f_lo)[None, :], mask=x_mask, other=0.0)  # [M, P]
         x_hi = tl.load(x_rows + (chunk * 256 + f_hi)[None, :], mask=x_mask, other=0.0)
@@ -191,8 +189,10 @@ def _quantized_linear_kernel(
                 acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)))
                 acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)))
         else:
-            acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * lo[None, :, :], axis=2)
-            acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * hi[None, :, :], axis=2)
+            products += x_lo.to(tl.float32)[:, None, :] * lo[None, :, :]
+            products += x_hi.to(tl.float32)[:, None, :] * hi[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(products, axis=2)
     out = out_ptr + m.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < num_out)[None, :])
 
@@ -208,7 +208,7 @@ def _dequantize_kernel(
     rows = tl.zeros([BLOCK_N], tl.int64) + row * row_bytes
     out = out_ptr + i.to(tl.int64) * stride_out
     for chunk in range(0, num_chunks):
-        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND, BLOCK_N)
+        lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND)
         keep = ok & (chunk * 256 + f_lo < dim)
         tl.store(out + chunk * 256 + f_lo, tl.sum(lo, 0).to(out_ptr.dtype.element_ty), mask=keep)
         tl.store(out + chunk * 256 + f_hi, tl.sum(hi, 0).to(out_ptr.dtype.element_ty), mask=keep)
