@@ -233,3 +233,27 @@ def test_decode_steps_split_contexts_only_while_the_gpu_would_idle():
     assert decode_splits(64, 8, cpu) == 1
     if sms is not None:
         assert decode_splits(1, 8, cuda) == min(MAX_SPLITS, 1 << (-(-2 * sms // 8) - 1).bit_length())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_kv_write_in_one_launch_match_the_two_steps(dtype):
+    """`rope_write_kv_`: q and k rotated in place, k and v at their slots, as the torch kernel set's
+    rotation followed by its scatter computes them, within rounding (float32: the products may
+    contract into fused multiply-adds; bfloat16: torch rounds each product, the kernel the result)."""
+    num_heads, num_kv, head_dim, positions = 4, 2, 64, torch.tensor([0, 7, 130, 3])
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, num_heads + 2 * num_kv, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([5, 40, 17, 63], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    angles = torch.outer(torch.arange(256).float(), inv_freq)  # [P, D/2]
+    cos, sin, positions = angles.cos().to(DEVICE), angles.sin().to(DEVICE), positions.to(DEVICE)
+    outs = []
+    for kernels in (TRITON_KERNELS, TORCH_KERNELS):
+        cache = torch.zeros(4, 16, 2, num_kv, head_dim, device=DEVICE, dtype=dtype)
+        rows = qkv.clone()
+        kernels.rope_write_kv_(rows, num_heads, kernels.rope_tables(cos, sin, positions, dtype), cache, slots)
+        outs.append((rows, cache))
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=tol, atol=tol)
+    assert outs[0][1].abs().sum() > 0 and outs[0][1][0, 5].abs().sum() > 0  # slot 5: block 0, offset 5

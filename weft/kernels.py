@@ -249,6 +249,22 @@ class TorchKernels:
         num_blocks, block_size = kv_cache.shape[:2]
         kv_cache.view(num_blocks * block_size, *kv_cache.shape[2:]).index_copy_(0, slot_mapping, kv)
 
+    def rope_write_kv_(
+        self,
+        qkv: torch.Tensor,  # [T, H + 2 KVH, D]: heads q..., k..., v... of the fused projection
+        num_heads: int,  # H
+        rope: RopeTables,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        """Rotate q and k in place and write k and v into the cache at their slots (one launch
+        where the kernel set fuses them; here the two steps)."""
+        num_tokens, width, head_dim = qkv.shape
+        num_kv = (width - num_heads) // 2
+        self.apply_rope_(qkv[:, : num_heads + num_kv], rope)
+        kv = qkv[:, num_heads:].view(num_tokens, 2, num_kv, head_dim)  # [T, 2, KVH, D]
+        self.write_kv_(kv_cache, kv, slot_mapping)
+
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         """Whether `decoder_stack_` runs on `device` with activations in `activations` (for
         Llama-family layers without q/k norms whose linear weights are packed into panels)."""

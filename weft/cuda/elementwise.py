@@ -4,7 +4,9 @@
 - `add_rms_norm_`: the residual add and the next RMSNorm in one pass (x += delta; returns the norm);
 - `silu_mul`: SiLU(gate) * up from the fused gate|up projection (torch: 3 kernels and a temporary);
 - `rope_`: the rotary embedding of q and k in place, looking each token's position up in the
-  [P, D/2] cos/sin tables itself (torch: a gather of the tables, then 5 kernels).
+  [P, D/2] cos/sin tables itself (torch: a gather of the tables, then 5 kernels);
+- `rope_write_kv_`: the same rotation of a fused q|k|v row's q and k heads, and k and v written into
+  the paged cache at the token's slot, in one launch (torch: the rotation, then a scatter).
 
 Each program owns one row (one token, or one token's head for `rope_`). Runs on CUDA, and on CPU
 tensors in Triton's interpreter (`TRITON_INTERPRET=1`), where CI tests it against `TorchKernels`.
@@ -62,6 +64,63 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_
     x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(base + cols, (x1 * cos - x2 * sin).to(dtype), mask=ok)
     tl.store(base + half + cols, (x2 * cos + x1 * sin).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rotate(base, cos, sin, cols, ok, half, dtype):
+    """The rotate-half rotation of the head at `base`, in float32: (first half, second half)."""
+    x1 = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, cache_ptr, stride_t, stride_h,
+                          stride_table, stride_slot, stride_kv, stride_head, num_heads, num_kv, half,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    """Program (token, h): h < H rotates q head h in place; else k head h - H is rotated (in place
+    too) and written with v head h - H into the cache at the token's slot."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < half
+    pos = tl.load(pos_ptr + token)
+    dtype = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_table + cols, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_table + cols, mask=ok, other=0.0).to(dtype).to(tl.float32)
+    base = qkv_ptr + token * stride_t + head * stride_h
+    first, second = _rotate(base, cos, sin, cols, ok, half, dtype)
+    tl.store(base + cols, first, mask=ok)
+    tl.store(base + half + cols, second, mask=ok)
+    if head >= num_heads:
+        slot = tl.load(slot_ptr + token)
+        kv_head = head - num_heads
+        key = cache_ptr + slot * stride_slot + kv_head * stride_head
+        tl.store(key + cols, first, mask=ok)
+        tl.store(key + half + cols, second, mask=ok)
+        value = base + num_kv * stride_h  # v head kv_head of the same row
+        cache_value = key + stride_kv
+        tl.store(cache_value + cols, tl.load(value + cols, mask=ok), mask=ok)
+        tl.store(cache_value + half + cols, tl.load(value + half + cols, mask=ok), mask=ok)
+
+
+def rope_write_kv_(
+    qkv: torch.Tensor,  # [T, H + 2 KVH, D], head dims contiguous
+    num_heads: int,
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, D/2] float32
+    sin: torch.Tensor,  # [P, D/2] float32
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D], contiguous
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    num_tokens, width, head_dim = qkv.shape
+    num_kv = (width - num_heads) // 2
+    if num_tokens:
+        _rope_write_kv_kernel[(num_tokens, num_heads + num_kv)](
+            qkv, positions, slot_mapping, cos, sin, kv_cache, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_heads, num_kv, head_dim // 2,
+            BLOCK=triton.next_power_of_2(head_dim // 2),
+        )  # fmt: skip
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, dim]

@@ -4,9 +4,9 @@ What it replaces in `TorchKernels`, and why:
 - attention: one launch for every row of a step, reading the paged cache in place
   (`cuda/attention.py`), instead of gathering each sequence's blocks and running a masked SDPA
   over the copy (close to half of the GPU time at batch 256);
-- RMSNorm, the residual add before it, SiLU-and-multiply and the rotary embedding: one launch each
-  (`cuda/elementwise.py`), where torch takes 3-6 kernels and temporaries (at batch 1 a step is
-  about 330 launches, and launches, not bytes, set its time).
+- RMSNorm, the residual add before it, SiLU-and-multiply, and the rotary embedding with the
+  KV-cache write: one launch each (`cuda/elementwise.py`), where torch takes 3-6 kernels and
+  temporaries (at batch 1 a step is about 330 launches, and launches, not bytes, set its time).
 
 - linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K): the blocks stay on the device and
   each tile is dequantized in the kernel as it streams (`cuda/quant.py`), where a float copy of the
@@ -73,6 +73,19 @@ class TritonKernels(TorchKernels):
 
     def apply_rope_(self, x: torch.Tensor, rope: RopeTables) -> None:
         elementwise.rope_(x, rope.positions, rope.cos, rope.sin)
+
+    def rope_write_kv_(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        rope: RopeTables,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        fused = qkv.stride(2) == 1 and kv_cache.is_contiguous() and kv_cache.dtype == qkv.dtype
+        if not fused or qkv.shape[2] % 2:
+            return super().rope_write_kv_(qkv, num_heads, rope, kv_cache, slot_mapping)
+        elementwise.rope_write_kv_(qkv, num_heads, rope.positions, rope.cos, rope.sin, kv_cache, slot_mapping)
 
     def takes_ragged_batch(self, head_dim: int, block_size: int) -> bool:
         """Block sizes of at least 16 (the smallest `tl.dot`), powers of two; head sizes up to 256."""

@@ -14,9 +14,9 @@ reshaped.
 `quantized_linear(x, weight, parts, out_features)` multiplies x [M, K] by a matrix whose rows come
 in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4_K_M files have): a
 launch per part, each writing its columns of one output. Up to four rows (decode) add float32
-products into a [rows, columns, 128] accumulator summed once at the end; more rows take `tl.dot` with the weights rounded to the activations' dtype
-(float32 activations: exact float32 products). `dequantize_rows` gives rows of a matrix in float
-(the embedding lookup of a tied table).
+products into a [rows, columns, 128] accumulator summed once at the end; more rows take `tl.dot`
+with the weights rounded to the activations' dtype (float32 activations: exact float32 products).
+`dequantize_rows` gives rows of a matrix in float (the embedding lookup of a tied table).
 
 Runs on CUDA, and on CPU tensors in Triton's interpreter, where the tests check every kind against
 gguf's reference dequantization.

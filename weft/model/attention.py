@@ -319,17 +319,19 @@ def _in_place_group(
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    kv: torch.Tensor,  # [T, 2, KVH, D], keys (rotated) and values of the step's tokens
+    kv: torch.Tensor | None,  # [T, 2, KVH, D], keys (rotated) and values of the step's tokens
     kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
     meta: AttentionMetadata,
     scale: float,
     kernels: TorchKernels = TORCH_KERNELS,
     bf16_dot: bool = False,
 ) -> torch.Tensor:  # [T, H * D]
-    """Write the step's keys and values into the cache, then attend. `bf16_dot`: multi-token rows
-    attending in place round their products' inputs to bfloat16 (as the linear layers' `bf16_dot`)."""
+    """Write the step's keys and values into the cache (None: already there, `rope_write_kv_`),
+    then attend. `bf16_dot`: multi-token rows attending in place round their products' inputs to
+    bfloat16 (as the linear layers' `bf16_dot`)."""
     num_tokens, num_heads, head_dim = q.shape
-    kernels.write_kv_(kv_cache, kv, meta.slot_mapping)
+    if kv is not None:
+        kernels.write_kv_(kv_cache, kv, meta.slot_mapping)
     if meta.ragged is not None:
         out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale)  # [T, H, D]
         return out.view(num_tokens, num_heads * head_dim)
@@ -451,7 +453,7 @@ class PagedAttention:
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D]
-        kv: torch.Tensor,  # [T, 2, KVH, D]
+        kv: torch.Tensor | None,  # [T, 2, KVH, D]; None: the cache holds them (`rope_write_kv_`)
         kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
         meta: AttentionMetadata,
         scale: float,

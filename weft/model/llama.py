@@ -86,10 +86,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
             qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
-        self.backend.kernels.apply_rope_(qkv[:, : num_q + num_kv], rope)  # q and k together, in place
-        q = qkv[:, :num_q]  # [T, H, D]
-        kv = qkv[:, num_q:].view(num_tokens, 2, num_kv, self.head_dim)  # [T, 2, KVH, D]
-        out = self.backend(q, kv, kv_cache, meta, self.scale)
+        # q and k rotated in place, k and v into the cache: one launch where the kernel set fuses them
+        self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
+        out = self.backend(qkv[:, :num_q], None, kv_cache, meta, self.scale)  # q: [T, H, D]
         return self.reduce(self.o(out, rows))
 
 
