@@ -409,13 +409,15 @@ def test_linear_layouts_agree():
     weight, bias = torch.randn(50, 20, generator=gen), torch.randn(50, generator=gen)
     x = torch.randn(7, 20, generator=gen)
     expected = torch.nn.functional.linear(x, weight, bias)
-    for layout in WeightLayout:
+    for layout in (layout for layout in WeightLayout if layout is not WeightLayout.BLOCKS):
         linear = Linear(20, 50, bias=True)
         linear.weight.data, linear.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
         linear.set_layout(layout)
         torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="already in the panels layout"):
         linear.set_layout(WeightLayout.IN_OUT)
+    with pytest.raises(ValueError, match="only as it is read in blocks"):  # GGUF blocks come from a file
+        Linear(20, 50).set_layout(WeightLayout.BLOCKS)
 
 
 def test_weight_layout_by_device_and_dtype(monkeypatch):

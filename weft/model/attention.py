@@ -120,8 +120,7 @@ def build_attention_metadata(
     rows attend through the kernel set's `paged_prefill_attention`; with `decode_in_place`,
     single-query groups get no mask (the kernel set's `paged_decode_attention` reads their context
     lengths). With `ragged`, the step is one `RaggedBatch` instead of groups.
-    Arrays are built on the host with numpy and moved to the device by `put` (default: once each,
-    `to_device`; the runner's `StepUploads` on CUDA); nothing is read back from a device.
+    Host arrays go to the device by `put` (default: `to_device`, once each); nothing is read back.
     """
     put = put or (lambda array: to_device(array, device))
     num_seqs, num_tokens = len(query_lens), sum(query_lens)

@@ -93,6 +93,8 @@ class Linear(nn.Module):
         """Store the weight in `layout` (from [out, in]; a tied weight is no longer shared)."""
         if self.layout is not WeightLayout.OUT_IN:
             raise ValueError(f"Linear weight is already in the {self.layout.value} layout")
+        if layout is WeightLayout.BLOCKS:
+            raise ValueError("a matrix takes the blocks layout only as it is read in blocks (expect_blocks)")
         if layout is WeightLayout.IN_OUT:
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
         elif layout is WeightLayout.PANELS:  # the activations, and so the bias, are float32
