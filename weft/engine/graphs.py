@@ -137,6 +137,8 @@ class DecodeGraphs:
 
     def _pad_rows(self, first: int, end: int) -> None:
         """Rows first..end-1 decode one token into the scratch block's first slot and read only it."""
+        if first == end:  # the batch fills the size: no padding rows (three launches saved)
+            return
         self.slot_mapping[first:end] = self.scratch_block * self.block_size
         self.block_table[first:end, 0] = self.scratch_block
         self.seq_lens[first:end] = 1
