@@ -53,6 +53,17 @@ def _online_softmax_step(q, keys, values, visible, scale, acc, row_max, row_sum,
 
 
 @triton.jit
+def _load_block(cache_ptr, table_entry, slots, dims, dim_ok, kv_head, stride_block, stride_slot, stride_kv,
+                stride_head):  # fmt: skip
+    """The keys and values [S, Dp] of one KV head in the cache block that `table_entry` names."""
+    block = tl.load(table_entry).to(tl.int64)
+    offsets = block * stride_block + slots[:, None] * stride_slot + kv_head * stride_head + dims[None, :]
+    keys = tl.load(cache_ptr + offsets, mask=dim_ok[None, :], other=0.0)
+    values = tl.load(cache_ptr + offsets + stride_kv, mask=dim_ok[None, :], other=0.0)
+    return keys, values
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr,  # [T, H, D], [T, H, D], [num_blocks, block_size, 2, KVH, D]
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1] int32
@@ -83,15 +94,10 @@ def _paged_attention_kernel(
         tile_end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_Q, seq_len)  # keys the tile can see
         slots = tl.arange(0, BLOCK_SIZE)  # [S]
         for j in range(0, tl.cdiv(tile_end, BLOCK_SIZE)):
-            block = tl.load(block_table_ptr + seq * stride_table + j).to(tl.int64)
-            kv_offsets = (
-                block * stride_cache_block
-                + slots[:, None] * stride_cache_slot
-                + kv_head * stride_cache_head
-                + dims[None, :]
-            )  # [S, Dp]
-            keys = tl.load(cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)  # [S, Dp]
-            values = tl.load(cache_ptr + kv_offsets + stride_cache_kv, mask=dim_ok[None, :], other=0.0)
+            keys, values = _load_block(
+                cache_ptr, block_table_ptr + seq * stride_table + j, slots, dims, dim_ok, kv_head,
+                stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
+            )  # fmt: skip
             visible = (j * BLOCK_SIZE + slots)[None, :] <= q_pos[:, None]  # [M, S] causal
             acc, row_max, row_sum = _online_softmax_step(
                 q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
@@ -134,15 +140,10 @@ def _decode_split_kernel(
         end = tl.minimum(start + share, seq_len)
         slots = tl.arange(0, BLOCK_SIZE)  # [S]
         for j in range(start // BLOCK_SIZE, tl.cdiv(end, BLOCK_SIZE)):
-            block = tl.load(block_table_ptr + seq * stride_table + j).to(tl.int64)
-            kv_offsets = (
-                block * stride_cache_block
-                + slots[:, None] * stride_cache_slot
-                + kv_head * stride_cache_head
-                + dims[None, :]
-            )  # [S, Dp]
-            keys = tl.load(cache_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0)
-            values = tl.load(cache_ptr + kv_offsets + stride_cache_kv, mask=dim_ok[None, :], other=0.0)
+            keys, values = _load_block(
+                cache_ptr, block_table_ptr + seq * stride_table + j, slots, dims, dim_ok, kv_head,
+                stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
+            )  # fmt: skip
             visible = tl.broadcast_to(((j * BLOCK_SIZE + slots) < end)[None, :], (BLOCK_M, BLOCK_SIZE))
             acc, row_max, row_sum = _online_softmax_step(
                 q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
