@@ -56,6 +56,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tests = [item for item in session.items if isinstance(item, pytest.Function)]
     if any(item.originalname == "test_mypy_clean" for item in tests):
         background.start("mypy", [sys.executable, "-m", "mypy"])
+    if any(item.originalname == "test_a_build_killed_midway_is_redone_by_the_next_process" for item in tests):
+        import test_native_build
+
+        background.start(test_native_build.JOB, test_native_build.command())
     name = "test_other_builds_of_the_kernels_pass_the_same_tests"
     selected = {item.callspec.params["path"] for item in tests if item.originalname == name}
     if not selected:
