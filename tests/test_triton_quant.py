@@ -11,22 +11,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from weft.bench import random_gguf
 from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear
 from weft.kernels import BlockPart
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SCALES = {"q8_0": [0], "q4_0": [0], "q5_0": [0], "q4_k": [0, 2], "q6_k": [208]}  # float16 fields
 
 
 def random_blocks(kind: str, rows: int, features: int, seed: int) -> np.ndarray:
     """[rows, bytes] uint8: random blocks of `kind` whose float16 scales are small and finite."""
-    rng = np.random.default_rng(seed)
-    _, block, size = KINDS[kind]
-    blocks = rng.integers(0, 256, size=(rows, features // block, size), dtype=np.uint8)
-    for offset in SCALES[kind]:
-        scales = rng.uniform(0.001, 0.01, size=(rows, features // block)).astype(np.float16)
-        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
-    return blocks.reshape(rows, -1)
+    return random_gguf.random_blocks(kind, rows, features, np.random.default_rng(seed), (0.001, 0.01))
 
 
 def reference(kind: str, rows: np.ndarray) -> torch.Tensor:  # [N, K] float32

@@ -51,6 +51,10 @@ class RaggedBatch:
     max_query_len: int  # host value: sizes the kernel's grid
 
 
+# GGUF block kinds weft keeps as they are -> (input features per block, bytes per block in the file)
+GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q4_k": (256, 144), "q6_k": (256, 210)}
+
+
 @dataclass(frozen=True, slots=True)
 class BlockPart:
     """Rows `out_start` .. `out_start + rows` of a matrix kept in GGUF blocks of one `kind` ("q8_0",

@@ -19,14 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-# kind -> (features per block, bytes per block, float16 scale offsets within a block)
-_LAYOUT = {
-    "q8_0": (32, 34, (0,)),
-    "q4_0": (32, 18, (0,)),
-    "q5_0": (32, 22, (0,)),
-    "q4_k": (256, 144, (0, 2)),
-    "q6_k": (256, 210, (208,)),
-}
+from weft.kernels import GGUF_BLOCKS
+
+# kind -> the byte offsets of its float16 scales within a block (the sizes: `GGUF_BLOCKS`)
+SCALES = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 MIXES = ("q4_k_m", "q8_0", "q4_0")
 
 
@@ -47,13 +43,17 @@ def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int)
     return "q6_k" if six else "q4_k"
 
 
-def random_blocks(kind: str, rows: int, features: int, rng: np.random.Generator) -> np.ndarray:
-    block, size, scales = _LAYOUT[kind]
+def random_blocks(
+    kind: str, rows: int, features: int, rng: np.random.Generator, scale: tuple[float, float] = (1e-4, 1e-3)
+) -> np.ndarray:
+    """[rows, bytes] uint8: random blocks of `kind` whose float16 scales are drawn from `scale`."""
+    block, size = GGUF_BLOCKS[kind]
+    scales = SCALES[kind]
     if features % block:
         raise ValueError(f"{features} input features are not whole {kind} blocks of {block}")
     data = rng.integers(0, 256, size=(rows, features // block, size), dtype=np.uint8)
     for offset in scales:
-        values = rng.uniform(1e-4, 1e-3, size=(rows, features // block)).astype(np.float16)
+        values = rng.uniform(*scale, size=(rows, features // block)).astype(np.float16)
         data[..., offset : offset + 2] = values.view(np.uint8).reshape(rows, -1, 2)
     return data.reshape(rows, -1)
 

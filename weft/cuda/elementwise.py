@@ -48,6 +48,15 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: 
 
 
 @triton.jit
+def _rotate(base, cos, sin, cols, ok, half, dtype):
+    """The rotate-half rotation of the head at `base`, in float32, rounded to `dtype`: (first half,
+    second half)."""
+    x1 = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_table, half,
                  BLOCK: tl.constexpr):  # fmt: skip
     token = tl.program_id(0)
@@ -60,18 +69,9 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_
     base = x_ptr + token * stride_xt + head * stride_xh
     dtype = x_ptr.dtype.element_ty
     cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)  # the tables in x's dtype
-    x1 = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(base + cols, (x1 * cos - x2 * sin).to(dtype), mask=ok)
-    tl.store(base + half + cols, (x2 * cos + x1 * sin).to(dtype), mask=ok)
-
-
-@triton.jit
-def _rotate(base, cos, sin, cols, ok, half, dtype):
-    """The rotate-half rotation of the head at `base`, in float32: (first half, second half)."""
-    x1 = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + cols, mask=ok, other=0.0).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+    first, second = _rotate(base, cos, sin, cols, ok, half, dtype)
+    tl.store(base + cols, first, mask=ok)
+    tl.store(base + half + cols, second, mask=ok)
 
 
 @triton.jit

@@ -6,8 +6,7 @@ What it replaces in `TorchKernels`, and why:
   over the copy (close to half of the GPU time at batch 256);
 - RMSNorm, the residual add before it, SiLU-and-multiply, and the rotary embedding with the
   KV-cache write: one launch each (`cuda/elementwise.py`), where torch takes 3-6 kernels and
-  temporaries (at batch 1 a step is about 330 launches, and launches, not bytes, set its time).
-
+  temporaries (at batch 1 a step is about 330 launches, and launches, not bytes, set its time);
 - linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K): the blocks stay on the device and
   each tile is dequantized in the kernel as it streams (`cuda/quant.py`), where a float copy of the
   weights would take 3.5-7x their memory and bandwidth.

@@ -28,16 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from weft.kernels import BlockPart
+from weft.kernels import GGUF_BLOCKS, BlockPart
 
+_CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4}  # each kind's KIND in the kernels
 # kind -> (its code in the kernels, input features per block, bytes per block)
-KINDS = {
-    "q8_0": (0, 32, 34),
-    "q4_0": (1, 32, 18),
-    "q5_0": (2, 32, 22),
-    "q4_k": (3, 256, 144),
-    "q6_k": (4, 256, 210),
-}
+KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
 GEMV_ROWS = 4  # up to this many rows, products and sums in float32; more, `tl.dot` (tensor cores)
 

@@ -120,9 +120,7 @@ class ModelRunner:
         # out, but 0 * garbage could still be NaN.
         self.scratch_block = cache_config.num_blocks
         shape = (cache_config.num_blocks + 1, *shape[1:])
-        self.kv_caches: list[KVCache] = [
-            zeros(shape, dtype, device) for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches: list[KVCache] = [zeros(shape, dtype, device) for _ in range(model_config.num_layers)]
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
         self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
         # whether a step's generated rows need an index (`StepRows`): some matrix may take the GEMM

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weft.kernels import BlockPart
+from weft.kernels import GGUF_BLOCKS, BlockPart
 
-# kind -> (input features per block, bytes per block in the file)
-BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q4_k": (256, 144), "q6_k": (256, 210)}
+BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
 
 
