@@ -19,12 +19,15 @@ RANDOM = {
     "q8_0": random_q8_0,
     "q4_0": lambda n, k, seed, extreme=False: random_legacy("q4_0", n, k, seed, extreme),
     "q5_0": lambda n, k, seed, extreme=False: random_legacy("q5_0", n, k, seed, extreme),
+    "q4_1": lambda n, k, seed, extreme=False: random_legacy("q4_1", n, k, seed, extreme),
+    "q5_1": lambda n, k, seed, extreme=False: random_legacy("q5_1", n, k, seed, extreme),
     "q4_k": random_q4_k,
     "q6_k": random_q6_k,
 }
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
+BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296}
-SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0")  # blocks of 32 features: activations in blocks of 32 too
+SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1")  # blocks of 32 features: activations too
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -103,11 +106,12 @@ def test_q8_0_dot_panels_compute_the_product_of_rounded_activations(rows, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 25])
-@pytest.mark.parametrize("kind", ["q4_0", "q5_0"])
-def test_q4_0_and_q5_0_dot_panels_compute_the_product_of_rounded_activations(kind, rows):
-    """Q4_0 and Q5_0 in dot panels of their own (4.5 and 5.5 bits a weight, as in the file): the
-    product of the dequantized weights with the activations rounded as for Q8_0 weights, on every
-    tile height, a last panel of 13 columns, and extreme scales."""
+@pytest.mark.parametrize("kind", ["q4_0", "q5_0", "q4_1", "q5_1"])
+def test_legacy_dot_panels_compute_the_product_of_rounded_activations(kind, rows):
+    """Q4_0, Q5_0, Q4_1 and Q5_1 in dot panels of their own (4.5, 5.5, 5 and 6 bits a weight, as in
+    the file): the product of the dequantized weights with the activations rounded as for Q8_0
+    weights (Q4_1 and Q5_1's min term m * d_x * sum(x8) included), on every tile height, a last
+    panel of 13 columns, and extreme scales and mins."""
     check_product(RANDOM[kind](77, 96, seed=rows), kind, False, rows, bias=rows % 2 == 0)
     check_product(RANDOM[kind](40, 64, seed=rows, extreme=True), kind, False, rows, bias=False)
 
@@ -136,12 +140,15 @@ def test_extreme_scales_and_activations():
 
 def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
     """GGUF rows whose every quant is the largest its type holds (Q4_K 15 with 6-bit scales and mins
-    of 63, Q6_K 63 with scales of 127, Q8_0 -128, Q4_0 15, Q5_0 31) and whose float16 scales are 1."""
+    of 63, Q6_K 63 with scales of 127, Q8_0 -128, Q4_0 and Q4_1 15, Q5_0 and Q5_1 31) and whose float16
+    scales (and Q4_1 / Q5_1 mins) are 1."""
     one = np.array([1.0], dtype=np.float16).view(np.uint8)
     if kind == "q8_0":
         block = np.concatenate([one, np.full(32, 0x80, dtype=np.uint8)])
-    elif kind in ("q4_0", "q5_0"):  # q 15 or 31 (every fifth bit set)
-        block = np.concatenate([one, np.full(16 if kind == "q4_0" else 20, 0xFF, dtype=np.uint8)])
+    elif kind in ("q4_0", "q5_0", "q4_1", "q5_1"):  # q 15 or 31 (every fifth bit set)
+        mins = [one] if kind in ("q4_1", "q5_1") else []
+        quants = np.full(16 if kind in ("q4_0", "q4_1") else 20, 0xFF, dtype=np.uint8)
+        block = np.concatenate([one, *mins, quants])
     elif kind == "q4_k":
         block = np.concatenate([one, one, np.full(140, 0xFF, dtype=np.uint8)])
     else:
@@ -151,7 +158,16 @@ def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("kind", "mins"),
-    [("q8_0", False), ("q4_0", False), ("q5_0", False), ("q4_k", False), ("q4_k", True), ("q6_k", False)],
+    [
+        ("q8_0", False),
+        ("q4_0", False),
+        ("q5_0", False),
+        ("q4_1", False),
+        ("q5_1", False),
+        ("q4_k", False),
+        ("q4_k", True),
+        ("q6_k", False),
+    ],
 )
 def test_the_largest_quants_times_the_largest_activations_sum_exactly(kind, mins):
     """Every quant at its type's extreme times activations that all round to +-127: the partial sums
@@ -202,8 +218,8 @@ def test_bad_dot_panels_are_clear_errors():
     panels = QuantizedRows("q8_0", random_q8_0(32, 64, seed=0)).pack(dot=True)
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
-    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_k or q6_k"):
-        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q5_1", False)
+    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k or q6_k"):
+        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q2_k", False)
     with pytest.raises(RuntimeError, match="kind must be"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q8_0", True)  # Q8_0 has no mins layout
 

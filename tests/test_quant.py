@@ -37,12 +37,15 @@ def random_q8_0(rows: int, in_features: int, seed: int, extreme: bool = False) -
 
 
 def random_legacy(kind: str, rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
-    """Random Q4_0 or Q5_0 rows of blocks, uint8 [rows, in / 32 * 18 or 22]: random float16 scales
-    (with `extreme`, from 6e-8 to 6e4 and zero) and random bytes (every byte string is a valid block)."""
+    """Random Q4_0, Q5_0, Q4_1 or Q5_1 rows of blocks, uint8 [rows, in / 32 * 18, 22, 20 or 24]:
+    random float16 scales d (and mins m; with `extreme`, from 6e-8 to 6e4 and zero) and random bytes
+    (every byte string is a valid block)."""
     gen = np.random.default_rng(seed)
-    blocks, size = in_features // 32, {"q4_0": 18, "q5_0": 22}[kind]
+    blocks, size = in_features // 32, {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24}[kind]
     raw = gen.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
     raw[..., :2] = random_scales(gen, (rows, blocks, 1), extreme).view(np.uint8)
+    if kind in ("q4_1", "q5_1"):  # m, signed like d
+        raw[..., 2:4] = random_scales(gen, (rows, blocks, 1), extreme).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, blocks * size).copy())
 
 

@@ -52,14 +52,22 @@ class RaggedBatch:
 
 
 # GGUF block kinds weft keeps as they are -> (input features per block, bytes per block in the file)
-GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q4_k": (256, 144), "q6_k": (256, 210)}
+GGUF_BLOCKS = {
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q5_0": (32, 22),
+    "q4_1": (32, 20),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q6_k": (256, 210),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class BlockPart:
-    """Rows `out_start` .. `out_start + rows` of a matrix kept in GGUF blocks of one `kind` ("q8_0",
-    "q4_0", "q5_0", "q4_k", "q6_k"), at `byte_start` of its flat uint8 weight, `row_bytes` a row
-    (`block_linear`): a fused q|k|v or gate|up of Q4_K and Q6_K rows is two parts."""
+    """Rows `out_start` .. `out_start + rows` of a matrix kept in GGUF blocks of one `kind` (a key of
+    `GGUF_BLOCKS`), at `byte_start` of its flat uint8 weight, `row_bytes` a row (`block_linear`): a
+    fused q|k|v or gate|up of Q4_K and Q6_K rows is two parts."""
 
     kind: str
     out_start: int

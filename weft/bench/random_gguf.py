@@ -22,7 +22,15 @@ import numpy as np
 from weft.kernels import GGUF_BLOCKS
 
 # kind -> the byte offsets of its float16 scales within a block (the sizes: `GGUF_BLOCKS`)
-SCALES = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
+SCALES = {
+    "q8_0": (0,),
+    "q4_0": (0,),
+    "q5_0": (0,),
+    "q4_1": (0, 2),  # d and m
+    "q5_1": (0, 2),
+    "q4_k": (0, 2),
+    "q6_k": (208,),
+}
 MIXES = ("q4_k_m", "q8_0", "q4_0")
 
 

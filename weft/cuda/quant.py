@@ -1,5 +1,5 @@
 """Matrix products over GGUF blocks in Triton: the weights stay in the file's blocks on the device
-(Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) and each program dequantizes its tile as it streams it in; no float
+(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K) and each program dequantizes its tile as it streams it in; no float
 copy of a matrix is ever made.
 
 Every kind is read 256 input features at a time (a chunk: one K-quant super-block, or eight 32-wide
@@ -30,7 +30,8 @@ import triton.language as tl
 
 from weft.kernels import GGUF_BLOCKS, BlockPart
 
-_CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4}  # each kind's KIND in the kernels
+# each kind's KIND in the kernels
+_CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_1": 6}
 # kind -> (its code in the kernels, input features per block, bytes per block)
 KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
@@ -45,8 +46,8 @@ def _f16(ptr, offsets, mask):
 
 @triton.jit
 def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
-    """Q8_0, Q4_0, Q5_0: eight 32-wide blocks; plane columns c = 16 g + i of block g hold its
-    features i (low plane) and 16 + i (high plane)."""
+    """Q8_0, Q4_0, Q5_0, Q4_1, Q5_1: eight 32-wide blocks; plane columns c = 16 g + i of block g hold
+    its features i (low plane) and 16 + i (high plane)."""
     cols = tl.arange(0, 128)
     group = cols // 16
     inner = cols % 16
@@ -56,29 +57,45 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         size = 34
     elif KIND == 1:
         size = 18
-    else:
+    elif KIND == 2:
         size = 22
+    elif KIND == 5:
+        size = 20
+    else:
+        size = 24
     base = rows[:, None] + (block * size)[None, :]  # [N, P] byte offsets of the columns' blocks
     mask = tl.broadcast_to(ok[None, :], base.shape)
     d = _f16(w_ptr, base, mask)  # [N, P]: each column's block scale (the loads of a block coincide)
     if KIND == 0:
         lo = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
         hi = tl.load(w_ptr + base + 18 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
-        q_lo, q_hi = lo.to(tl.float32), hi.to(tl.float32)
-    elif KIND == 1:
+        w_lo, w_hi = d * lo.to(tl.float32), d * hi.to(tl.float32)
+    elif KIND == 1:  # Q4_0: d * (q - 8)
         byte = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int32)
-        q_lo = ((byte & 15) - 8).to(tl.float32)
-        q_hi = ((byte >> 4) - 8).to(tl.float32)
-    else:  # Q5_0: the fifth bit of feature j is bit j of the little-endian uint32 at byte 2
-        byte = tl.load(w_ptr + base + 6 + inner[None, :], mask=mask, other=0).to(tl.int32)
-        bits_lo = tl.load(w_ptr + base + 2 + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
-        bits_hi = tl.load(w_ptr + base + 4 + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        w_lo = d * ((byte & 15) - 8).to(tl.float32)
+        w_hi = d * ((byte >> 4) - 8).to(tl.float32)
+    elif KIND == 5:  # Q4_1: d * q + m, m at byte 2
+        byte = tl.load(w_ptr + base + 4 + inner[None, :], mask=mask, other=0).to(tl.int32)
+        m = _f16(w_ptr, base + 2, mask)
+        w_lo = d * (byte & 15).to(tl.float32) + m
+        w_hi = d * (byte >> 4).to(tl.float32) + m
+    else:  # Q5_0 / Q5_1: the fifth bit of feature j is bit j of the little-endian uint32 qh
+        high = 2
+        if KIND == 6:
+            high = 4
+        byte = tl.load(w_ptr + base + high + 4 + inner[None, :], mask=mask, other=0).to(tl.int32)
+        bits_lo = tl.load(w_ptr + base + high + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
+        bits_hi = tl.load(w_ptr + base + high + 2 + (inner // 8)[None, :], mask=mask, other=0).to(tl.int32)
         shift = (inner % 8)[None, :]
-        q_lo = ((byte & 15) | (((bits_lo >> shift) & 1) << 4)) - 16
-        q_hi = ((byte >> 4) | (((bits_hi >> shift) & 1) << 4)) - 16
-        q_lo, q_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
+        q_lo = (byte & 15) | (((bits_lo >> shift) & 1) << 4)
+        q_hi = (byte >> 4) | (((bits_hi >> shift) & 1) << 4)
+        if KIND == 2:
+            w_lo, w_hi = d * (q_lo - 16).to(tl.float32), d * (q_hi - 16).to(tl.float32)
+        else:
+            m = _f16(w_ptr, base + 2, mask)
+            w_lo, w_hi = d * q_lo.to(tl.float32) + m, d * q_hi.to(tl.float32) + m
     feature = group * 32 + inner
-    return d * q_lo, d * q_hi, feature, feature + 16, ok
+    return w_lo, w_hi, feature, feature + 16, ok
 
 
 @triton.jit

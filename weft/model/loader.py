@@ -154,7 +154,7 @@ class _Weights:
         """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or of
         its quantized kind, if it came in blocks: `dot` panels for int8 products)."""
         matrix = self.take(name, shape)
-        if isinstance(matrix, QuantizedRows):
+        if isinstance(matrix, QuantizedRows) and (dot or matrix.exact_panels):
             panels = matrix.pack(dot)
             self.kinds[name] = matrix.kind
         else:
@@ -304,11 +304,13 @@ def _expect_quantized(
 ) -> dict[str, torch.Tensor]:
     """Pack every matrix that came in blocks into panels (`dot`: dot panels, for int8 products), its
     Linear (still on the meta device) taking their shape; an untied embedding table in blocks, and
-    for exact products a fusion of mixed kinds, are dequantized."""
+    for exact products a fusion of mixed kinds or a Q4_1 / Q5_1 matrix, are dequantized."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state.items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        blocks = isinstance(weight, QuantizedRows) or (dot and isinstance(weight, MixedRows))
+        blocks = (isinstance(weight, QuantizedRows) and (dot or weight.exact_panels)) or (
+            dot and isinstance(weight, MixedRows)
+        )
         if blocks and isinstance(module, Linear):
             assert isinstance(weight, (QuantizedRows, MixedRows))
             tensors[name] = weight.pack(dot)

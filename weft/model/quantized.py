@@ -1,4 +1,4 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_K and Q6_K) on their way
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K and Q6_K) on their way
 from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in `qdot.cpp`
 with int8 activations, or exactly in `linear.cpp`).
 
@@ -6,7 +6,8 @@ A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, 
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
 (`cat_rows`), checks shapes by the logical [N, K], and packs every one into panels before the
 weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
-float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0).
+float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0;
+Q4_1 and Q5_1 have dot panels of their own, and for exact products are dequantized to float32).
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
@@ -25,6 +26,7 @@ from weft.kernels import GGUF_BLOCKS, BlockPart
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
+WITH_MINS = ("q4_1", "q5_1")  # blocks of 32 (d * q + m) with their own dot panels, exact ones float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +51,19 @@ class QuantizedRows:
     def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
         """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
         (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
-        exact panels of their own: they go into Q8_0's, exactly."""
+        exact panels of their own: they go into Q8_0's, exactly. Q4_1 and Q5_1 have none at all
+        (`exact_panels`): for float32 products the loader dequantizes them."""
         if not dot and self.kind in LEGACY:
             return as_q8_0(self).pack()
+        if not dot and not self.exact_panels:
+            raise ValueError(f"{self.kind} has no exact quantized panels; dequantize it for float32 products")
         if dot:
             return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
         return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
+
+    @property
+    def exact_panels(self) -> bool:  # whether float32 products have panels of this kind (or Q8_0's)
+        return self.kind not in WITH_MINS
 
     @property
     def label(self) -> str:  # how llm.kernels names the panels
@@ -155,6 +164,7 @@ PANEL = 32  # output columns per panel (weft/native/panels.h)
 __all__ = [
     "BLOCKS",
     "LEGACY",
+    "WITH_MINS",
     "MixedRows",
     "QuantizedRows",
     "Weight",

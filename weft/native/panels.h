@@ -55,19 +55,34 @@ constexpr int64_t kDotGroup = 4;  // input features per byte dot product
 constexpr int64_t kQ8DotBlockBytes = 2 * kPanel + kQ8Block * kPanel;  // 1,088
 constexpr int64_t kQ8DotQuantsOffset = 2 * kPanel;
 
-// Q4_0 and Q5_0 (GGUF's legacy 4- and 5-bit types): per block of 32 features, the 32 columns' float16
-// d, then 4 chunks of two groups: (Q5_0) the two groups' fifth bits in 32 bytes, byte 4 (c % 8) + f
-// holding column c's bit at bit c / 8 for the first group and at bit 4 + c / 8 for the second, then
-// the two groups' low 4 bits as nibbles (2 x 64 bytes). A weight is d * (q - 8) or d * (q - 16): 4.5
-// and 5.5 bits a weight, as in the file.
+// Q4_0, Q5_0, Q4_1 and Q5_1 (GGUF's legacy 4- and 5-bit types): per block of 32 features, the 32
+// columns' float16 d (and for Q4_1 / Q5_1, `min`, their float16 m), then 4 chunks of two groups:
+// (Q5_0, Q5_1: `high`) the two groups' fifth bits in 32 bytes, byte 4 (c % 8) + f holding column c's
+// bit at bit c / 8 for the first group and at bit 4 + c / 8 for the second, then the two groups' low
+// 4 bits as nibbles (2 x 64 bytes). A weight is d * (q - 8) or d * (q - 16), or d * q + m: 4.5, 5.5,
+// 5 and 6 bits a weight, as in the file.
 constexpr int64_t kQ4_0DotChunkBytes = 2 * 64;
 constexpr int64_t kQ5_0DotChunkBytes = 32 + 2 * 64;
-constexpr int64_t legacy_dot_chunk(bool high, int64_t h) { return 2 * kPanel + h * (high ? kQ5_0DotChunkBytes : kQ4_0DotChunkBytes); }
-constexpr int64_t legacy_dot_nibbles(bool high, int64_t g) { return legacy_dot_chunk(high, g / 2) + (high ? 32 : 0) + 64 * (g % 2); }
-constexpr int64_t kQ4_0DotBlockBytes = legacy_dot_chunk(false, 4);  // 576
-constexpr int64_t kQ5_0DotBlockBytes = legacy_dot_chunk(true, 4);   // 704
-constexpr int64_t kQ4_0FileBlockBytes = 18;
-constexpr int64_t kQ5_0FileBlockBytes = 22;
+constexpr int64_t legacy_dot_header(bool min) { return 2 * kPanel * (min ? 2 : 1); }
+constexpr int64_t legacy_dot_chunk(bool high, bool min, int64_t h) {
+  return legacy_dot_header(min) + h * (high ? kQ5_0DotChunkBytes : kQ4_0DotChunkBytes);
+}
+constexpr int64_t legacy_dot_nibbles(bool high, bool min, int64_t g) {
+  return legacy_dot_chunk(high, min, g / 2) + (high ? 32 : 0) + 64 * (g % 2);
+}
+constexpr int64_t legacy_dot_block_bytes(bool high, bool min) { return legacy_dot_chunk(high, min, 4); }
+constexpr int64_t kQ4_0DotBlockBytes = legacy_dot_block_bytes(false, false);  // 576
+constexpr int64_t kQ5_0DotBlockBytes = legacy_dot_block_bytes(true, false);   // 704
+constexpr int64_t kQ4_1DotBlockBytes = legacy_dot_block_bytes(false, true);   // 640
+constexpr int64_t kQ5_1DotBlockBytes = legacy_dot_block_bytes(true, true);    // 768
+constexpr int64_t kQ4_0FileBlockBytes = 18;  // d, qs[16]
+constexpr int64_t kQ5_0FileBlockBytes = 22;  // d, qh[4], qs[16]
+constexpr int64_t kQ4_1FileBlockBytes = 20;  // d, m, qs[16]
+constexpr int64_t kQ5_1FileBlockBytes = 24;  // d, m, qh[4], qs[16]
+constexpr bool is_legacy_dot_block(int64_t block_bytes) {
+  return block_bytes == kQ4_0DotBlockBytes || block_bytes == kQ5_0DotBlockBytes || block_bytes == kQ4_1DotBlockBytes ||
+         block_bytes == kQ5_1DotBlockBytes;
+}
 
 // Q4_K: per super-block of 256, d and dmin (float16), then per sub-block of 32 its 6-bit scales and
 // mins (uint8 [32] each) and 8 groups of 64 bytes of nibbles (quants 0..15): 4.6 bits a weight.
@@ -105,7 +120,7 @@ void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const
 
 // Whether `block_bytes` is a dot panel block's size, and the input features of its blocks (0: not one).
 constexpr int64_t dot_block_features(int64_t block_bytes) {
-  return (block_bytes == kQ8DotBlockBytes || block_bytes == kQ4_0DotBlockBytes || block_bytes == kQ5_0DotBlockBytes) ? kQ8Block
+  return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes)) ? kQ8Block
          : (block_bytes == kQ4KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
             block_bytes == kQ6KDotBlockBytes(true))
              ? kQ4KBlock

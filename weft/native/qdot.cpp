@@ -1,6 +1,6 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
-// is in dot panels (panels.h: Q8_0, Q4_K, Q6_K, and Q6_K with mins for a fusion mixing Q4_K and
-// Q6_K) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
+// is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
+// fusion mixing Q4_K and Q6_K) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
 // (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
 // products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
@@ -326,20 +326,22 @@ void dot_tile_q8_0(const Tile& t) {
   finish_tile<kRows, kV>(t, a.acc);
 }
 
-// Q4_0 and Q5_0 (kHigh): a block's sum(q * x8) of its unsigned quants (0..15, or 0..31) in int32,
-// less 8 or 16 times x8's block sum, scaled by d * d_x. Without VNNI the byte pair sums add up in 16
-// bits over all 8 groups (Q4_0: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (Q5_0: 4 * 2 * 31 * 127 =
+// The legacy types, Q4_0 and Q5_0 (kHigh) and with kMin Q4_1 and Q5_1: a block's sum(q * x8) of its
+// unsigned quants (0..15, or 0..31) in int32, scaled by d * d_x, less 8 or 16 times x8's block sum
+// (in int32) or plus m * d_x times it (Q4_1, Q5_1: llama.cpp's q8_1 `s`, here from the float16 d_x
+// rather than float32 it rounds to float16). Without VNNI the byte pair sums add up in 16 bits over
+// all 8 groups (4 bits: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (5 bits: 4 * 2 * 31 * 127 =
 // 31,496) before one vpmaddwd widens them.
-template <int kRows, int kV, bool kHigh>
+template <int kRows, int kV, bool kHigh, bool kMin>
 void dot_tile_legacy(const Tile& t) {
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
-  constexpr int64_t kBlockBytes = kHigh ? weft::kQ5_0DotBlockBytes : weft::kQ4_0DotBlockBytes;
+  constexpr int64_t kBlockBytes = weft::legacy_dot_block_bytes(kHigh, kMin);
   constexpr int kChunks = weft::kQ8Block / (2 * kDotGroup), kRun = kHigh ? 2 : kChunks;  // chunks summed in 16 bits
-  constexpr int32_t kBias = kHigh ? 16 : 8;
+  constexpr int32_t kBias = kMin ? 0 : kHigh ? 16 : 8;
   vecw shift[kV];
   for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
@@ -347,19 +349,22 @@ void dot_tile_legacy(const Tile& t) {
     const int8_t* block = panel + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64)  // into L1: measured faster than into L2 here,
       __builtin_prefetch(block + kPrefetchBytes + line);     // where a block's lines come in one burst
-    vecf d[kV];
-    for (int j = 0; j < kV; ++j) d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
+    vecf d[kV], m[kV];
+    for (int j = 0; j < kV; ++j) {
+      d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
+      if constexpr (kMin) m[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
+    }
     a.clear_sub();
     for (int run = 0; run < kChunks / kRun; ++run) {
       vech pairs[kRows][kV] = {};
 #pragma GCC unroll 1  // unrolled, GCC hoists every product ahead of the sums and spills them
       for (int h = kRun * run; h < kRun * (run + 1); ++h) {
         vecw high{};
-        if constexpr (kHigh) high = load_high(block + weft::legacy_dot_chunk(kHigh, h));
+        if constexpr (kHigh) high = load_high(block + weft::legacy_dot_chunk(kHigh, kMin, h));
         for (int g = 0; g < 2; ++g) {  // the chunk's two groups
           vecb w[kV];
           for (int j = 0; j < kV; ++j) {
-            w[j] = nibbles(block + weft::legacy_dot_nibbles(kHigh, 2 * h + g), v0 + j);
+            w[j] = nibbles(block + weft::legacy_dot_nibbles(kHigh, kMin, 2 * h + g), v0 + j);
             if constexpr (kHigh) w[j] |= reinterpret_cast<vecb>((g == 0 ? high << (4 - shift[j]) : high >> shift[j]) & 0x10101010u);
           }
           const int64_t offset = b * weft::kQ8Block + kDotGroup * (2 * h + g);
@@ -376,9 +381,12 @@ void dot_tile_legacy(const Tile& t) {
       }
     }
     for (int i = 0; i < kRows; ++i) {
-      const int32_t offset = kBias * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]);
+      const int32_t sum = x[i].sums[2 * b] + x[i].sums[2 * b + 1];
       const float dx = x[i].d[b];
-      for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - offset, vecf) * (d[j] * dx);
+      for (int j = 0; j < kV; ++j) {
+        a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - kBias * sum, vecf) * (d[j] * dx);
+        if constexpr (kMin) a.acc[i][j] += m[j] * (dx * static_cast<float>(sum));
+      }
     }
   }
   finish_tile<kRows, kV>(t, a.acc);
@@ -560,14 +568,15 @@ struct Q8DotTiles {
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
 };
-// Q4_0 and Q5_0: with 16 registers whole panels of up to 3 rows (a group's nibbles unpacked once
-// for 3 rows), half panels of 4 from 4 rows (1.0-1.1x the whole ones at 8-256 rows on a Zen 3).
-template <bool kHigh>
+// The legacy types: with 16 registers whole panels of up to 3 rows (a group's nibbles unpacked once
+// for 3 rows), half panels of 4 from 4 rows (Q4_0, Q5_0: 1.0-1.1x the whole ones at 8-256 rows on a
+// Zen 3).
+template <bool kHigh, bool kMin>
 struct LegacyDotTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
   static constexpr int kHalfRows = kLanes == 16 ? 0 : 4;
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
-  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh>(t); }
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh, kMin>(t); }
 };
 struct KQuantTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
@@ -603,8 +612,10 @@ bool is_dot_panels(const at::Tensor& panels, int64_t k) {
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
   switch (panels.size(2)) {
     case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
-    case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false>>(x, panels, bias, out); break;
-    case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true>>(x, panels, bias, out); break;
+    case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false, false>>(x, panels, bias, out); break;
+    case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true, false>>(x, panels, bias, out); break;
+    case kQ4_1DotBlockBytes: run_dot<LegacyDotTiles<false, true>>(x, panels, bias, out); break;
+    case kQ5_1DotBlockBytes: run_dot<LegacyDotTiles<true, true>>(x, panels, bias, out); break;
     case kQ4KDotBlockBytes: run_dot<Q4KDotTiles>(x, panels, bias, out); break;
     case kQ6KDotBlockBytes(false): run_dot<Q6KDotTiles<false>>(x, panels, bias, out); break;
     default: run_dot<Q6KDotTiles<true>>(x, panels, bias, out); break;

@@ -152,39 +152,41 @@ void pack_q4_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) 
   }
 }
 
-// A Q4_0 or Q5_0 (kHigh) block of 32 features (file layout: d, with kHigh the fifth bits qh as a
+// A legacy block of 32 features (file layout: d, with kMin m, with kHigh the fifth bits qh as a
 // little-endian uint32, then qs[16]: feature j < 16 in the low nibble of qs[j], j >= 16 in the high
 // one of qs[j - 16]), decoded: its unsigned quants q (0..15, or 0..31).
-template <bool kHigh>
+template <bool kHigh, bool kMin>
 std::array<uint8_t, kQ8Block> decode_legacy(const uint8_t* file_block) {
+  constexpr int64_t kHighAt = kMin ? 4 : 2;
   std::array<uint8_t, kQ8Block> q{};
   uint32_t high = 0;
-  if (kHigh) std::memcpy(&high, file_block + 2, 4);
-  const uint8_t* qs = file_block + (kHigh ? 6 : 2);
+  if (kHigh) std::memcpy(&high, file_block + kHighAt, 4);
+  const uint8_t* qs = file_block + kHighAt + (kHigh ? 4 : 0);
   for (int64_t j = 0; j < kQ8Block; ++j) {
     q[j] = static_cast<uint8_t>((j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4) | (((high >> j) & 1) << 4));
   }
   return q;
 }
 
-// Where a Q4_0 or Q5_0 dot panel block keeps feature kk of column c: its nibble's byte and (Q5_0) the
-// byte and bit of its fifth bit.
+// Where a legacy dot panel block keeps feature kk of column c: its nibble's byte and (Q5_0, Q5_1)
+// the byte and bit of its fifth bit.
 struct LegacySpot {
   int64_t nibble, high, bit;
 };
 
-LegacySpot legacy_dot_spot(bool high, int64_t kk, int64_t c) {
+LegacySpot legacy_dot_spot(bool high, bool min, int64_t kk, int64_t c) {
   const int64_t group = kk / kDotGroup, f = kk % kDotGroup;
-  return {legacy_dot_nibbles(high, group) + kDotGroup * (c % 16) + f,
-          high ? legacy_dot_chunk(high, group / 2) + kDotGroup * (c % 8) + f : -1, 4 * (group % 2) + c / 8};
+  return {legacy_dot_nibbles(high, min, group) + kDotGroup * (c % 16) + f,
+          high ? legacy_dot_chunk(high, min, group / 2) + kDotGroup * (c % 8) + f : -1, 4 * (group % 2) + c / 8};
 }
 
-template <bool kHigh>
+template <bool kHigh, bool kMin>
 void pack_legacy_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  const auto q = decode_legacy<kHigh>(file_block);
+  const auto q = decode_legacy<kHigh, kMin>(file_block);
   std::memcpy(block + 2 * c, file_block, 2);
+  if (kMin) std::memcpy(block + 2 * kPanel + 2 * c, file_block + 2, 2);
   for (int64_t kk = 0; kk < kQ8Block; ++kk) {
-    const LegacySpot at = legacy_dot_spot(kHigh, kk, c);
+    const LegacySpot at = legacy_dot_spot(kHigh, kMin, kk, c);
     put_nibble(block[at.nibble], c, q[kk] & 0xF);
     if (kHigh) block[at.high] |= static_cast<uint8_t>((q[kk] >> 4) << at.bit);
   }
@@ -377,7 +379,7 @@ at::Tensor quantize_q4_k(const at::Tensor& x_in) {
   return out;
 }
 
-// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_k", "q6_k") into dot panels (int8; panels.h); with `mins`
+// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q6_k") into dot panels (int8; panels.h); with `mins`
 // (Q4_K or Q6_K) the Q6_K layout with mins, which holds both kinds (a fusion that mixes them).
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
@@ -385,10 +387,20 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_super_blocks(rows, kQ8FileBlockBytes, kQ8DotBlockBytes, pack_q8_0_dot_column, message, at::kChar);
   }
   if (kind == "q4_0" && !mins) {
-    return pack_super_blocks(rows, kQ4_0FileBlockBytes, kQ4_0DotBlockBytes, pack_legacy_dot_column<false>, message, at::kChar);
+    return pack_super_blocks(rows, kQ4_0FileBlockBytes, kQ4_0DotBlockBytes, pack_legacy_dot_column<false, false>, message,
+                             at::kChar);
   }
   if (kind == "q5_0" && !mins) {
-    return pack_super_blocks(rows, kQ5_0FileBlockBytes, kQ5_0DotBlockBytes, pack_legacy_dot_column<true>, message, at::kChar);
+    return pack_super_blocks(rows, kQ5_0FileBlockBytes, kQ5_0DotBlockBytes, pack_legacy_dot_column<true, false>, message,
+                             at::kChar);
+  }
+  if (kind == "q4_1" && !mins) {
+    return pack_super_blocks(rows, kQ4_1FileBlockBytes, kQ4_1DotBlockBytes, pack_legacy_dot_column<false, true>, message,
+                             at::kChar);
+  }
+  if (kind == "q5_1" && !mins) {
+    return pack_super_blocks(rows, kQ5_1FileBlockBytes, kQ5_1DotBlockBytes, pack_legacy_dot_column<true, true>, message,
+                             at::kChar);
   }
   if (kind == "q4_k" && !mins) {
     return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_column, message, at::kChar);
@@ -397,7 +409,7 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q4_k>,
                              message, at::kChar);
   }
-  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_k or q6_k (mins: q4_k or q6_k), not ", kind);
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k or q6_k (mins: q4_k or q6_k), not ", kind);
   if (mins) {
     return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q6_k>,
                              message, at::kChar);
@@ -463,12 +475,13 @@ float k_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
   return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * m;
 }
 
-// One weight of a Q4_0 or Q5_0 dot panel block: d * (q - 8) or d * (q - 16).
-template <bool kHigh>
+// One weight of a legacy dot panel block: d * (q - 8), d * (q - 16) or (kMin) d * q + m.
+template <bool kHigh, bool kMin>
 float legacy_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
-  const LegacySpot at = legacy_dot_spot(kHigh, kk, c);
+  const LegacySpot at = legacy_dot_spot(kHigh, kMin, kk, c);
   int q = c < 16 ? block[at.nibble] & 0xF : block[at.nibble] >> 4;
   if (kHigh) q |= ((block[at.high] >> at.bit) & 1) << 4;
+  if (kMin) return half_at(block + 2 * c) * static_cast<float>(q) + half_at(block + 2 * kPanel + 2 * c);
   return half_at(block + 2 * c) * static_cast<float>(q - (kHigh ? 16 : 8));
 }
 
@@ -483,9 +496,13 @@ void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, co
       return half_at(block + 2 * c) * static_cast<float>(q);
     });
   } else if (block_bytes == kQ4_0DotBlockBytes) {
-    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<false>);
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<false, false>);
   } else if (block_bytes == kQ5_0DotBlockBytes) {
-    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<true>);
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<true, false>);
+  } else if (block_bytes == kQ4_1DotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<false, true>);
+  } else if (block_bytes == kQ5_1DotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<true, true>);
   } else if (block_bytes == kQ4KDotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<true, false>);
   } else if (block_bytes == kQ6KDotBlockBytes(false)) {
