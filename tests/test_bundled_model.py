@@ -1,4 +1,5 @@
-"""The model bundled with weft: it loads anywhere, offline, and has learned its corpus."""
+"""The model bundled with weft (Shakespeare, 4.3M parameters): it loads anywhere, offline, and has
+learned its corpus."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import transformers
 from conftest import shared_data
 
-from weft import LLM, SamplingParams, default_model_path
+from weft import LLM, SamplingParams, bundled_model_path
 from weft.tokenizer import Tokenizer
 
 # Measured: perplexity 67.0 on the first 20,000 characters of the held-out last 10% of Tiny
@@ -25,11 +26,12 @@ MEASURED_COPY = 114.6  # characters, test_continues_a_passage_it_has_just_been_s
 
 @pytest.fixture(scope="module")
 def bundled() -> LLM:
-    return LLM(show_progress=False, device="cpu", dtype="float32")  # compared with the CPU reference
+    # compared with the CPU reference
+    return LLM(bundled_model_path(), show_progress=False, device="cpu", dtype="float32")
 
 
 def test_checkpoint_files_are_standard_and_small():
-    path = default_model_path()
+    path = bundled_model_path()
     for name in (
         "config.json",
         "model.safetensors",
@@ -46,7 +48,7 @@ def test_checkpoint_files_are_standard_and_small():
 
 def test_greedy_tokens_match_transformers(bundled):
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_path(), dtype=torch.float32
+        bundled_model_path(), dtype=torch.float32
     ).eval()
     tokenizer = bundled.get_tokenizer()
     for prompt in ["ROMEO:", "First Citizen:\nWe are accounted poor citizens", "KING HENRY VI:\n"]:
@@ -81,7 +83,7 @@ def heldout_perplexity(model: torch.nn.Module, ids: list[int], window: int = 256
 def test_heldout_perplexity_far_below_untrained():
     text = shared_data("corpora/tinyshakespeare.txt").read_text(encoding="utf-8")
     heldout = text[int(len(text) * 0.9) :][:20_000]
-    path = default_model_path()
+    path = bundled_model_path()
     ids = Tokenizer.from_dir(path).encode(heldout)
     trained = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -91,10 +93,11 @@ def test_heldout_perplexity_far_below_untrained():
     assert trained_ppl < untrained_ppl / 20
 
 
-def test_cli_generate_without_model_works_offline():
+def test_cli_generate_with_the_bundled_model_works_offline():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    model = ["--model", str(bundled_model_path())]
     result = subprocess.run(
-        [sys.executable, "-m", "weft", "generate", "ROMEO:", "--max-tokens", "20", "--seed", "1"],
+        [sys.executable, "-m", "weft", "generate", "ROMEO:", "--max-tokens", "20", "--seed", "1", *model],
         capture_output=True,
         text=True,
         env=env,
@@ -104,11 +107,10 @@ def test_cli_generate_without_model_works_offline():
     assert result.stdout.startswith("ROMEO:") and len(result.stdout.strip()) > len("ROMEO:")
 
 
-def test_demo_runs_offline():
+def test_demo_runs_offline_on_the_bundled_model():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "weft", "demo"], capture_output=True, text=True, env=env, timeout=120
-    )
+    command = [sys.executable, "-m", "weft", "demo", "--model", str(bundled_model_path())]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "=== JSON Schema" in result.stdout and "=== choice" in result.stdout
 

@@ -126,10 +126,10 @@ def test_bench_overhead_measures_every_phase(tmp_path):
     """The overhead benchmark runs end to end (on the bundled tokenizer, for speed) and reports a
     host time and every phase of the step for each case."""
     from weft.bench.overhead import DEVICE_PHASES, HOST_PHASES
-    from weft.engine.factory import default_model_path
+    from weft.engine.default_model import bundled_model_path
 
     out = tmp_path / "overhead.json"
-    args = ["--tokenizer", str(default_model_path()), "--batch-sizes", "1,4", "--steps", "3"]
+    args = ["--tokenizer", str(bundled_model_path()), "--batch-sizes", "1,4", "--steps", "3"]
     args += ["--repeats", "2"]  # each case twice, the better run kept
     code = main(["bench", "overhead", *args, "--workloads", "greedy,json,top-5,n=4", "--json", str(out)])
     assert code == 0

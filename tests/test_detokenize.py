@@ -9,7 +9,7 @@ import pytest
 from conftest import shared_data
 
 from weft.detokenize import ByteLevelDetokenizer, new_detokenizer
-from weft.engine.factory import default_model_path
+from weft.engine.default_model import bundled_model_path
 from weft.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -22,7 +22,7 @@ TEXTS = [
 @pytest.fixture(scope="module", params=["bundled", "llama3", "gpt2", "qwen2.5"])
 def tokenizer(request) -> Tokenizer:
     if request.param == "bundled":
-        return Tokenizer.from_dir(default_model_path())
+        return Tokenizer.from_dir(bundled_model_path())
     return Tokenizer.from_dir(shared_data(f"tokenizers/{request.param}"))
 
 

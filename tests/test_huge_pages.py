@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import require_native_kernels
 
-from weft import LLM, SamplingParams, default_model_path
+from weft import LLM, SamplingParams, bundled_model_path
 from weft.model.huge_pages import HugePageArena, huge_pages_setting
 from weft.model.layers import Linear
 
@@ -43,7 +43,7 @@ def loads():
     for setting in ("0", "1"):
         with pytest.MonkeyPatch.context() as env:
             env.setenv("WEFT_HUGE_PAGES", setting)
-            loaded.append(LLM(str(default_model_path()), show_progress=False))
+            loaded.append(LLM(str(bundled_model_path()), show_progress=False))
     return tuple(loaded)
 
 

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from weft.config import CacheConfig, SchedulerConfig
-from weft.engine.factory import default_model_path
+from weft.engine.default_model import bundled_model_path
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.scheduler import SampledRows, Scheduler
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
 from weft.params import SamplingParams
 from weft.tokenizer import Tokenizer
 
-TOKENIZER = Tokenizer.from_dir(default_model_path())
+TOKENIZER = Tokenizer.from_dir(bundled_model_path())
 BLOCK_SIZE = 4
 MAX_LEN = 40
 LIMITS = SequenceLimits(max_model_len=MAX_LEN, eos_token_ids=frozenset({0}))

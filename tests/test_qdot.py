@@ -53,6 +53,28 @@ def rounded_activations(x: torch.Tensor, kind: str, dtype: type = np.float64) ->
     return torch.from_numpy((q.astype(dtype) * d.astype(dtype)).reshape(m, k))
 
 
+def reference_product(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """The product llama.cpp computes, in float64: the rounded activations times the dequantized
+    weights; for Q4_1 and Q5_1 (d * q + m) the d * q part so, and the min term m * s with llama.cpp's
+    s = float16(max|x| / 127 * sum(q)) of each activation block (quantize_row_q8_1)."""
+    xq = rounded_activations(x, kind)
+    if kind not in ("q4_1", "q5_1"):
+        return xq @ reference_dequantize(raw, kind.upper()).double().T
+    n, size = raw.shape[0], {"q4_1": 20, "q5_1": 24}[kind]
+    blocks = raw.numpy().reshape(n, -1, size).copy()
+    mins = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)[..., 0]  # [N, B]
+    blocks[..., 2:4] = 0
+    scaled = reference_dequantize(torch.from_numpy(blocks.reshape(n, -1)), kind.upper()).double()  # d * q
+    m, k = x.shape
+    parts = x.numpy().reshape(m, k // 32, 32)
+    amax = np.abs(parts).max(axis=-1)  # float32 [M, B]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    sums = np.rint(parts * inv[..., None]).sum(axis=-1).astype(np.float32)
+    s = (amax / np.float32(127) * sums).astype(np.float16).astype(np.float64)  # [M, B]
+    return xq @ scaled.T + torch.from_numpy(s) @ torch.from_numpy(mins).T
+
+
 def identity_rows(kind: str, k: int) -> torch.Tensor:
     """GGUF rows of a [K, K] identity matrix: Q8_0 (d = 1, q = 1) or Q4_K (d = 1, sc = 1, dmin = 0)."""
     eye = np.eye(k, dtype=np.uint8)
@@ -85,7 +107,7 @@ def test_activations_are_rounded_as_llama_cpp_rounds_them(kind):
 
 def check_product(raw: torch.Tensor, kind: str, mins: bool, rows: int, bias: bool) -> None:
     n, k = raw.shape[0], QuantizedRows(kind, raw).shape[1]
-    weight = reference_dequantize(raw, kind.upper()).double()  # [N, K]
+    weight = reference_dequantize(raw, kind.upper()).double()  # [N, K]: the size of the terms
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
@@ -94,7 +116,7 @@ def check_product(raw: torch.Tensor, kind: str, mins: bool, rows: int, bias: boo
     assert panels.dtype == torch.int8 and panels.shape == ((n + 31) // 32, blocks, BLOCK_BYTES[(kind, mins)])
     out = torch.ops.weft.packed_linear(x, panels, b, n)
     xq = rounded_activations(x, kind)
-    expected = xq @ weight.T + (0 if b is None else b.double())
+    expected = reference_product(x, raw, kind) + (0 if b is None else b.double())
     scale = (xq.abs() @ weight.abs().T).max().item() + 1e-30  # the size of the terms summed
     assert (out.double() - expected).abs().max().item() <= 2e-6 * scale
 
@@ -175,14 +197,12 @@ def test_the_largest_quants_times_the_largest_activations_sum_exactly(kind, mins
     VNNI) reach their bound without saturating, on every tile height."""
     k = 512
     raw = largest_quants(kind, 40, k)
-    weight = reference_dequantize(raw, kind.upper()).double()
     panels = QuantizedRows(kind, raw).pack(dot=True, mins=mins)
     for rows in (1, 2, 3, 7):
         x = torch.ones(rows, k)
         x[1::2] = -1.0  # every other row all -127
         out = torch.ops.weft.packed_linear(x, panels, None, 40)
-        expected = rounded_activations(x, kind) @ weight.T
-        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(out.double(), reference_product(x, raw, kind), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(("kind", "mins"), list(BLOCK_BYTES))

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import await_health
 
+from weft.engine.default_model import bundled_model_path
 from weft.parallel.group import free_port
 
 if shutil.which("vllm-router") is None:
@@ -53,6 +54,7 @@ class Replicas:
             policy,
         ]
         command += ["--port", str(self.port), "--log-level", "warning", "--max-model-len", "512"]
+        command += ["--model", str(bundled_model_path())]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

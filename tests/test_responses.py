@@ -16,7 +16,7 @@ from checkpoints import build_chat_checkpoint
 from conftest import shared_data
 from test_server import API_KEY, MODEL, Server, assert_matches_spec, load_openai_spec
 
-from weft import LLM, SamplingParams
+from weft import LLM, SamplingParams, bundled_model_path
 from weft.server.responses_endpoint import ResponseStore, StoredResponse, UnknownResponse
 
 WEATHER = {
@@ -56,7 +56,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(show_progress=False)
+    return LLM(bundled_model_path(), show_progress=False)
 
 
 def stream_events(server: Server, body: dict) -> list[dict]:

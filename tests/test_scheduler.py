@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from weft.config import CacheConfig, SchedulerConfig
-from weft.engine.factory import default_model_path
+from weft.engine.default_model import bundled_model_path
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
@@ -15,7 +15,7 @@ from weft.params import SamplingParams
 from weft.tokenizer import Tokenizer
 
 _ids = itertools.count()
-TOKENIZER = Tokenizer.from_dir(default_model_path())
+TOKENIZER = Tokenizer.from_dir(bundled_model_path())
 LIMITS = SequenceLimits(max_model_len=512, eos_token_ids=frozenset({0}))
 
 

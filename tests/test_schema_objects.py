@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from weft import LLM, SamplingParams
+from weft import LLM, SamplingParams, bundled_model_path
 from weft.schema_objects import JsonSchemaMode, apply_mode
 
 
@@ -89,7 +89,7 @@ def test_only_schemas_of_values_are_walked():
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(show_progress=False)
+    return LLM(bundled_model_path(), show_progress=False)
 
 
 def _accepts(llm: LLM, params: SamplingParams, document: dict) -> bool:

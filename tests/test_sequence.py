@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from weft.engine.factory import default_model_path
+from weft.engine.default_model import bundled_model_path
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
 from weft.logprob_records import Logprob, LogprobRef, position_logprobs, row_refs
 from weft.params import OutputKind, SamplingParams
@@ -19,7 +19,7 @@ from weft.structured.bitmask import bitmask_words, unpack_bitmask
 from weft.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceMatcher
 from weft.tokenizer import Tokenizer
 
-TOKENIZER = Tokenizer.from_dir(default_model_path())
+TOKENIZER = Tokenizer.from_dir(bundled_model_path())
 VOCAB = TOKENIZER.vocab_size
 EOS = TOKENIZER.eos_token_id
 LIMITS = SequenceLimits(max_model_len=512, eos_token_ids=frozenset({EOS}))

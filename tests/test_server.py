@@ -26,7 +26,7 @@ from conftest import shared_data
 from pydantic import BaseModel, Field
 from serving import await_health
 
-from weft import LLM, SamplingParams
+from weft import LLM, SamplingParams, bundled_model_path
 
 API_KEY = "test-key"
 MODEL = "weft-default"
@@ -53,6 +53,7 @@ class Server:
                 str(self.port),
                 "--log-level",
                 "warning",
+                *(() if "--model" in options else ("--model", str(bundled_model_path()))),
                 *options,
             ],
             env=env,
@@ -164,7 +165,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(show_progress=False)
+    return LLM(bundled_model_path(), show_progress=False)
 
 
 def load_openai_spec() -> dict:

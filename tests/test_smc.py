@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_lifecycle import check_kv_cache
 
-from weft import LLM, SamplingParams, default_model_path
+from weft import LLM, SamplingParams, bundled_model_path
 from weft.bench.smc_task import NAMES, PROMPT, exact_choice_distributions, pooled, total_variation
 from weft.engine.smc import _draw
 from weft.params import Resampling
@@ -261,10 +261,10 @@ def test_smc_closes_masking_gap_on_the_bundled_model():
     """Masking's TV to the target is large (about 0.26 here); 40 runs of SMC at N = 16, their
     weighted particles pooled, are within 0.1 of it (640 particles: a sampling error of about
     0.03 on the heavier names)."""
-    goal, masked, log_total = exact_choice_distributions(default_model_path(), PROMPT, NAMES)
+    goal, masked, log_total = exact_choice_distributions(bundled_model_path(), PROMPT, NAMES)
     gap = tv(masked, goal)
     assert gap > 0.2
-    bundled = LLM(show_progress=False, device="cpu", dtype="float32")
+    bundled = LLM(bundled_model_path(), show_progress=False, device="cpu", dtype="float32")
     smc = {"num_particles": 16, "output": "weighted", "end_of_text": False}
     params = [SamplingParams(choice=NAMES, max_tokens=16, seed=16 * i, smc=smc) for i in range(40)]
     estimate, log_marginal = pooled(bundled.generate([PROMPT] * len(params), params, use_tqdm=False))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jsonschema
 import pytest
 
-from weft import LLM, SamplingParams
+from weft import LLM, SamplingParams, bundled_model_path
 
 SCHEMA = {
     "type": "object",
@@ -86,7 +86,14 @@ def check_output(case: Case, output) -> None:
 
 def soak(num_requests: int, num_aborts: int, seed: int) -> None:
     rng = random.Random(seed)
-    llm = LLM(show_progress=False, num_kv_blocks=40, block_size=8, max_model_len=128, max_num_seqs=24)
+    llm = LLM(
+        bundled_model_path(),
+        show_progress=False,
+        num_kv_blocks=40,
+        block_size=8,
+        max_model_len=128,
+        max_num_seqs=24,
+    )
     cases = [random_case(rng, i) for i in range(num_requests)]
     result = run_waves(llm, cases, num_aborts, rng)
     finished, aborted = result["finished"], result["aborted"]
@@ -99,7 +106,7 @@ def soak(num_requests: int, num_aborts: int, seed: int) -> None:
     for case in cases:
         if case.request_id in finished:
             check_output(case, finished[case.request_id])
-    solo_llm = LLM(show_progress=False, max_model_len=128)
+    solo_llm = LLM(bundled_model_path(), show_progress=False, max_model_len=128)
     for case in deterministic:
         (alone,) = solo_llm.generate(case.prompt, case.params, use_tqdm=False)
         together = finished[case.request_id]

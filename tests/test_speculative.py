@@ -68,12 +68,12 @@ def test_text_lookup_finds_words_tokenized_differently_where_they_are_copied():
     """` Menenius` after `name:` and `Menenius` inside a JSON string are different tokens: the
     token index has nothing, the text lookup continues the word from the record."""
     from weft.detokenize import token_bytes_for
-    from weft.engine.factory import default_model_path
+    from weft.engine.default_model import bundled_model_path
     from weft.speculative.drafter import NgramDrafter
     from weft.speculative.text_lookup import TextLookup
     from weft.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(default_model_path())
+    tok = Tokenizer.from_dir(bundled_model_path())
     record = "name: Menenius Agrippa\nage: 52\n"
     written = '{"name": "Menen'
     ids = tok.encode(record + written)
@@ -107,12 +107,12 @@ def test_field_lookup_drafts_the_value_a_json_key_names():
 
 def test_the_drafter_guesses_a_named_value_before_anything_else():
     from weft.detokenize import token_bytes_for
-    from weft.engine.factory import default_model_path
+    from weft.engine.default_model import bundled_model_path
     from weft.speculative.drafter import NgramDrafter
     from weft.speculative.text_lookup import TextLookup
     from weft.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(default_model_path())
+    tok = Tokenizer.from_dir(bundled_model_path())
     ids = tok.encode('name: Romeo\nage: 17\nhome: verona\n{"name": "Romeo", "age": 17, "home": "')
     drafter = NgramDrafter(
         2, 4, TextLookup(token_bytes_for(tok), lambda t: tok.encode(t, add_special_tokens=False))
@@ -127,7 +127,7 @@ def test_a_draft_runs_on_through_what_the_grammar_forces_to_the_next_named_value
     forced positions are reported, the guesses stay within their number, and the matcher is left
     as it was."""
     from weft.detokenize import token_bytes_for
-    from weft.engine.factory import default_model_path
+    from weft.engine.default_model import bundled_model_path
     from weft.params import StructuredKind, StructuredSpec
     from weft.speculative.drafter import NgramDrafter
     from weft.speculative.forced import through_forced
@@ -135,7 +135,7 @@ def test_a_draft_runs_on_through_what_the_grammar_forces_to_the_next_named_value
     from weft.structured.llguidance_backend import LLGuidanceBackend
     from weft.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(default_model_path())
+    tok = Tokenizer.from_dir(bundled_model_path())
     backend = LLGuidanceBackend(tok.tokenizer.to_str(), tok.vocab_size, [tok.eos_token_id or 0])
     schema = {
         "type": "object",

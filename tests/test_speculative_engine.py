@@ -14,7 +14,7 @@ import torch
 from test_sampler import assert_matches
 
 import weft.engine.engine as engine_module
-from weft import LLM, OutputKind, SamplingParams
+from weft import LLM, OutputKind, SamplingParams, bundled_model_path
 from weft.engine.engine import LLMEngine
 from weft.model.layers import Linear
 from weft.speculative.drafter import Drafter
@@ -505,9 +505,9 @@ def _pin(tokens: list[int]):
 
 @pytest.fixture(scope="module")
 def bundled() -> tuple[LLM, LLM]:
-    on = LLM(show_progress=False, speculative_config={"num_speculative_tokens": 4})
+    on = LLM(bundled_model_path(), show_progress=False, speculative_config={"num_speculative_tokens": 4})
     eager(on.engine)
-    return LLM(show_progress=False), on
+    return LLM(bundled_model_path(), show_progress=False), on
 
 
 def test_the_bundled_model_decodes_the_same_with_prompt_lookup(bundled):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft import LLM, BeamSearchParams, SamplingParams, default_model_path
+from weft import LLM, BeamSearchParams, SamplingParams, bundled_model_path
 from weft.config import ConfigError
 from weft.engine.args import EngineArgs
 from weft.engine.loading import kernels_for, load
@@ -136,7 +136,7 @@ def test_the_shard_cuts_every_tensor_by_heads_columns_and_vocabulary(checkpoint_
 def test_two_ranks_compute_what_one_rank_does(checkpoint_factory, arch):
     """Every architecture's tiny checkpoint, and the bundled model: prompt logprobs, greedy tokens
     and their logprobs, and seeded samples on two ranks as on one."""
-    one, two = pair(default_model_path() if arch == "bundled" else checkpoint_factory(arch))
+    one, two = pair(bundled_model_path() if arch == "bundled" else checkpoint_factory(arch))
     try:
         exact = SamplingParams(temperature=0, max_tokens=32, logprobs=4, prompt_logprobs=4, ignore_eos=True)
         a, b = one.generate(PROMPTS, exact), two.generate(PROMPTS, exact)

@@ -1,12 +1,12 @@
 """weft: a text-generation engine for causal language models.
 
 from weft import LLM, SamplingParams
-llm = LLM()  # the bundled model; or LLM(model="path/to/checkpoint")
-print(llm.generate("ROMEO:", SamplingParams(max_tokens=32))[0].outputs[0].text)
+llm = LLM()  # the default model (SmolLM2-135M-Instruct); or LLM(model="path/to/checkpoint")
+print(llm.generate("The capital of France is", SamplingParams(max_tokens=32))[0].outputs[0].text)
 """
 
 from weft.fields import FieldLogprobs, Fields, field_logprobs
-from weft.llm import LLM, default_model_path
+from weft.llm import LLM, bundled_model_path, default_model_path
 from weft.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -40,6 +40,7 @@ __all__ = [
     "RequestOutput",
     "SMCParams",
     "SamplingParams",
+    "bundled_model_path",
     "default_model_path",
     "field_logprobs",
 ]

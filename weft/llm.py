@@ -15,7 +15,8 @@ from weft.agents.chat_tools import ChatTools
 from weft.agents.reply import ReplyPlan
 from weft.engine.args import EngineArgs
 from weft.engine.beam import beam_score
-from weft.engine.factory import build_engine, default_model_path
+from weft.engine.default_model import bundled_model_path, default_model_path
+from weft.engine.factory import build_engine
 from weft.model.prefill_gemm import NEVER
 from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, RequestOutput
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
@@ -23,7 +24,7 @@ from weft.tokenizer import Message, Tokenizer
 
 PromptInput = str | Sequence[int]
 
-__all__ = ["LLM", "OutputRouter", "default_model_path"]
+__all__ = ["LLM", "OutputRouter", "bundled_model_path", "default_model_path"]
 
 
 class OutputRouter:
@@ -59,15 +60,16 @@ class OutputRouter:
 class LLM:
     """Load a checkpoint and generate from it.
 
-    >>> llm = LLM()                      # the bundled model
-    >>> out = llm.generate("ROMEO:", SamplingParams(max_tokens=20, temperature=0))
+    >>> llm = LLM()                      # the default model (SmolLM2-135M-Instruct where installed)
+    >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=20, temperature=0))
     >>> out[0].outputs[0].text
     """
 
     def __init__(self, model: str | Path | None = None, **options: Any) -> None:
         """`model`: a checkpoint directory, a GGUF file or a Hugging Face model id (None: the
-        bundled model). `options`: the fields of `EngineArgs` (weft/engine/args.py), e.g. `dtype`,
-        `device`, `max_model_len`, `max_num_seqs`, `kv_cache_memory_gb`, `matmul_precision`."""
+        default model, `default_model_path()`). `options`: the fields of `EngineArgs`
+        (weft/engine/args.py), e.g. `dtype`, `device`, `max_model_len`, `max_num_seqs`,
+        `kv_cache_memory_gb`, `matmul_precision`."""
         args = EngineArgs.of(model, options)
         self.engine = build_engine(args)
         self.show_progress = args.show_progress  # progress bars: loading, and generate's by default

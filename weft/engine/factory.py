@@ -1,7 +1,7 @@
 """One way to build an engine, for `LLM`, the benchmarks, the tests and the server alike.
 
 `build_engine(EngineArgs(...))`, in order:
-  1. resolve the checkpoint: the bundled model, a local directory, or a Hugging Face model id;
+  1. resolve the checkpoint: the default model, a local directory, or a Hugging Face model id;
   2. read config.json (with the end-of-sequence tokens of generation_config.json) and the tokenizer;
   3. settle `max_model_len` against the model's maximum;
   4. load the model on its device in its dtype;
@@ -30,6 +30,7 @@ from weft.config import (
     resolve_device,
 )
 from weft.engine.args import EngineArgs
+from weft.engine.default_model import default_model_path
 from weft.engine.engine import LLMEngine, Ranks
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import keep_freed_memory, settle_heap
@@ -184,13 +185,9 @@ def describe_kernels(info: dict[str, str]) -> str:
     )
 
 
-def default_model_path() -> Path:
-    """The directory of the small model bundled with weft (trained on Tiny Shakespeare)."""
-    return Path(__file__).resolve().parents[1] / "default_model"
-
-
 def resolve_model_path(model: str | Path | None) -> Path:
-    """A local checkpoint directory for `model`: None means the bundled model; a path is used as
+    """A local checkpoint directory for `model`: None means the default model (`default_model_path`:
+    SmolLM2-135M-Instruct where it is installed, else the bundled model); a path is used as
     it is; anything else is a Hugging Face model id, downloaded when online."""
     if model is None:
         return default_model_path()

@@ -329,19 +329,32 @@ class Sequence:
                 if logprobs is not None:
                     positions.add(logprobs, False, self.params.structured is not None)
                 positions.text_offsets.append(len(self.text_state.text))  # where its text starts
-            self._append_text(self.text_state.decode_one(token_id))
+            stopped = could_stop and self._stopped_by_token()
+            self._append_text("" if stopped else self.text_state.decode_one(token_id))
             return 1
         new_tokens, grammar_done = self._advance_grammar()
         if not self.is_finishing:
             self._apply_token_stop_rules(grammar_done)
         positions = self.positions
+        shown = new_tokens[:-1] if new_tokens and self._stopped_by_token() else new_tokens
         if positions is None:
-            self._append_text(self.text_state.decode(new_tokens))
+            self._append_text(self.text_state.decode(shown))
             return len(new_tokens)
         if logprobs is not None and new_tokens:
             positions.add(logprobs, False, self.params.structured is not None)
-        self._append_text(self.text_state.decode_each(new_tokens, positions.text_offsets))
+        self._append_text(self.text_state.decode_each(shown, positions.text_offsets))
+        positions.text_offsets.extend([len(self.text_state.text)] * (len(new_tokens) - len(shown)))
         return len(new_tokens)
+
+    def _stopped_by_token(self) -> bool:
+        """Whether the last token finished the sequence as a stop token (EOS, end of turn, a stop
+        token id): its text is not part of the output (as vLLM; `include_stop_str_in_output` keeps
+        it), so that no end-of-turn marker reaches a reply even where special tokens are kept."""
+        return (
+            self.finish_reason == FinishReason.STOP
+            and self.token_ids[-1] in self.stop_ids
+            and not self.params.include_stop_str_in_output
+        )
 
     def _advance_grammar(self) -> tuple[list[int], bool]:
         """Feed the sampled token to the matcher, then append the tokens the grammar forces (whose

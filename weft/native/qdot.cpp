@@ -78,12 +78,21 @@ inline ActRow act_row(const Tile& t, int i) {
 // computes from a GGUF file: for Q8_0 weights (quantize_row_q8_0) blocks of 32 with
 // d = float16(max |x| / 127) and q = x * (127 / max |x|) rounded to nearest even; for k-quants
 // (quantize_row_q8_K) blocks of 256 with q = x * (127 / max |x|) rounded and d = 1 / (127 / max |x|),
-// float32. d is stored per 32 features either way (a k-quant block's repeated 8 times).
-enum class ActBlocks { kQ8_0, kQ8_K };
+// float32. d is stored per 32 features either way (a k-quant block's repeated 8 times). For Q4_1
+// and Q5_1 weights (quantize_row_q8_1) the Q8_0 rounding, and in place of each block's two sums of
+// 16 its float16 s = float16(max |x| / 127 * sum(q)) (the float32 scale's, not d's), as a float in
+// the first of the two (`block_s`).
+enum class ActBlocks { kQ8_0, kQ8_1, kQ8_K };
+
+inline float block_s(const int32_t* sums, int64_t b) {
+  float s;
+  std::memcpy(&s, sums + 2 * b, 4);
+  return s;
+}
 
 template <ActBlocks kBlocks>
 void quantize_row(const float* x, int64_t k, int8_t* out) {
-  constexpr int64_t kBlock = kBlocks == ActBlocks::kQ8_0 ? kActBlock : 256;
+  constexpr int64_t kBlock = kBlocks == ActBlocks::kQ8_K ? 256 : kActBlock;
   auto* d = reinterpret_cast<float*>(out + k);
   auto* sums = reinterpret_cast<int32_t*>(out + k + 4 * (k / kActBlock));
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -91,7 +100,7 @@ void quantize_row(const float* x, int64_t k, int8_t* out) {
     float amax = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const float scale = kBlocks == ActBlocks::kQ8_0 ? static_cast<float>(c10::Half(amax / 127.0f))
+    const float scale = kBlocks != ActBlocks::kQ8_K ? static_cast<float>(c10::Half(amax / 127.0f))
                         : amax > 0.0f                ? 1.0f / inv
                                                      : 0.0f;
     for (int64_t j = 0; j < kBlock / kActBlock; ++j) d[b * (kBlock / kActBlock) + j] = scale;
@@ -104,6 +113,11 @@ void quantize_row(const float* x, int64_t k, int8_t* out) {
         sum += v;
       }
       sums[b * (kBlock / kSumGroup) + g] = sum;
+    }
+    if constexpr (kBlocks == ActBlocks::kQ8_1) {
+      const float s = static_cast<float>(c10::Half(amax / 127.0f * static_cast<float>(sums[2 * b] + sums[2 * b + 1])));
+      std::memcpy(sums + 2 * b, &s, 4);
+      sums[2 * b + 1] = 0;
     }
   }
 }
@@ -328,8 +342,8 @@ void dot_tile_q8_0(const Tile& t) {
 
 // The legacy types, Q4_0 and Q5_0 (kHigh) and with kMin Q4_1 and Q5_1: a block's sum(q * x8) of its
 // unsigned quants (0..15, or 0..31) in int32, scaled by d * d_x, less 8 or 16 times x8's block sum
-// (in int32) or plus m * d_x times it (Q4_1, Q5_1: llama.cpp's q8_1 `s`, here from the float16 d_x
-// rather than float32 it rounds to float16). Without VNNI the byte pair sums add up in 16 bits over
+// (in int32), or plus m * s (Q4_1, Q5_1: s the activations' float16 d_x * sum(x8), llama.cpp's
+// q8_1 `s`, `block_s`). Without VNNI the byte pair sums add up in 16 bits over
 // all 8 groups (4 bits: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (5 bits: 4 * 2 * 31 * 127 =
 // 31,496) before one vpmaddwd widens them.
 template <int kRows, int kV, bool kHigh, bool kMin>
@@ -381,11 +395,13 @@ void dot_tile_legacy(const Tile& t) {
       }
     }
     for (int i = 0; i < kRows; ++i) {
-      const int32_t sum = x[i].sums[2 * b] + x[i].sums[2 * b + 1];
       const float dx = x[i].d[b];
-      for (int j = 0; j < kV; ++j) {
-        a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - kBias * sum, vecf) * (d[j] * dx);
-        if constexpr (kMin) a.acc[i][j] += m[j] * (dx * static_cast<float>(sum));
+      if constexpr (kMin) {
+        const float s = block_s(x[i].sums, b);
+        for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (d[j] * dx) + m[j] * s;
+      } else {
+        const int32_t bias = kBias * (x[i].sums[2 * b] + x[i].sums[2 * b + 1]);
+        for (int j = 0; j < kV; ++j) a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - bias, vecf) * (d[j] * dx);
       }
     }
   }
@@ -575,7 +591,7 @@ template <bool kHigh, bool kMin>
 struct LegacyDotTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
   static constexpr int kHalfRows = kLanes == 16 ? 0 : 4;
-  static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
+  static constexpr ActBlocks kActivations = kMin ? ActBlocks::kQ8_1 : ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh, kMin>(t); }
 };
 struct KQuantTiles {
