@@ -283,7 +283,8 @@ def test_bench_speculative_runs_every_workload_with_identical_tokens(tmp_path):
     shared_data("corpora/tinyshakespeare.txt")  # the workloads' prompts (skips where it is absent)
     out = tmp_path / "speculative.json"
     args = ["--batch-sizes", "2", "--repeats", "1", "--max-tokens", "12", "--oracle-ks", "2"]
-    assert main(["bench", "speculative", *args, "--oracle-configs", "", "--json", str(out)]) == 0
+    bundled = ["--model", "bundled", "--oracle-configs", ""]
+    assert main(["bench", "speculative", *args, *bundled, "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     workloads = ["copy", "json", "open", "oracle", "json-oracle", "json-chained"]
     assert [r["workload"] for r in results] == workloads

@@ -53,7 +53,11 @@ class Server:
                 str(self.port),
                 "--log-level",
                 "warning",
-                *(() if "--model" in options else ("--model", str(bundled_model_path()))),
+                *(
+                    ()
+                    if "--model" in options
+                    else ("--model", str(bundled_model_path()), "--served-model-name", MODEL)
+                ),
                 *options,
             ],
             env=env,

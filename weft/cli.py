@@ -86,6 +86,7 @@ def _benches() -> list[tuple[str, Any, str]]:
         logprobs,
         overhead,
         parallel,
+        quality,
         sampling,
         schema_corpus,
         serve,
@@ -103,6 +104,11 @@ def _benches() -> list[tuple[str, Any, str]]:
         ("sampling", sampling, "the sampler's work per step: tensor operations vs the device's kernels"),
         ("structured", structured, "constrained vs unconstrained decoding, and vs transformers + processor"),
         ("jsonschema", schema_corpus, "JSONSchemaBench coverage and compliance per subset"),
+        (
+            "quality",
+            quality,
+            "extraction accuracy and tool calls on a real model, with and without constraints",
+        ),
         (
             "speculative",
             speculative,

@@ -152,12 +152,14 @@ def measure_smc(llm, prompt: list[int], particles: int, args: argparse.Namespace
 def measure_smc_task(particle_counts: list[int], runs: int) -> dict[str, float]:
     """The bundled model's task with an exact answer: masking's TV to the target and SMC's at
     each N (`runs` runs of weighted particles pooled)."""
-    from weft import LLM, SamplingParams, default_model_path
+    from weft import LLM, SamplingParams, bundled_model_path
     from weft.bench.smc_task import NAMES, PROMPT, exact_choice_distributions, pooled, total_variation
 
-    goal, masking, _ = exact_choice_distributions(default_model_path(), PROMPT, NAMES)
+    bundled = bundled_model_path()
+    goal, masking, _ = exact_choice_distributions(bundled, PROMPT, NAMES)
     row = {"masking_tv": total_variation(masking, goal)}
-    llm = LLM(show_progress=False, dtype=torch.float32, max_num_seqs=max(256, max(particle_counts)))
+    seqs = max(256, max(particle_counts))
+    llm = LLM(str(bundled), show_progress=False, dtype=torch.float32, max_num_seqs=seqs)
     for n in particle_counts:
         smc = {"num_particles": n, "output": "weighted", "end_of_text": False}
         params = [SamplingParams(choice=NAMES, max_tokens=16, seed=n * i, smc=smc) for i in range(runs)]

@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     max_seqs = max(64, *levels)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is not None:
-            from weft.engine.factory import default_model_path, resolve_model_path
+            from weft.engine.default_model import default_model_path
+            from weft.engine.factory import resolve_model_path
 
             path = str(default_model_path() if args.model == "default" else resolve_model_path(args.model))
         else:

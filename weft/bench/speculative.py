@@ -1,6 +1,6 @@
 """Speculative decoding: tokens/s with and without it, in one run, on the same requests.
 
-Workloads (the bundled model, prompts from the held-out tenth of Tiny Shakespeare):
+Workloads (the default model unless --model; prompts from the held-out tenth of Tiny Shakespeare):
   copy    a passage, a blank line and its first lines again (up to the last line end in its first
           80 characters, so that the copy starts where the first showing has a token boundary):
           the output repeats the rest
@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workloads", default="copy,json,open,oracle,json-oracle", help="comma-separated (default: all)"
     )
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
+    p.add_argument(
+        "--model", default=None, help="a checkpoint or GGUF file, or 'bundled' (default: the default model)"
+    )
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--oracle-ks", default="2,4,8", help="k values of the oracle workload (default: 2,4,8)")
     p.add_argument(
@@ -106,19 +109,21 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     print(f"weft bench speculative: workloads={','.join(workloads)} batches={args.batch_sizes} k={args.k}")
     results: list[Result] = []
-    off, on = LLM(show_progress=False), _speculating(None, args.k)
-    print(f"what ran: {describe_kernels(off.kernels)}", flush=True)
+    model = _model(args.model)
+    label = model.stem if model.is_file() else model.name
+    off, on = LLM(str(model), show_progress=False), _speculating(model, args.k)
+    print(f"model: {model}\nwhat ran: {describe_kernels(off.kernels)}", flush=True)
     for workload in workloads:
         for batch in batches:
             if workload == "oracle":
                 for k in (int(x) for x in args.oracle_ks.split(",")):
-                    results.append(_oracle("bundled", off, _speculating(None, k), batch, k, args))
+                    results.append(_oracle(label, off, _speculating(model, k), batch, k, args))
                 continue
             if workload == "json-oracle":
-                results += _json_oracle("bundled", off, _speculating(None, args.k), batch, args)
+                results += _json_oracle(label, off, _speculating(model, args.k), batch, args)
                 continue
             requests = _requests(workload, max(batch, NUM_REQUESTS), args.max_tokens)
-            results.append(_compare("bundled", workload, off, on, requests, batch, args.k, args.repeats))
+            results.append(_compare(label, workload, off, on, requests, batch, args.k, args.repeats))
             _print(results[-1])
     for name in (c for c in args.oracle_configs.split(",") if c.strip()):
         with tempfile.TemporaryDirectory() as tmp:
@@ -143,18 +148,26 @@ def _bf16() -> Any:
     return torch.bfloat16
 
 
-def _speculating(path: Path | None, k: int) -> Any:
+def _model(name: str | None) -> Path:
+    from weft.engine.default_model import bundled_model_path, default_model_path
+
+    if name == "bundled":
+        return bundled_model_path()
+    return default_model_path() if name is None else Path(name)
+
+
+def _speculating(path: Path, k: int) -> Any:
     from weft import LLM
 
     config = {"method": "ngram", "num_speculative_tokens": k}
-    return LLM(None if path is None else str(path), show_progress=False, speculative_config=config)
+    return LLM(str(path), show_progress=False, speculative_config=config)
 
 
 def _bundled_ids(text: str) -> list[int]:
-    from weft.engine.factory import default_model_path
+    from weft.engine.default_model import bundled_model_path
     from weft.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(default_model_path()).encode(text)
+    return Tokenizer.from_dir(bundled_model_path()).encode(text)
 
 
 def _requests(workload: str, count: int, max_tokens: int) -> list[tuple[Any, Any]]:

@@ -2,7 +2,8 @@
 
 Steps, in order:
   1. build the same random-weight, real-shape model as `weft bench throughput` (default:
-     SmolLM2-135M's config) and pick real JSON schemas that compile (JSONSchemaBench, Glaive);
+     SmolLM2-135M's config; or `--model`, e.g. `default` for the trained default model) and pick
+     real JSON schemas that compile (JSONSchemaBench, Glaive);
   2. for each batch size, after an untimed warm-up, time in weft: unconstrained decoding, decoding
      under an armed tool-call grammar that is never triggered (tool_choice="auto": free text until
      the model writes the opener), constrained decoding without fast-forward (the pure mask cost
@@ -47,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_repeats_argument(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda: where both engines run (default: cpu)")
     p.add_argument("--no-transformers", action="store_true", help="measure weft alone")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="measure this checkpoint or GGUF file (trained weights: 'default', the default model) "
+        "instead of a random one built from --config",
+    )
 
 
 @dataclass(slots=True)
@@ -228,12 +235,12 @@ def run(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     schemas = load_schemas(args.schemas, max(batch_sizes))
     print(
-        f"weft bench structured: {args.config}, {len(schemas)} schemas from {args.schemas.name}, "
-        f"output<={args.output_len}, threads={torch.get_num_threads()}",
+        f"weft bench structured: {args.model or args.config}, {len(schemas)} schemas from "
+        f"{args.schemas.name}, output<={args.output_len}, threads={torch.get_num_threads()}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(args.config, torch.float32, Path(tmp))
+        path = _model_path(args, Path(tmp))
         llm = LLM(
             str(path),
             device=args.device,
@@ -246,11 +253,21 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_transformers:
             import transformers
 
-            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+            gguf = {"gguf_file": path.name} if path.is_file() else {}  # dequantized to float32
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, **gguf)
             hf = torch.nn.Module.to(model, args.device).eval()
         rows = _measure(llm, hf, schemas, batch_sizes, args)
     _print(rows)
     return 0
+
+
+def _model_path(args: argparse.Namespace, tmp: Path) -> Path:
+    """The model measured: --model ('default': the default model), else a random-weight one."""
+    if args.model is None:
+        return build_checkpoint(args.config, torch.float32, tmp)
+    from weft.engine.default_model import default_model_path
+
+    return default_model_path() if args.model == "default" else Path(args.model)
 
 
 def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
