@@ -60,9 +60,11 @@ KBlock decode_q4_k(const uint8_t* file_block) {
     b.m[2 * j] = b.m[2 * j + 1] = static_cast<int8_t>(min);
   }
   const uint8_t* qs = file_block + 16;
-  for (int64_t k = 0; k < kQ4KBlock; ++k) {  // 64 features per pair of sub-blocks, low nibbles first
-    const uint8_t byte = qs[32 * (k / 64) + k % 32];
-    b.q[k] = k % 64 < 32 ? byte & 0xF : byte >> 4;
+  for (int64_t j = 0; j < kQ4KBlock / 64; ++j) {  // 64 features per pair of sub-blocks, low nibbles first
+    for (int64_t l = 0; l < 32; ++l) {
+      b.q[64 * j + l] = qs[32 * j + l] & 0xF;
+      b.q[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+    }
   }
   return b;
 }
@@ -140,18 +142,6 @@ void pack_q8_0_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) 
   }
 }
 
-void pack_q4_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  const KBlock b = decode_q4_k(file_block);
-  std::memcpy(block + 2 * c, &b.d, 2);
-  std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
-  for (int64_t k = 0; k < kQ4KBlock; ++k) {
-    const DotSpot at = q4k_dot_spot(k, c);
-    block[at.scale] = static_cast<uint8_t>(b.sc[k / kQ6KSubBlock]);
-    block[at.min] = static_cast<uint8_t>(b.m[k / kQ6KSubBlock]);
-    put_nibble(block[at.nibble], c, b.q[k]);
-  }
-}
-
 // A legacy block of 32 features (file layout: d, with kMin m, with kHigh the fifth bits qh as a
 // little-endian uint32, then qs[16]: feature j < 16 in the low nibble of qs[j], j >= 16 in the high
 // one of qs[j - 16]), decoded: its unsigned quants q (0..15, or 0..31).
@@ -180,37 +170,38 @@ LegacySpot legacy_dot_spot(bool high, bool min, int64_t kk, int64_t c) {
           high ? legacy_dot_chunk(high, min, group / 2) + kDotGroup * (c % 8) + f : -1, 4 * (group % 2) + c / 8};
 }
 
-template <bool kHigh, bool kMin>
-void pack_legacy_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  const auto q = decode_legacy<kHigh, kMin>(file_block);
-  std::memcpy(block + 2 * c, file_block, 2);
-  if (kMin) std::memcpy(block + 2 * kPanel + 2 * c, file_block + 2, 2);
-  for (int64_t kk = 0; kk < kQ8Block; ++kk) {
-    const LegacySpot at = legacy_dot_spot(kHigh, kMin, kk, c);
-    put_nibble(block[at.nibble], c, q[kk] & 0xF);
-    if (kHigh) block[at.high] |= static_cast<uint8_t>((q[kk] >> 4) << at.bit);
-  }
-}
-
-// A Q6_K dot panel block (kMins: with dmin and mins, from either kind's decoded super-block).
-template <bool kMins, KBlock (*kDecode)(const uint8_t*)>
-void pack_q6_k_dot_column(const uint8_t* file_block, int64_t c, uint8_t* block) {
-  const KBlock b = kDecode(file_block);
-  TORCH_CHECK(!kMins || std::isfinite(static_cast<float>(c10::Half(b.dmin, c10::Half::from_bits()))),
-              "pack_dot: a Q6_K scale d above 2047 cannot go into the layout with mins (32 d is its float16 dmin)");
-  std::memcpy(block + 2 * c, &b.d, 2);
-  if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
-  for (int64_t k = 0; k < kQ6KBlock; ++k) {
-    const DotSpot at = q6k_dot_spot(kMins, k, c);
-    block[at.scale] = static_cast<uint8_t>(b.sc[k / kQ6KSubBlock]);
-    if (kMins) block[at.min] = static_cast<uint8_t>(b.m[k / kQ6KSubBlock]);
-    put_nibble(block[at.nibble], c, b.q[k] & 0xF);
-    block[at.high] |= static_cast<uint8_t>((b.q[k] >> 4) << (2 * (c / 8)));
-  }
-}
+// The file blocks of a panel block's 32 columns (nullptr past the matrix's last row).
+using Columns = std::array<const uint8_t*, kPanel>;
 
 // The panels of a GGUF tensor's rows [N, K / block * file block bytes]: [ceil(N / 32), K / block,
-// panel block bytes], zero past row N (zero scales, zero quants); `column` packs one column's block.
+// panel block bytes], zero past row N (zero scales, zero quants); `pack(columns, block)` packs one
+// panel block from its columns' file blocks, the panel blocks shared out over the threads.
+template <typename PackBlock>
+at::Tensor pack_panel_blocks(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, PackBlock pack,
+                             const char* message, at::ScalarType type) {
+  TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
+                  rows_in.size(1) % file_bytes == 0,
+              message);
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t n = rows.size(0), blocks = rows.size(1) / file_bytes, panels = (n + kPanel - 1) / kPanel;
+  auto out = at::zeros({panels, blocks, block_bytes}, rows.options().dtype(type));
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t row_bytes = rows.size(1);
+  at::parallel_for(0, panels * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / blocks, b = i % blocks;
+      Columns columns{};
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) columns[c] = src + (p * kPanel + c) * row_bytes + b * file_bytes;
+      pack(columns, dst + i * block_bytes);
+    }
+  });
+  return out;
+}
+
+// The same, one column at a time: `column(file_block, c, block)` puts column c's file block into
+// its panel block; a thread takes whole panels and reads each row front to back (for the kinds
+// whose columns are plain copies: Q8_0, and the exact panels).
 template <typename PackColumn>
 at::Tensor pack_super_blocks(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, PackColumn column,
                              const char* message, at::ScalarType type = at::kByte) {
@@ -379,6 +370,93 @@ at::Tensor quantize_q4_k(const at::Tensor& x_in) {
   return out;
 }
 
+// ---- dot panel blocks written whole: the 32 columns' quants decoded first (q [32][features], zero
+// for missing columns), then each byte of the block written once, in order (one column at a time,
+// every nibble took a read-modify-write and packing a 1B Q4_K_M model took 7 s).
+
+// Features k0 .. k0 + 3 of the 32 columns (q: column c's at q[c * stride + k]) as 64 bytes of
+// nibbles: byte 4 (c % 16) + f holds column c's feature k0 + f, columns 0-15 in the low nibble.
+void put_nibbles(const uint8_t* q, int64_t stride, int64_t k0, uint8_t* out) {
+  for (int64_t c = 0; c < 16; ++c) {
+    const uint8_t *low = q + c * stride + k0, *high = q + (c + 16) * stride + k0;
+    for (int64_t f = 0; f < kDotGroup; ++f) out[kDotGroup * c + f] = static_cast<uint8_t>((low[f] & 0xF) | (high[f] << 4));
+  }
+}
+
+// Bits `shift` .. `shift` + width - 1 of features k0 .. k0 + 3 as 32 bytes: byte 4 (c % 8) + f holds
+// column c's at bit width * (c / 8) + `at` (Q5's fifth bits: width 1, `at` 0 or 4 for a chunk's two
+// groups; Q6_K's high pairs: width 2).
+void put_bits(const uint8_t* q, int64_t stride, int64_t k0, int shift, int width, int at, uint8_t* out) {
+  const int mask = (1 << width) - 1;
+  for (int64_t c8 = 0; c8 < 8; ++c8) {
+    for (int64_t f = 0; f < kDotGroup; ++f) {
+      int byte = out[kDotGroup * c8 + f];
+      for (int64_t part = 0; part < 4; ++part) byte |= ((q[(c8 + 8 * part) * stride + k0 + f] >> shift) & mask) << (width * part + at);
+      out[kDotGroup * c8 + f] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+template <bool kHigh, bool kMin>
+void pack_legacy_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ8Block] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    std::memcpy(block + 2 * c, columns[c], 2);
+    if (kMin) std::memcpy(block + 2 * kPanel + 2 * c, columns[c] + 2, 2);
+    const auto decoded = decode_legacy<kHigh, kMin>(columns[c]);
+    std::memcpy(q + c * kQ8Block, decoded.data(), kQ8Block);
+  }
+  for (int64_t g = 0; g < kQ8Block / kDotGroup; ++g) {
+    if (kHigh) put_bits(q, kQ8Block, kDotGroup * g, 4, 1, 4 * (g % 2), block + legacy_dot_chunk(kHigh, kMin, g / 2));
+    put_nibbles(q, kQ8Block, kDotGroup * g, block + legacy_dot_nibbles(kHigh, kMin, g));
+  }
+}
+
+void pack_q4_k_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ4KBlock] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    const KBlock b = decode_q4_k(columns[c]);
+    std::memcpy(block + 2 * c, &b.d, 2);
+    std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+    for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
+      block[q4k_dot_sub_block(s) + c] = static_cast<uint8_t>(b.sc[2 * s]);
+      block[q4k_dot_sub_block(s) + kPanel + c] = static_cast<uint8_t>(b.m[2 * s]);
+    }
+    std::memcpy(q + c * kQ4KBlock, b.q, kQ4KBlock);
+  }
+  for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
+    for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
+      put_nibbles(q, kQ4KBlock, 32 * s + kDotGroup * g, block + q4k_dot_sub_block(s) + 2 * kPanel + 64 * g);
+    }
+  }
+}
+
+// A Q6_K dot panel block (kMins: with dmin and mins, from either kind's decoded super-block).
+template <bool kMins, KBlock (*kDecode)(const uint8_t*)>
+void pack_q6_k_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ6KBlock] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    const KBlock b = kDecode(columns[c]);
+    TORCH_CHECK(!kMins || std::isfinite(static_cast<float>(c10::Half(b.dmin, c10::Half::from_bits()))),
+                "pack_dot: a Q6_K scale d above 2047 cannot go into the layout with mins (32 d is its float16 dmin)");
+    std::memcpy(block + 2 * c, &b.d, 2);
+    if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+    for (int64_t s = 0; s < kQ6KSubBlocks; ++s) {
+      const int64_t at = q6k_dot_pair(kMins, s / 2) + (s % 2) * kPanel + c;
+      block[at] = static_cast<uint8_t>(b.sc[s]);
+      if (kMins) block[at + 2 * kPanel] = static_cast<uint8_t>(b.m[s]);
+    }
+    std::memcpy(q + c * kQ6KBlock, b.q, kQ6KBlock);
+  }
+  for (int64_t p = 0; p < kQ6KSubBlocks / 2; ++p) {
+    uint8_t* quants = block + q6k_dot_pair(kMins, p) + q6k_dot_pair_scales(kMins);
+    for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
+      put_nibbles(q, kQ6KBlock, 32 * p + kDotGroup * g, quants + q6k_dot_low(g));
+      put_bits(q, kQ6KBlock, 32 * p + kDotGroup * g, 4, 2, 0, quants + q6k_dot_high(g));
+    }
+  }
+}
+
 // GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q6_k") into dot panels (int8; panels.h); with `mins`
 // (Q4_K or Q6_K) the Q6_K layout with mins, which holds both kinds (a fusion that mixes them).
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
@@ -387,34 +465,34 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_super_blocks(rows, kQ8FileBlockBytes, kQ8DotBlockBytes, pack_q8_0_dot_column, message, at::kChar);
   }
   if (kind == "q4_0" && !mins) {
-    return pack_super_blocks(rows, kQ4_0FileBlockBytes, kQ4_0DotBlockBytes, pack_legacy_dot_column<false, false>, message,
+    return pack_panel_blocks(rows, kQ4_0FileBlockBytes, kQ4_0DotBlockBytes, pack_legacy_dot_block<false, false>, message,
                              at::kChar);
   }
   if (kind == "q5_0" && !mins) {
-    return pack_super_blocks(rows, kQ5_0FileBlockBytes, kQ5_0DotBlockBytes, pack_legacy_dot_column<true, false>, message,
+    return pack_panel_blocks(rows, kQ5_0FileBlockBytes, kQ5_0DotBlockBytes, pack_legacy_dot_block<true, false>, message,
                              at::kChar);
   }
   if (kind == "q4_1" && !mins) {
-    return pack_super_blocks(rows, kQ4_1FileBlockBytes, kQ4_1DotBlockBytes, pack_legacy_dot_column<false, true>, message,
+    return pack_panel_blocks(rows, kQ4_1FileBlockBytes, kQ4_1DotBlockBytes, pack_legacy_dot_block<false, true>, message,
                              at::kChar);
   }
   if (kind == "q5_1" && !mins) {
-    return pack_super_blocks(rows, kQ5_1FileBlockBytes, kQ5_1DotBlockBytes, pack_legacy_dot_column<true, true>, message,
+    return pack_panel_blocks(rows, kQ5_1FileBlockBytes, kQ5_1DotBlockBytes, pack_legacy_dot_block<true, true>, message,
                              at::kChar);
   }
   if (kind == "q4_k" && !mins) {
-    return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_column, message, at::kChar);
+    return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block, message, at::kChar);
   }
   if (kind == "q4_k") {
-    return pack_super_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q4_k>,
+    return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q4_k>,
                              message, at::kChar);
   }
   TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k or q6_k (mins: q4_k or q6_k), not ", kind);
   if (mins) {
-    return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_column<true, decode_q6_k>,
+    return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q6_k>,
                              message, at::kChar);
   }
-  return pack_super_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(false), pack_q6_k_dot_column<false, decode_q6_k>,
+  return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(false), pack_q6_k_dot_block<false, decode_q6_k>,
                            message, at::kChar);
 }
 
