@@ -5,6 +5,7 @@ tokenizer of the same family; and every bad file a clear error."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import struct
@@ -34,6 +35,17 @@ pytestmark = pytest.mark.skipif(
     not (GGUF_DIR / "llama_cpp_reference.json").is_file(),
     reason="../shared/data/gguf is not here (a user's clone)",
 )
+
+
+@functools.cache
+def transformers_load(path: Path) -> torch.nn.Module:
+    """transformers' float32 load of a GGUF file (the gguf package's dequantization), once per file:
+    the conversion takes seconds, and two tests compare with the Q4_K_M file's."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +134,11 @@ def test_gguf_model_computes_the_reference_dequantized_product(name):
     """With matmul_precision="float32", the logits of a GGUF load equal transformers' load of the
     same file (which dequantizes with the gguf package to float32) within 1e-4: weft computes the
     exactly dequantized model (from the blocks, in exact quantized panels)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = GGUF_DIR / FILES[name]
     llm = LLM(str(path), show_progress=False, max_logprobs=20, matmul_precision="float32")
     assert "exact quantized panels" in llm.kernels["linear"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_load(path)
     ids = [17, 4000, 123, 9000, 48000, 77, 2024, 31337, 5, 6]
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]
     with torch.no_grad():
@@ -381,7 +391,7 @@ def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkey
     quantized matrix in its GGUF blocks, the tied table included (no float copy), and its logits
     equal transformers' float32 dequantization of the same file within 1e-4 (float32 activations:
     exact float32 products, prompt rows through `tl.dot`, decode rows through products and sums)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     monkeypatch.setenv("WEFT_KERNELS", "triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = GGUF_DIR / FILES[name]
@@ -392,9 +402,7 @@ def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkey
     assert "(GGUF blocks, dequantized in the kernel)" in llm.kernels["linear"], llm.kernels
     assert model.embed.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed.weight
     assert model.layers[0].mlp.down.weight.dtype == torch.uint8
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_load(path)
     ids = [17, 4000, 123, 9000, 48000, 77, 2024, 31337, 5, 6]
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=20, logprobs=20, ignore_eos=True)
     out = llm.generate([ids], params, use_tqdm=False)[0]
