@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import require_native_kernels
-from test_quant import random_legacy, random_q4_k, random_q6_k, random_q8_0, reference_dequantize
+from test_quant import random_legacy, random_q4_k, random_q5_k, random_q6_k, random_q8_0, reference_dequantize
 
 from weft.model.quantized import MixedRows, QuantizedRows, cat_rows
 
@@ -22,11 +22,12 @@ RANDOM = {
     "q4_1": lambda n, k, seed, extreme=False: random_legacy("q4_1", n, k, seed, extreme),
     "q5_1": lambda n, k, seed, extreme=False: random_legacy("q5_1", n, k, seed, extreme),
     "q4_k": random_q4_k,
+    "q5_k": random_q5_k,
     "q6_k": random_q6_k,
 }
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
-BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296}
+BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
 SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1")  # blocks of 32 features: activations too
 
 
@@ -139,10 +140,12 @@ def test_legacy_dot_panels_compute_the_product_of_rounded_activations(kind, rows
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 25])
-@pytest.mark.parametrize(("kind", "mins"), [("q4_k", False), ("q6_k", False), ("q4_k", True), ("q6_k", True)])
+@pytest.mark.parametrize(
+    ("kind", "mins"), [("q4_k", False), ("q6_k", False), ("q4_k", True), ("q6_k", True), ("q5_k", True)]
+)
 def test_k_quant_dot_panels_compute_the_product_of_rounded_activations(kind, mins, rows):
     """Q4_K and Q6_K, each in its own layout and in the Q6_K layout with mins (what a fusion that
-    mixes them is packed in): the same product."""
+    mixes them is packed in), and Q5_K, always in that layout: the same product."""
     check_product(RANDOM[kind](70, 512, seed=rows), kind, mins, rows, bias=rows % 2 == 0)
 
 
@@ -152,6 +155,7 @@ def test_extreme_scales_and_activations():
     for rows in (1, 5):
         check_product(random_q8_0(40, 64, seed=rows, extreme=True), "q8_0", False, rows, bias=False)
         check_product(random_q4_k(40, 256, seed=rows, extreme=True), "q4_k", True, rows, bias=False)
+        check_product(random_q5_k(40, 256, seed=rows, extreme=True), "q5_k", True, rows, bias=False)
     raw = random_q6_k(32, 256, seed=1)
     x = torch.full((2, 256), 1e30)
     x[1] = -1e-30
@@ -171,8 +175,8 @@ def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
         mins = [one] if kind in ("q4_1", "q5_1") else []
         quants = np.full(16 if kind in ("q4_0", "q4_1") else 20, 0xFF, dtype=np.uint8)
         block = np.concatenate([one, *mins, quants])
-    elif kind == "q4_k":
-        block = np.concatenate([one, one, np.full(140, 0xFF, dtype=np.uint8)])
+    elif kind in ("q4_k", "q5_k"):  # q 15 or 31, scales and mins 63
+        block = np.concatenate([one, one, np.full(140 if kind == "q4_k" else 172, 0xFF, dtype=np.uint8)])
     else:
         block = np.concatenate([np.full(192, 0xFF, dtype=np.uint8), np.full(16, 127, dtype=np.uint8), one])
     return torch.from_numpy(np.tile(block, (rows, k // (32 if kind in SMALL_BLOCKS else 256))))
@@ -188,6 +192,7 @@ def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
         ("q5_1", False),
         ("q4_k", False),
         ("q4_k", True),
+        ("q5_k", True),
         ("q6_k", False),
     ],
 )
@@ -234,12 +239,27 @@ def test_a_fusion_of_q4_k_and_q6_k_stays_quantized():
     assert isinstance(odd, torch.Tensor) and odd.dtype == torch.float32 and odd.shape == (72, 256)
 
 
+def test_a_q5_k_m_fusion_of_q5_k_and_q6_k_stays_quantized():
+    """Q5_K_M's q/k/v with a Q6_K v: one matrix in the Q6_K layout with mins, each part's product."""
+    q, v = random_q5_k(64, 256, seed=3), random_q6_k(32, 256, seed=4)
+    fused = cat_rows([QuantizedRows("q5_k", q), QuantizedRows("q6_k", v)])
+    assert isinstance(fused, MixedRows) and fused.label == "q5_k+q6_k"
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+    out = torch.ops.weft.packed_linear(x, fused.pack(), None, 96)
+    weight = torch.cat([reference_dequantize(q, "Q5_K"), reference_dequantize(v, "Q6_K")]).double()
+    expected = rounded_activations(x, "q5_k") @ weight.T
+    scale = (rounded_activations(x, "q5_k").abs() @ weight.abs().T).max().item()
+    assert (out.double() - expected).abs().max().item() <= 2e-6 * scale
+
+
 def test_bad_dot_panels_are_clear_errors():
     panels = QuantizedRows("q8_0", random_q8_0(32, 64, seed=0)).pack(dot=True)
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
-    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k or q6_k"):
+    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k, q5_k or q6_k"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q2_k", False)
+    with pytest.raises(ValueError, match="q5_k has no exact quantized panels"):
+        QuantizedRows("q5_k", random_q5_k(32, 256, seed=0)).pack(dot=False)
     with pytest.raises(RuntimeError, match="kind must be"):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q8_0", True)  # Q8_0 has no mins layout
 

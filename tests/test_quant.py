@@ -49,6 +49,18 @@ def random_legacy(kind: str, rows: int, in_features: int, seed: int, extreme: bo
     return torch.from_numpy(raw.reshape(rows, blocks * size).copy())
 
 
+def random_q5_k(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """Random Q5_K rows of super-blocks, uint8 [rows, in / 256 * 176]: float16 d and dmin (with
+    `extreme` over the float16 range), random 6-bit scales and mins, fifth bits and nibbles."""
+    gen = np.random.default_rng(seed)
+    blocks = in_features // 256
+    scale = 60000.0 if extreme else 0.01
+    d = np.clip(gen.standard_normal((rows, blocks, 2)) * scale, -6e4, 6e4).astype(np.float16)
+    rest = gen.integers(0, 256, (rows, blocks, 172), dtype=np.uint8)  # scales, mins, qh, qs
+    raw = np.concatenate([d.view(np.uint8), rest], axis=2)
+    return torch.from_numpy(raw.reshape(rows, blocks * 176).copy())
+
+
 def random_q4_k(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
     """Random Q4_K rows of super-blocks, uint8 [rows, in / 256 * 144]: float16 d and dmin (with
     `extreme` over the float16 range), random 6-bit scales and mins, random 4-bit quants."""

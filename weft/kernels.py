@@ -59,6 +59,7 @@ GGUF_BLOCKS = {
     "q4_1": (32, 20),
     "q5_1": (32, 24),
     "q4_k": (256, 144),
+    "q5_k": (256, 176),
     "q6_k": (256, 210),
 }
 
@@ -108,6 +109,10 @@ class TorchKernels:
     def packs_linear_weights(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether linear weights are packed into column panels for `packed_linear`."""
         return False
+
+    # The GGUF block kinds `block_linear` multiplies (where `multiplies_blocks`); others are
+    # dequantized at load.
+    block_kinds: frozenset[str] = frozenset()
 
     def multiplies_blocks(self, device: torch.device) -> bool:
         """Whether linear layers on `device` keep quantized matrices in their GGUF blocks and

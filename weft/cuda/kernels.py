@@ -47,6 +47,8 @@ class TritonKernels(TorchKernels):
             return super().silu_mul(gate_up)
         return elementwise.silu_mul(gate_up)
 
+    block_kinds = frozenset(quant.KINDS)
+
     def multiplies_blocks(self, device: torch.device) -> bool:
         return True  # CUDA, or CPU tensors in Triton's interpreter
 

@@ -37,12 +37,13 @@ from weft.model.quantized import QuantizedRows, Weight
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # The types whose matrices run from their blocks on CPU (an embedding table: all but Q4_K;
 # weft/model/quantized.py).
 KEPT_IN_BLOCKS = {
     "Q8_0": "q8_0",
     "Q4_K": "q4_k",
+    "Q5_K": "q5_k",
     "Q6_K": "q6_k",
     "Q4_0": "q4_0",
     "Q5_0": "q5_0",
@@ -133,7 +134,8 @@ class GgufCheckpoint:
             if kind not in SUPPORTED_TYPES:
                 raise GgufError(
                     f"{self.path}: tensor {tensor.name!r} is stored as {kind}, which weft does not run; "
-                    f"weft runs {', '.join(SUPPORTED_TYPES)} (the types of Q8_0, Q4_K_M, Q4_0 and Q4_1 files)"
+                    f"weft runs {', '.join(SUPPORTED_TYPES)} "
+                    "(the types of Q8_0, Q4_K_M, Q5_K_M, Q4_0 and Q4_1 files)"
                 )
 
     @property

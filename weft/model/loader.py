@@ -333,11 +333,16 @@ def _expect_blocks(
 ) -> dict[str, torch.Tensor]:
     """Keep every matrix that came in blocks in them, flat (`WeightLayout.BLOCKS`), its Linear or
     Embedding (still on the meta device) taking their size: the kernel set multiplies them as they
-    are. A tied table is one tensor for both (re-tied after the move to the device)."""
+    are; a kind it does not multiply (`block_kinds`) is dequantized. A tied table is one tensor for
+    both (re-tied after the move to the device)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state.items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(weight, (QuantizedRows, MixedRows)) and isinstance(module, (Linear, Embedding)):
+        if (
+            isinstance(weight, (QuantizedRows, MixedRows))
+            and isinstance(module, (Linear, Embedding))
+            and set(weight.label.split("+")) <= kernels.block_kinds
+        ):
             flat, parts = flat_blocks(weight)
             tensors[name] = flat
             if isinstance(module, Linear):

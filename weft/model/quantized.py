@@ -26,7 +26,9 @@ from weft.kernels import GGUF_BLOCKS, BlockPart
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
-WITH_MINS = ("q4_1", "q5_1")  # blocks of 32 (d * q + m) with their own dot panels, exact ones float32
+# Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits): dot panels
+# of their own (Q5_K: the Q6_K layout with mins), and for float32 products the exact dequantization.
+NO_EXACT_PANELS = ("q4_1", "q5_1", "q5_k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +53,9 @@ class QuantizedRows:
     def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
         """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
         (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
-        exact panels of their own: they go into Q8_0's, exactly. Q4_1 and Q5_1 have none at all
-        (`exact_panels`): for float32 products the loader dequantizes them."""
+        exact panels of their own: they go into Q8_0's, exactly. Q4_1, Q5_1 and Q5_K have none at
+        all (`exact_panels`): for float32 products the loader dequantizes them. Q5_K's dot panels
+        are always the Q6_K layout with mins."""
         if not dot and self.kind in LEGACY:
             return as_q8_0(self).pack()
         if not dot and not self.exact_panels:
@@ -63,7 +66,7 @@ class QuantizedRows:
 
     @property
     def exact_panels(self) -> bool:  # whether float32 products have panels of this kind (or Q8_0's)
-        return self.kind not in WITH_MINS
+        return self.kind not in NO_EXACT_PANELS
 
     @property
     def label(self) -> str:  # how llm.kernels names the panels
@@ -72,7 +75,7 @@ class QuantizedRows:
 
 @dataclass(frozen=True, slots=True)
 class MixedRows:
-    """A fused matrix whose parts are Q4_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
+    """A fused matrix whose parts are Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
 
     parts: tuple[QuantizedRows, ...]
 
@@ -158,13 +161,13 @@ def cat_rows(parts: list[Weight]) -> Weight:
     return torch.cat([dequantized(p) for p in parts])
 
 
-MIXABLE = ("q4_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
+MIXABLE = ("q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
 PANEL = 32  # output columns per panel (weft/native/panels.h)
 
 __all__ = [
     "BLOCKS",
     "LEGACY",
-    "WITH_MINS",
+    "NO_EXACT_PANELS",
     "MixedRows",
     "QuantizedRows",
     "Weight",

@@ -41,6 +41,11 @@ constexpr int64_t kQ6KQuantsOffset = kQ6KScalesOffset + kQ6KBlock / kQ6KSubBlock
 constexpr int64_t kQ6KBlockBytes = kQ6KQuantsOffset + kQ6KBlock * kPanel;                   // 8,768
 constexpr int64_t kQ6KFileBlockBytes = 210;
 
+// Q5_K (GGUF's 5-bit k-quant): super-blocks of 256 as Q4_K's (d, dmin, 6-bit scales and mins per
+// sub-block of 32) with a fifth bit per quant (q 0..31). Its dot panels are the Q6_K layout with
+// mins (below), which holds it exactly at 7.1 bits a weight (the file: 5.5); no exact panels.
+constexpr int64_t kQ5KFileBlockBytes = 176;
+
 // Dot panels (int8 tensors; qdot.cpp multiplies them by activations quantized to int8): the same
 // blocks laid out for byte dot products (vpdpbusd, or vpmaddubsw + vpmaddwd), each 32-bit lane one
 // column and its 4 consecutive input features. Features go in groups of 4; a group's quants are

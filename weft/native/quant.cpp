@@ -69,6 +69,30 @@ KBlock decode_q4_k(const uint8_t* file_block) {
   return b;
 }
 
+// A Q5_K super-block (file layout: d, dmin, scales[12] as Q4_K's, qh[32], qs[128]): q 0..31 (the
+// low 4 bits as Q4_K's, the fifth of feature 64 j + l (l < 32) bit 2 j of qh[l], of 64 j + 32 + l
+// bit 2 j + 1), sc and m 0..63 per sub-block of 32: each weight d * sc * q - dmin * m, which the
+// Q6_K dot layout with mins holds exactly.
+KBlock decode_q5_k(const uint8_t* file_block) {
+  KBlock b{};
+  std::memcpy(&b.d, file_block, 2);
+  std::memcpy(&b.dmin, file_block + 2, 2);
+  for (int j = 0; j < kQ4KSubBlocks; ++j) {
+    uint8_t scale, min;
+    q4_k_scale_min(j, file_block + 4, &scale, &min);
+    b.sc[2 * j] = b.sc[2 * j + 1] = static_cast<int8_t>(scale);
+    b.m[2 * j] = b.m[2 * j + 1] = static_cast<int8_t>(min);
+  }
+  const uint8_t *qh = file_block + 16, *qs = file_block + 48;
+  for (int64_t j = 0; j < kQ4KBlock / 64; ++j) {
+    for (int64_t l = 0; l < 32; ++l) {
+      b.q[64 * j + l] = static_cast<uint8_t>((qs[32 * j + l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
+      b.q[64 * j + 32 + l] = static_cast<uint8_t>((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+    }
+  }
+  return b;
+}
+
 // A Q6_K super-block (file layout: ql[128], qh[64], scales[16], d): q + 32 (0..63), int8 sc, and
 // dmin = 32 d, m = sc, so that d * sc * (q + 32) - dmin * m = d * sc * q.
 KBlock decode_q6_k(const uint8_t* file_block) {
@@ -457,8 +481,9 @@ void pack_q6_k_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
-// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q6_k") into dot panels (int8; panels.h); with `mins`
-// (Q4_K or Q6_K) the Q6_K layout with mins, which holds both kinds (a fusion that mixes them).
+// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k") into dot panels (int8;
+// panels.h); with `mins` (Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion that mixes
+// them); Q5_K always goes into that layout.
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
   if (kind == "q8_0" && !mins) {
@@ -483,11 +508,15 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   if (kind == "q4_k" && !mins) {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block, message, at::kChar);
   }
+  if (kind == "q5_k") {  // only in the Q6_K layout with mins, which holds it exactly
+    return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q5_k>,
+                             message, at::kChar);
+  }
   if (kind == "q4_k") {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q4_k>,
                              message, at::kChar);
   }
-  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k or q6_k (mins: q4_k or q6_k), not ", kind);
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k, q5_k or q6_k (mins: q4_k, q5_k or q6_k), not ", kind);
   if (mins) {
     return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q6_k>,
                              message, at::kChar);
