@@ -47,9 +47,9 @@ struct KBlock {
 
 uint16_t half_bits(float value) { return c10::Half(value).x; }
 
-// A Q4_K super-block (file layout: d, dmin, scales[12], qs[128]): q 0..15, sc and m 0..63 per sub-block
-// of 32 (both of its halves).
-KBlock decode_q4_k(const uint8_t* file_block) {
+// The head of a Q4_K or Q5_K super-block (d, dmin, scales[12]): sc and m 0..63 per sub-block of 32
+// (both of its halves).
+KBlock decode_k_head(const uint8_t* file_block) {
   KBlock b{};
   std::memcpy(&b.d, file_block, 2);
   std::memcpy(&b.dmin, file_block + 2, 2);
@@ -59,6 +59,12 @@ KBlock decode_q4_k(const uint8_t* file_block) {
     b.sc[2 * j] = b.sc[2 * j + 1] = static_cast<int8_t>(scale);
     b.m[2 * j] = b.m[2 * j + 1] = static_cast<int8_t>(min);
   }
+  return b;
+}
+
+// A Q4_K super-block (file layout: d, dmin, scales[12], qs[128]): q 0..15.
+KBlock decode_q4_k(const uint8_t* file_block) {
+  KBlock b = decode_k_head(file_block);
   const uint8_t* qs = file_block + 16;
   for (int64_t j = 0; j < kQ4KBlock / 64; ++j) {  // 64 features per pair of sub-blocks, low nibbles first
     for (int64_t l = 0; l < 32; ++l) {
@@ -74,15 +80,7 @@ KBlock decode_q4_k(const uint8_t* file_block) {
 // bit 2 j + 1), sc and m 0..63 per sub-block of 32: each weight d * sc * q - dmin * m, which the
 // Q6_K dot layout with mins holds exactly.
 KBlock decode_q5_k(const uint8_t* file_block) {
-  KBlock b{};
-  std::memcpy(&b.d, file_block, 2);
-  std::memcpy(&b.dmin, file_block + 2, 2);
-  for (int j = 0; j < kQ4KSubBlocks; ++j) {
-    uint8_t scale, min;
-    q4_k_scale_min(j, file_block + 4, &scale, &min);
-    b.sc[2 * j] = b.sc[2 * j + 1] = static_cast<int8_t>(scale);
-    b.m[2 * j] = b.m[2 * j + 1] = static_cast<int8_t>(min);
-  }
+  KBlock b = decode_k_head(file_block);
   const uint8_t *qh = file_block + 16, *qs = file_block + 48;
   for (int64_t j = 0; j < kQ4KBlock / 64; ++j) {
     for (int64_t l = 0; l < 32; ++l) {
@@ -197,55 +195,67 @@ LegacySpot legacy_dot_spot(bool high, bool min, int64_t kk, int64_t c) {
 // The file blocks of a panel block's 32 columns (nullptr past the matrix's last row).
 using Columns = std::array<const uint8_t*, kPanel>;
 
-// The panels of a GGUF tensor's rows [N, K / block * file block bytes]: [ceil(N / 32), K / block,
-// panel block bytes], zero past row N (zero scales, zero quants); `pack(columns, block)` packs one
-// panel block from its columns' file blocks, the panel blocks shared out over the threads.
-template <typename PackBlock>
-at::Tensor pack_panel_blocks(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, PackBlock pack,
-                             const char* message, at::ScalarType type) {
+// A packing's input and output: a GGUF tensor's rows [N, K / block * file block bytes] and their
+// panels [ceil(N / 32), K / block, panel block bytes], zero past row N (zero scales, zero quants).
+struct Panels {
+  at::Tensor rows, out;  // the rows (contiguous) and the panels, zeroed
+  int64_t n, blocks, panels, row_bytes;
+  const uint8_t* src;
+  uint8_t* dst;
+};
+
+Panels start_panels(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, const char* message,
+                    at::ScalarType type) {
   TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
                   rows_in.size(1) % file_bytes == 0,
               message);
-  const at::Tensor rows = rows_in.contiguous();
-  const int64_t n = rows.size(0), blocks = rows.size(1) / file_bytes, panels = (n + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, blocks, block_bytes}, rows.options().dtype(type));
-  const uint8_t* src = rows.data_ptr<uint8_t>();
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t row_bytes = rows.size(1);
-  at::parallel_for(0, panels * blocks, 16, [&](int64_t begin, int64_t end) {
+  Panels job;
+  job.rows = rows_in.contiguous();
+  job.n = job.rows.size(0), job.blocks = job.rows.size(1) / file_bytes, job.panels = (job.n + kPanel - 1) / kPanel;
+  job.row_bytes = job.rows.size(1);
+  job.out = at::zeros({job.panels, job.blocks, block_bytes}, job.rows.options().dtype(type));
+  job.src = job.rows.data_ptr<uint8_t>();
+  job.dst = static_cast<uint8_t*>(job.out.data_ptr());
+  return job;
+}
+
+// The panels of a GGUF tensor's rows: `pack(columns, block)` packs one panel block from its columns'
+// file blocks, the panel blocks shared out over the threads.
+template <typename PackBlock>
+at::Tensor pack_panel_blocks(const at::Tensor& rows, int64_t file_bytes, int64_t block_bytes, PackBlock pack,
+                             const char* message, at::ScalarType type) {
+  const Panels job = start_panels(rows, file_bytes, block_bytes, message, type);
+  at::parallel_for(0, job.panels * job.blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / blocks, b = i % blocks;
+      const int64_t p = i / job.blocks, b = i % job.blocks;
       Columns columns{};
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) columns[c] = src + (p * kPanel + c) * row_bytes + b * file_bytes;
-      pack(columns, dst + i * block_bytes);
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < job.n; ++c) {
+        columns[c] = job.src + (p * kPanel + c) * job.row_bytes + b * file_bytes;
+      }
+      pack(columns, job.dst + i * block_bytes);
     }
   });
-  return out;
+  return job.out;
 }
 
 // The same, one column at a time: `column(file_block, c, block)` puts column c's file block into
 // its panel block; a thread takes whole panels and reads each row front to back (for the kinds
 // whose columns are plain copies: Q8_0, and the exact panels).
 template <typename PackColumn>
-at::Tensor pack_super_blocks(const at::Tensor& rows_in, int64_t file_bytes, int64_t block_bytes, PackColumn column,
+at::Tensor pack_super_blocks(const at::Tensor& rows, int64_t file_bytes, int64_t block_bytes, PackColumn column,
                              const char* message, at::ScalarType type = at::kByte) {
-  TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
-                  rows_in.size(1) % file_bytes == 0,
-              message);
-  const at::Tensor rows = rows_in.contiguous();
-  const int64_t n = rows.size(0), blocks = rows.size(1) / file_bytes, panels = (n + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, blocks, block_bytes}, rows.options().dtype(type));
-  const uint8_t* src = rows.data_ptr<uint8_t>();
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  const Panels job = start_panels(rows, file_bytes, block_bytes, message, type);
+  at::parallel_for(0, job.panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
-        const uint8_t* row = src + (p * kPanel + c) * rows.size(1);
-        for (int64_t b = 0; b < blocks; ++b) column(row + b * file_bytes, c, dst + (p * blocks + b) * block_bytes);
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < job.n; ++c) {
+        const uint8_t* row = job.src + (p * kPanel + c) * job.row_bytes;
+        for (int64_t b = 0; b < job.blocks; ++b) {
+          column(row + b * file_bytes, c, job.dst + (p * job.blocks + b) * block_bytes);
+        }
       }
     }
   });
-  return out;
+  return job.out;
 }
 
 at::Tensor pack_q8_0(const at::Tensor& rows) {
