@@ -2,7 +2,8 @@
 `weft bench throughput --gguf-type` (speed only: the values are random, the bytes and their layout
 are those of a real file).
 
-`q4_k_m` follows llama.cpp's Q4_K_M choice of types: Q4_K everywhere, but Q6_K for the output
+`q4_k_m` follows llama.cpp's Q4_K_M choice of types (`q5_k_m` its Q5_K_M, with Q5_K and the Q5_1
+fallback): Q4_K everywhere, but Q6_K for the output
 matrix (the token embedding where it is tied) and for attn_v and ffn_down in the layers its
 `use_more_bits` picks (the first and last eighth of the layers, and every third between); rows
 that are not whole 256-feature super-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q6_K to
@@ -32,7 +33,9 @@ SCALES = {
     "q5_k": (0, 2),
     "q6_k": (208,),
 }
-MIXES = ("q4_k_m", "q8_0", "q4_0")
+MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0")
+# llama.cpp's fallbacks where a matrix's rows are not whole 256-feature super-blocks
+_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def _more_bits(layer: int, num_layers: int) -> bool:
@@ -42,14 +45,13 @@ def _more_bits(layer: int, num_layers: int) -> bool:
 
 
 def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int) -> str:
-    if mix != "q4_k_m":
+    if mix not in ("q4_k_m", "q5_k_m"):
         return mix
     six = name in ("output", "token_embd_tied") or (
         name in ("attn_v", "ffn_down") and _more_bits(layer, num_layers)
     )
-    if features % 256:  # not whole super-blocks
-        return "q8_0" if six else "q5_0"
-    return "q6_k" if six else "q4_k"
+    kind = "q6_k" if six else mix[:4]
+    return _FALLBACK[kind] if features % 256 else kind
 
 
 def random_blocks(
@@ -92,7 +94,7 @@ def write_random_gguf(config_path: Path, mix: str, out: Path, seed: int = 0) -> 
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(vocab)
-    writer.add_file_type(15 if mix == "q4_k_m" else {"q8_0": 7, "q4_0": 2}[mix])
+    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2}[mix])
     rng = np.random.default_rng(seed)
 
     def matrix(name: str, kind_name: str, layer: int, rows: int, features: int) -> None:

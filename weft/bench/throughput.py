@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gguf-type",
         default=None,
         help="build the --config shape as a GGUF file of random blocks of this type instead: q4_k_m "
-        "(llama.cpp's mix of Q4_K and Q6_K), q8_0 or q4_0; measured alone (pass --no-reference)",
+        "(llama.cpp's mix of Q4_K and Q6_K), q5_k_m, q8_0 or q4_0; measured alone (pass --no-reference)",
     )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
