@@ -195,9 +195,10 @@ def tool_calls(llm: Any, constrained: bool) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from weft import LLM, default_model_path
+    from weft import LLM
+    from weft.engine.default_model import named_model
 
-    model = args.model or str(default_model_path())
+    model = str(named_model(args.model))
     llm = LLM(model, show_progress=False)
     print(f"weft bench quality: {model}; ISA path {llm.kernels['isa']} ({llm.kernels['cpu']})")
     results = {

@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     print(f"weft bench speculative: workloads={','.join(workloads)} batches={args.batch_sizes} k={args.k}")
     results: list[Result] = []
-    model = _model(args.model)
+    from weft.engine.default_model import named_model
+
+    model = named_model(args.model)
     label = model.stem if model.is_file() else model.name
     off, on = LLM(str(model), show_progress=False), _speculating(model, args.k)
     print(f"model: {model}\nwhat ran: {describe_kernels(off.kernels)}", flush=True)
@@ -146,14 +148,6 @@ def _bf16() -> Any:
     import torch
 
     return torch.bfloat16
-
-
-def _model(name: str | None) -> Path:
-    from weft.engine.default_model import bundled_model_path, default_model_path
-
-    if name == "bundled":
-        return bundled_model_path()
-    return default_model_path() if name is None else Path(name)
 
 
 def _speculating(path: Path, k: int) -> Any:

@@ -265,9 +265,9 @@ def _model_path(args: argparse.Namespace, tmp: Path) -> Path:
     """The model measured: --model ('default': the default model), else a random-weight one."""
     if args.model is None:
         return build_checkpoint(args.config, torch.float32, tmp)
-    from weft.engine.default_model import default_model_path
+    from weft.engine.default_model import named_model
 
-    return default_model_path() if args.model == "default" else Path(args.model)
+    return named_model(args.model)
 
 
 def _measure(llm, hf, schemas, batch_sizes: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:

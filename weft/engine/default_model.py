@@ -69,15 +69,15 @@ def bundled_model_path() -> Path:
     return Path(__file__).resolve().parents[1] / "default_model"
 
 
-def default_model_path(quiet: bool = False) -> Path:
+def default_model_path() -> Path:
     """The model `LLM()`, `weft demo`, `weft generate` and `weft serve` run when none is named: the
     real default model's GGUF file where it is installed, else the bundled model (saying once, on
-    stderr, how to install the real one, unless `quiet`)."""
+    stderr, how to install the real one)."""
     path = DEFAULT_MODEL.path()
     if path is not None:
         return path
     global _noted
-    if not quiet and not _noted:
+    if not _noted:
         _noted = True
         print(
             f"weft: the default model, {DEFAULT_MODEL.name}, is not installed "
@@ -87,13 +87,12 @@ def default_model_path(quiet: bool = False) -> Path:
     return bundled_model_path()
 
 
-def describe(path: Path) -> str:
-    """Which model a path is, in words, for the CLI's first line."""
-    if path == DEFAULT_MODEL.path():
-        return f"{DEFAULT_MODEL.name}, {path}"
-    if path == bundled_model_path():
-        return f"the bundled Shakespeare model (4.3M parameters), {path}"
-    return str(path)
+def named_model(name: str | None) -> Path:
+    """A benchmark's `--model`: None or "default" the default model, "bundled" the bundled one,
+    anything else a path."""
+    if name is None or name == "default":
+        return default_model_path()
+    return bundled_model_path() if name == "bundled" else Path(name)
 
 
-__all__ = ["DEFAULT_MODEL", "InstalledModel", "bundled_model_path", "default_model_path", "describe"]
+__all__ = ["DEFAULT_MODEL", "InstalledModel", "bundled_model_path", "default_model_path", "named_model"]

@@ -341,7 +341,7 @@ def _expect_blocks(
         if (
             isinstance(weight, (QuantizedRows, MixedRows))
             and isinstance(module, (Linear, Embedding))
-            and set(weight.label.split("+")) <= kernels.block_kinds
+            and set(weight.kinds) <= kernels.block_kinds
         ):
             flat, parts = flat_blocks(weight)
             tensors[name] = flat

@@ -69,6 +69,10 @@ class QuantizedRows:
         return self.kind not in NO_EXACT_PANELS
 
     @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,)
+
+    @property
     def label(self) -> str:  # how llm.kernels names the panels
         return self.kind
 
@@ -94,8 +98,12 @@ class MixedRows:
         return torch.cat([p.pack(dot=True, mins=True) for p in self.parts])
 
     @property
+    def kinds(self) -> tuple[str, ...]:  # each kind once, in the parts' order
+        return tuple(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
     def label(self) -> str:
-        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+        return "+".join(self.kinds)
 
 
 Weight = torch.Tensor | QuantizedRows | MixedRows
