@@ -76,25 +76,25 @@ def test_q4_1_exact_products_are_the_dequantized_model(smol):
     reference) and multiplied in float32, and the model so computed is as close to llama.cpp,
     teacher-forced along its tokens, as measured (0.031 nats; the int8 products too: llama.cpp's
     own float16 rounding of q, K, V and the attention weights is the rest)."""
-    from gguf import GGUFReader
-
+    from weft.model.gguf_file import GgufFile
     from weft.model.quantized import QuantizedRows
 
     path = installed()
     exact = LLM(str(path), show_progress=False, max_logprobs=5, matmul_precision="float32")
     assert "Q4_1" not in exact.kernels["linear"], exact.kernels  # float32 panels of the dequantization
-    down = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.3.ffn_down.weight")
+    down = next(t for t in GgufFile(path).tensors if t.name == "blk.3.ffn_down.weight")
     rows = torch.from_numpy(np.array(down.data)).reshape(int(down.shape[1]), -1)
     weight = QuantizedRows("q4_1", rows).dequantize().double()  # [576, 1536]
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
     got = exact.engine.model.get_submodule("layers.3.mlp.down")(x).double()
     torch.testing.assert_close(got, x.double() @ weight.T, rtol=1e-5, atol=1e-5 * weight.abs().max().item())
     record = json.loads(RECORD.read_text())
+    runs = record["runs"]
     for llm, bound in ((exact, 0.033), (smol, 0.033)):
         gaps = []
-        for run in record["runs"]:
-            ids = run["ids"] + run["tokens"]
-            out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        outs = llm.generate([run["ids"] + run["tokens"] for run in runs], params, use_tqdm=False)
+        for run, out in zip(runs, outs, strict=True):
             steps = out.prompt_logprobs[len(run["ids"]) :]
             gaps += [
                 abs(e[t].logprob - lp) for t, e, lp in zip(run["tokens"], steps, run["logprobs"], strict=True)

@@ -178,8 +178,8 @@ def _merge_splits_kernel(
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits of each context for a decode-only step of `num_seqs` sequences: enough programs for
     about `PROGRAMS_PER_SM` per multiprocessor, at most `MAX_SPLITS`, a power of two (1: no split).
-    Off CUDA (Triton's interpreter) as for a GPU of 8 multiprocessors."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    Off CUDA (Triton's interpreter, whose cost is per program) as for a GPU of 2 multiprocessors."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     wanted = -(-PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
     return min(MAX_SPLITS, 1 << max(0, wanted - 1).bit_length()) if wanted > 1 else 1
 

@@ -77,31 +77,37 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, cache_ptr, stride_t, stride_h,
                           stride_table, stride_slot, stride_kv, stride_head, num_heads, num_kv, half,
-                          BLOCK: tl.constexpr):  # fmt: skip
-    """Program (token, h): h < H rotates q head h in place; else k head h - H is rotated (in place
-    too) and written with v head h - H into the cache at the token's slot."""
+                          BLOCK: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr):  # fmt: skip
+    """Program `token`: its q and k heads rotated in place, and its k and v heads written into the
+    cache at its slot (one tile of every head: on a GPU a token's heads are a few thousand
+    elements; in Triton's interpreter, whose cost is per program, fewer programs)."""
     token = tl.program_id(0)
-    head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     ok = cols < half
     pos = tl.load(pos_ptr + token)
     dtype = qkv_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + pos * stride_table + cols, mask=ok, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_table + cols, mask=ok, other=0.0).to(dtype).to(tl.float32)
-    base = qkv_ptr + token * stride_t + head * stride_h
-    first, second = _rotate(base, cos, sin, cols, ok, half, dtype)
-    tl.store(base + cols, first, mask=ok)
-    tl.store(base + half + cols, second, mask=ok)
-    if head >= num_heads:
-        slot = tl.load(slot_ptr + token)
-        kv_head = head - num_heads
-        key = cache_ptr + slot * stride_slot + kv_head * stride_head
-        tl.store(key + cols, first, mask=ok)
-        tl.store(key + half + cols, second, mask=ok)
-        value = base + num_kv * stride_h  # v head kv_head of the same row
-        cache_value = key + stride_kv
-        tl.store(cache_value + cols, tl.load(value + cols, mask=ok), mask=ok)
-        tl.store(cache_value + half + cols, tl.load(value + half + cols, mask=ok), mask=ok)
+    heads = tl.arange(0, HEADS)  # [R]: the q heads, then the k heads
+    mask = (heads < num_heads + num_kv)[:, None] & ok[None, :]  # [R, BLOCK]
+    base = qkv_ptr + token * stride_t + heads[:, None] * stride_h + cols[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+    first = (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype)
+    second = (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype)
+    tl.store(base, first, mask=mask)
+    tl.store(base + half, second, mask=mask)
+    slot_base = cache_ptr + tl.load(slot_ptr + token) * stride_slot
+    key = slot_base + (heads - num_heads)[:, None] * stride_head + cols[None, :]
+    key_mask = mask & (heads >= num_heads)[:, None]
+    tl.store(key, first, mask=key_mask)
+    tl.store(key + half, second, mask=key_mask)
+    kv = tl.arange(0, KV_HEADS)  # [KV]: the v heads, copied whole
+    dims = tl.arange(0, 2 * BLOCK)
+    v_mask = (kv < num_kv)[:, None] & (dims < 2 * half)[None, :]
+    value = qkv_ptr + token * stride_t + (num_heads + num_kv + kv)[:, None] * stride_h + dims[None, :]
+    cache_value = slot_base + stride_kv + kv[:, None] * stride_head + dims[None, :]
+    tl.store(cache_value, tl.load(value, mask=v_mask), mask=v_mask)
 
 
 def rope_write_kv_(
@@ -116,10 +122,11 @@ def rope_write_kv_(
     num_tokens, width, head_dim = qkv.shape
     num_kv = (width - num_heads) // 2
     if num_tokens:
-        _rope_write_kv_kernel[(num_tokens, num_heads + num_kv)](
+        _rope_write_kv_kernel[(num_tokens,)](
             qkv, positions, slot_mapping, cos, sin, kv_cache, qkv.stride(0), qkv.stride(1), cos.stride(0),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), num_heads, num_kv, head_dim // 2,
-            BLOCK=triton.next_power_of_2(head_dim // 2),
+            BLOCK=triton.next_power_of_2(head_dim // 2), HEADS=triton.next_power_of_2(num_heads + num_kv),
+            KV_HEADS=triton.next_power_of_2(num_kv),
         )  # fmt: skip
 
 

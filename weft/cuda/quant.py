@@ -35,6 +35,7 @@ _CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_
 # kind -> (its code in the kernels, input features per block, bytes per block)
 KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
+MAX_NUMEL = 1 << 20  # elements of a Triton tensor, at most
 GEMV_ROWS = 4  # up to this many rows, products and sums in float32; more, `tl.dot` (tensor cores)
 
 
@@ -230,10 +231,12 @@ def tile_config(num_rows: int, interpreted: bool = False) -> tuple[int, int, boo
     """(BLOCK_M, BLOCK_N, USE_DOT, num_warps) for a product of `num_rows` rows: up to `GEMV_ROWS`
     rows (decode) take narrow column tiles and float32 products, so that a step has several
     programs per multiprocessor streaming the weights; more take tensor-core tiles. Triton's
-    interpreter (CPU tensors) costs per program, not per element: wide tiles there."""
-    wide = 128 if interpreted else 0
+    interpreter (CPU tensors) costs per program, not per element: wide tiles there, as wide as
+    Triton's largest tensor allows (a decode tile's [M, N, 128] products)."""
+    wide = 4096 if interpreted else 0
     if num_rows <= GEMV_ROWS:
-        return triton.next_power_of_2(num_rows), wide or 8, False, 4
+        block_m = triton.next_power_of_2(num_rows)
+        return block_m, min(wide, MAX_NUMEL // (128 * block_m)) or 8, False, 4
     return (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), wide or 64, True, 4
 
 
