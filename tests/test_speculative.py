@@ -90,19 +90,26 @@ def test_text_lookup_finds_words_tokenized_differently_where_they_are_copied():
 
 def test_field_lookup_drafts_the_value_a_json_key_names():
     """A record's `key: value` lines and the JSON that restates them: at a value's opening the
-    drafter guesses the record's value (closed with a quote for a string), not what token or text
+    drafter guesses the record's value (closed as a member that more follow: `",` after a string, `,`
+    after a number), not what token or text
     lookup would; nothing where the key is not stated, the value is under way, or a JSON key is the
     only statement of it."""
     from weft.speculative.field_lookup import named_value
 
     record = b"name: Menenius Agrippa\nAge = 52\nhome: 'vienna'\n"
-    assert named_value(record + b'{"name": "') == 'Menenius Agrippa"'
-    assert named_value(record + b'{"name": "Menenius Agrippa", "age": ') == "52"
-    assert named_value(record + b'{"name": "Menenius Agrippa", "age": 52, "home": "') == 'vienna"'
+    assert named_value(record + b'{"name": "') == 'Menenius Agrippa",'
+    assert named_value(record + b'{"name": "Menenius Agrippa", "age": ') == "52,"
+    assert named_value(record + b'{"name": "Menenius Agrippa", "age": 52, "home": "') == 'vienna",'
     for tail in [b'{"name": "Men', b'{"nickname": "', b'{"name": "Menenius Agrippa"', b"{"]:
         assert named_value(record + tail) is None, tail
     assert named_value(b'{"home": "rome"}\n{"home": "') is None  # JSON keys state nothing
-    assert named_value(b"home: rome\nhome: mantua\n" + b'{"home": "') == 'mantua"'  # the latest
+    assert named_value(b"home: rome\nhome: mantua\n" + b'{"home": "') == 'mantua",'  # the latest
+    # before the value's first character: quoted unless bare JSON, after the space where it is due
+    assert named_value(record + b'{"name": ') == '"Menenius Agrippa",'
+    assert named_value(record + b'{"name":') == ' "Menenius Agrippa",'
+    assert named_value(record + b'{"name": "Menenius Agrippa", "age":') == " 52,"
+    assert named_value(b'ok: true\nhome: "rome"\n{"ok":') == " true,"
+    assert named_value(b'ok: true\nhome: "rome"\n{"ok": true, "home":') == ' "rome",'
 
 
 def test_the_drafter_guesses_a_named_value_before_anything_else():
@@ -117,15 +124,15 @@ def test_the_drafter_guesses_a_named_value_before_anything_else():
     drafter = NgramDrafter(
         2, 4, TextLookup(token_bytes_for(tok), lambda t: tok.encode(t, add_special_tokens=False))
     )
-    assert tok.decode(drafter.propose(ids, 8)) == 'verona"'
+    assert tok.decode(drafter.propose(ids, 8)) == 'verona",'
     assert drafter.propose(ids, 1) == tok.encode("verona", add_special_tokens=False)[:1]
 
 
 def test_a_draft_runs_on_through_what_the_grammar_forces_to_the_next_named_value():
-    """Under a JSON schema, a name's guess is followed by the tokens the grammar forces after it
-    (`", "age": `) and the age the record states, not by forced tokens that no guess follows; the
-    forced positions are reported, the guesses stay within their number, and the matcher is left
-    as it was."""
+    """Under a JSON schema, a name's guess (`Romeo",`) is followed by the tokens the grammar forces
+    after it (` "age": `), the age the record states, and so on, not by forced tokens that no guess
+    follows; the forced positions are reported, the guesses stay within their number, and the
+    matcher is left as it was."""
     from weft.detokenize import token_bytes_for
     from weft.engine.default_model import bundled_model_path
     from weft.params import StructuredKind, StructuredSpec
@@ -153,14 +160,13 @@ def test_a_draft_runs_on_through_what_the_grammar_forces_to_the_next_named_value
     )
     ids = record + opened
     guessed = drafter.propose(ids, 8)
-    assert tok.decode(guessed) == 'Romeo"'
+    assert tok.decode(guessed) == 'Romeo",'
     forced_before, valid_before = matcher.forced_tokens(), matcher.validate(guessed)
     draft, forced_at = through_forced(matcher, drafter.propose_after, ids, guessed, 8, 64)
-    assert tok.decode(draft) == 'Romeo", "age": 17'
-    assert tok.decode([draft[i] for i in forced_at]) == ', "age": '
-    assert forced_at == list(
-        range(len(guessed), len(draft) - len(tok.encode("17", add_special_tokens=False)))
-    )
+    assert tok.decode(draft) == 'Romeo", "age": 17, "home": "verona'
+    assert tok.decode([draft[i] for i in forced_at]) == ' "age":  "home": "'
+    assert forced_at[0] == len(guessed) and len(draft) - len(forced_at) == 8  # guesses
+    assert len(forced_at) == len(set(forced_at)) and forced_at == sorted(forced_at)
     assert (matcher.forced_tokens(), matcher.validate(guessed)) == (forced_before, valid_before)
     assert through_forced(matcher, drafter.propose_after, ids, guessed, len(guessed), 64) == (guessed, [])
     assert through_forced(matcher, None, ids, guessed, 8, 64) == (guessed, [])  # a drafter that cannot

@@ -524,6 +524,43 @@ def test_the_bundled_model_decodes_the_same_with_prompt_lookup(bundled):
     assert sum(o.speculation.num_accepted_tokens for o in got if o.speculation) > 0
 
 
+def test_an_extraction_drafts_its_values_while_the_gate_is_closed(bundled, monkeypatch):
+    """A JSON extraction from a record of `key: value` lines drafts the values the record states
+    even while the step gate keeps drafting off (the gate measures steps and cannot tell the few
+    where a value opens), and no step stays in flight while it runs; a free-text request under the
+    same closed gate drafts nothing and its steps stay in flight. Outputs as without drafts."""
+    off, _ = bundled
+    on = LLM(
+        bundled_model_path(), show_progress=False, async_scheduling=True,
+        speculative_config={"num_speculative_tokens": 4},
+    )  # fmt: skip
+    speculation = on.engine.speculation
+    assert speculation is not None
+    monkeypatch.setattr(speculation.gate, "allows", lambda batch: False)
+    committed: list[bool] = []
+    real_commit = engine_module.commit
+    monkeypatch.setattr(
+        engine_module, "commit", lambda launched: committed.append(True) or real_commit(launched)
+    )
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    record = "name: Romeo\nage: 17\n"
+    extraction = SamplingParams(temperature=0, max_tokens=24, json_schema=schema)
+    for prompt, params, drafts in [
+        (record, extraction, True),
+        ("ROMEO:\nBut soft, what light", SamplingParams(temperature=0, max_tokens=16), False),
+    ]:
+        before, committed[:] = speculation.tally.num_drafts, []
+        (got,) = on.generate([prompt], params)
+        (expected,) = off.generate([prompt], params)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert (speculation.tally.num_drafts > before) == drafts
+        assert bool(committed) != drafts  # in flight only where nothing drafts
+
+
 def test_a_request_may_opt_out(bundled):
     _, on = bundled
     text = "All:\nSpeak, speak. Speak, speak. Speak, speak. Speak, speak."

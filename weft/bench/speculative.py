@@ -6,7 +6,8 @@ Workloads (the default model unless --model; prompts from the held-out tenth of 
           the output repeats the rest
           (greedy; what prompt lookup is for: edits, quotes, extractions);
   json    a record (`name`, `age`, `home`) then its facts as JSON under a JSON Schema (greedy): the
-          values are copied from the prompt, the keys and punctuation forced by the grammar;
+          values are copied from the prompt, the keys and punctuation forced by the grammar (a
+          model with a chat template is asked in a user turn to extract them);
   open    open-ended text (temperature 0.8, seeded): little to copy, where drafting must not cost;
   oracle  drafts that are the model's own greedy continuation, always as many as asked (the
           ceiling of verification, per k), also on random-weight models of real shapes
@@ -27,7 +28,7 @@ import argparse
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             if workload == "json-oracle":
                 results += _json_oracle(label, off, _speculating(model, args.k), batch, args)
                 continue
-            requests = _requests(workload, max(batch, NUM_REQUESTS), args.max_tokens)
+            requests = _requests(workload, max(batch, NUM_REQUESTS), args.max_tokens, _chat(off))
             results.append(_compare(label, workload, off, on, requests, batch, args.k, args.repeats))
             _print(results[-1])
     for name in (c for c in args.oracle_configs.split(",") if c.strip()):
@@ -164,7 +165,18 @@ def _bundled_ids(text: str) -> list[int]:
     return Tokenizer.from_dir(bundled_model_path()).encode(text)
 
 
-def _requests(workload: str, count: int, max_tokens: int) -> list[tuple[Any, Any]]:
+def _chat(llm: Any) -> Callable[[str], str] | None:
+    """A user turn in the model's chat template, or None where it has none."""
+    if llm.tokenizer.chat_template is None:
+        return None
+    return lambda text: llm.render_chat_text([{"role": "user", "content": text}])
+
+
+def _requests(
+    workload: str, count: int, max_tokens: int, chat: Callable[[str], str] | None = None
+) -> list[tuple[Any, Any]]:
+    """The workload's prompts and sampling; `chat`: how an instruction becomes a prompt (an
+    instruct model's chat template), where the workload asks for something."""
     from weft import SamplingParams
 
     text = CORPUS.read_text(encoding="utf-8")
@@ -175,10 +187,12 @@ def _requests(workload: str, count: int, max_tokens: int) -> list[tuple[Any, Any
         return [(p + "\n\n" + p[: _line_start(p, 80)], params) for p in passages]
     if workload == "json":
         params = SamplingParams(temperature=0, max_tokens=max_tokens, json_schema=SCHEMA)
-        records = [
-            f"name: {NAMES[i % 8]}\nage: {17 + 7 * i % 60}\nhome: {HOMES[(3 * i) % 8]}\n"
-            for i in range(count)
-        ]
+        homes = [HOMES[(3 * i) % 8] for i in range(count)]
+        if chat is not None:  # an instruct model writes places capitalized: so do real records
+            homes = [home.title() for home in homes]
+        records = [f"name: {NAMES[i % 8]}\nage: {17 + 7 * i % 60}\nhome: {homes[i]}\n" for i in range(count)]
+        if chat is not None:
+            return [(chat(f"Write this record as JSON.\n\n{r}"), params) for r in records]
         return [(r, params) for r in records]
     if workload == "open":
         return [

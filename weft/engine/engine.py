@@ -337,7 +337,7 @@ class LLMEngine:
                 and can_stay_in_flight(launched, self.groups)
                 and (
                     self.speculation is None
-                    or self.speculation.lets_stay_in_flight(bool(drafts), len(self.scheduler.running))
+                    or self.speculation.lets_stay_in_flight(bool(drafts), self.scheduler.running)
                 )
             )
             if not stays:

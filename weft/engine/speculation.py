@@ -51,12 +51,12 @@ class Speculation:
         allowed, self._next_allowed = self._next_allowed, None
         if allowed is None and self.adaptive:
             allowed = self.gate.allows(len(running))
-        if allowed is False:
+        if allowed is False and not any(self._extracts(seq) for seq in running):
             return {}
         share = self.cost.share(len(running)) if self.adaptive else 0.0
         drafts = {}
         for seq in running:
-            if not _may_draft(seq):
+            if not _may_draft(seq) or (allowed is False and not self._extracts(seq)):
                 continue
             state = seq.drafts
             if state is None:
@@ -71,6 +71,21 @@ class Speculation:
             if guessed:
                 drafts[seq.seq_id] = guessed
         return drafts
+
+    def _extracts(self, seq: Sequence) -> bool:
+        """Whether `seq` writes JSON under a grammar (fast-forwarding, no logprobs) from a prompt
+        that states `key: value` lines: an extraction, whose value guesses are drafted whatever the
+        step gate says (they are right or cut at once; their own acceptance estimate still sets
+        how many), since the gate, measuring steps, cannot tell the few steps where a value opens."""
+        if seq.matcher is None or not seq.params.fast_forward or seq.positions is not None:
+            return False
+        if not seq.params.speculative:
+            return False
+        state = seq.drafts
+        if state is None:
+            state = seq.drafts = self._new_state()
+        states_fields = getattr(state.drafter, "states_fields", None)
+        return states_fields is not None and states_fields(seq.prompt_token_ids)
 
     def _new_state(self) -> DraftState:
         """A sequence's speculation, its acceptance starting from the engine's."""
@@ -97,13 +112,14 @@ class Speculation:
         )
         return guessed
 
-    def lets_stay_in_flight(self, proposed: bool, batch: int) -> bool:
+    def lets_stay_in_flight(self, proposed: bool, running: list[Sequence]) -> bool:
         """Whether a step may stay in flight (lookahead): only if no drafts were `proposed` for it
-        and the next step, of about `batch` rows, will not draft (drafts are looked up in tokens on
-        the host). The gate is asked for the next step now, and `propose` keeps its answer."""
-        if not self.adaptive or proposed:
+        and the next step, of the `running` sequences, will not draft (drafts are looked up in
+        tokens on the host): no extraction runs (`_extracts`) and the gate, asked for the next
+        step now (`propose` keeps its answer), keeps drafting off."""
+        if not self.adaptive or proposed or any(self._extracts(seq) for seq in running):
             return False
-        self._next_allowed = self.gate.allows(batch)
+        self._next_allowed = self.gate.allows(len(running))
         return not self._next_allowed
 
     def retire(self, seqs: Iterable[Sequence]) -> None:

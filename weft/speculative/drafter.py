@@ -59,6 +59,11 @@ class NgramDrafter:
             guessed = self.text.propose(token_ids, k)
         return guessed
 
+    def states_fields(self, token_ids: Sequence[int]) -> bool:
+        """Whether the prompt states `key: value` lines that JSON values may restate (an
+        extraction: its value guesses are drafted whatever the step gate says, Speculation.propose)."""
+        return self.text is not None and self.text.states_fields(token_ids)
+
     def propose_after(self, token_ids: Sequence[int], draft: list[int], k: int) -> list[int]:
         """Up to `k` guesses after `token_ids` and then `draft` (tokens a grammar forces, after
         guesses: weft/speculative/forced.py), without reading `draft` in: the value a JSON key

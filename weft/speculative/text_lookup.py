@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from weft.detokenize import TokenBytes
-from weft.speculative.field_lookup import named_value
+from weft.speculative.field_lookup import named_value, states_fields
 
 
 class TextLookup:
-    __slots__ = ("encode", "max_bytes", "min_bytes", "num_tokens", "span", "text", "token_bytes")
+    __slots__ = ("encode", "max_bytes", "min_bytes", "num_tokens", "span", "stated", "text", "token_bytes")
 
     def __init__(
         self,
@@ -31,12 +31,21 @@ class TextLookup:
         self.min_bytes, self.max_bytes, self.span = min_bytes, max_bytes, span
         self.text = bytearray()
         self.num_tokens = 0  # how many of the sequence's tokens `text` holds
+        self.stated: bool | None = None  # whether the text first read (the prompt) states fields
 
     def update(self, token_ids: Sequence[int]) -> None:
         """Read the tokens appended since the last call."""
         for token in token_ids[self.num_tokens :]:
             self.text += self.token_bytes(token)
         self.num_tokens = len(token_ids)
+
+    def states_fields(self, token_ids: Sequence[int]) -> bool:
+        """Whether the sequence's text as first read (its prompt) states `key: value` lines, which
+        `named_value` drafts from."""
+        if self.stated is None:
+            self.update(token_ids)
+            self.stated = states_fields(self.text)
+        return self.stated
 
     def named_value(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens of the value that the text states for the JSON key whose value it has
