@@ -143,3 +143,30 @@ def test_the_demo_shows_each_feature_working_on_the_default_model(capsys):
     assert "The capital of Japan is Tokyo." in out, out
     for title in ("=== chat", "=== top-5 logprobs"):
         assert title in out, out
+
+
+def test_smc_samples_the_choice_the_model_would_make(smol):
+    """The default model's choice task (weft/bench/smc_task.py): two options open with the colours
+    the model names first and end in words it would not write. Masking samples them as often as
+    their first words (TV >= 0.25 to the model's own distribution over the options, which
+    `llm.score` computes exactly); 20 SMC runs of 16 particles, pooled, come within 0.1."""
+    from weft.bench.smc_task import DEFAULT_TASK, pooled, total_variation
+
+    prompt = DEFAULT_TASK.prompt_ids(smol)
+    scores = smol.score(prompt, DEFAULT_TASK.options)
+    weights = np.exp(np.array([s.logprob for s in scores]))
+    goal = {option: float(w / weights.sum()) for option, w in zip(DEFAULT_TASK.options, weights, strict=True)}
+    masked = smol.generate(
+        [prompt], SamplingParams(choice=DEFAULT_TASK.options, n=400, seed=1), use_tqdm=False
+    )
+    counts = {option: 0.0 for option in DEFAULT_TASK.options}
+    for c in masked[0].outputs:
+        counts[c.text] += 1 / 400
+    assert total_variation(counts, goal) >= 0.25, (counts, goal)
+    smc = {"num_particles": 16, "output": "weighted", "end_of_text": False}
+    params = [
+        SamplingParams(choice=DEFAULT_TASK.options, max_tokens=16, seed=16 * i, smc=smc) for i in range(20)
+    ]
+    estimate, _ = pooled(smol.generate([prompt] * len(params), params, use_tqdm=False))
+    assert total_variation(estimate, goal) < 0.1, (estimate, goal)
+    assert smol.stats()["kv_blocks_used"] == 0

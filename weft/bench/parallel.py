@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -149,21 +150,46 @@ def measure_smc(llm, prompt: list[int], particles: int, args: argparse.Namespace
     return row
 
 
-def measure_smc_task(particle_counts: list[int], runs: int) -> dict[str, float]:
-    """The bundled model's task with an exact answer: masking's TV to the target and SMC's at
-    each N (`runs` runs of weighted particles pooled)."""
-    from weft import LLM, SamplingParams, bundled_model_path
-    from weft.bench.smc_task import NAMES, PROMPT, exact_choice_distributions, pooled, total_variation
+def measure_smc_task(particle_counts: list[int], runs: int) -> list[dict[str, Any]]:
+    """The choice tasks with an exact answer (weft/bench/smc_task.py), on the bundled model and,
+    where it is installed, the default model: masking's TV to the target and SMC's at each N
+    (`runs` runs of weighted particles pooled), and the seconds of SMC's runs."""
+    from weft import LLM, bundled_model_path
+    from weft.bench.smc_task import BUNDLED_TASK, DEFAULT_TASK
+    from weft.engine.default_model import DEFAULT_MODEL
 
-    bundled = bundled_model_path()
-    goal, masking, _ = exact_choice_distributions(bundled, PROMPT, NAMES)
-    row = {"masking_tv": total_variation(masking, goal)}
     seqs = max(256, max(particle_counts))
-    llm = LLM(str(bundled), show_progress=False, dtype=torch.float32, max_num_seqs=seqs)
+    tasks = [(BUNDLED_TASK, Path(bundled_model_path()))]
+    default = DEFAULT_MODEL.path()
+    if default is not None:
+        tasks.append((DEFAULT_TASK, default))
+    else:
+        print(f"(the default model is not installed: its SMC task is skipped; {DEFAULT_MODEL.requirement})")
+    rows = []
+    for task, path in tasks:
+        # float32 products: the model transformers' dequantized float32 copy computes
+        llm = LLM(
+            str(path), show_progress=False, dtype=torch.float32, max_num_seqs=seqs, matmul_precision="float32"
+        )
+        rows.append(_smc_task_row(llm, task, path, particle_counts, runs))
+    return rows
+
+
+def _smc_task_row(llm: Any, task: Any, path: Path, particle_counts: list[int], runs: int) -> dict[str, Any]:
+    from weft import SamplingParams
+    from weft.bench.smc_task import exact_choice_distributions, pooled, total_variation
+
+    prompt = task.prompt_ids(llm)
+    goal, masking, _ = exact_choice_distributions(path, prompt, task.options, tokenizer=llm.tokenizer)
+    row: dict[str, Any] = {"task": task.name, "masking_tv": total_variation(masking, goal)}
     for n in particle_counts:
         smc = {"num_particles": n, "output": "weighted", "end_of_text": False}
-        params = [SamplingParams(choice=NAMES, max_tokens=16, seed=n * i, smc=smc) for i in range(runs)]
-        estimate, _ = pooled(llm.generate([PROMPT] * runs, params, use_tqdm=False))
+        params = [
+            SamplingParams(choice=task.options, max_tokens=16, seed=n * i, smc=smc) for i in range(runs)
+        ]
+        started = time.perf_counter()
+        estimate, _ = pooled(llm.generate([prompt] * runs, params, use_tqdm=False))
+        row[f"smc_{n}_s"] = time.perf_counter() - started
         row[f"smc_{n}_tv"] = total_variation(estimate, goal)
     return row
 
@@ -214,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         for particles in smc_counts:
             print(f"  SMC over {particles} particles ...", flush=True)
             smc_rows.append(measure_smc(llm, prompt, particles, args))
-    task = measure_smc_task(smc_counts, args.smc_runs) if smc_counts else {}
+    task = measure_smc_task(smc_counts, args.smc_runs) if smc_counts else []
     _print_tables(sample_rows, beam_rows)
     _print_smc(smc_rows, task)
     if args.json:
@@ -262,15 +288,16 @@ def _print_tables(sample_rows: list[dict[str, float]], beam_rows: list[dict[str,
         )
 
 
-def _print_smc(rows: list[dict[str, float]], task: dict[str, float]) -> None:
-    if not rows:
-        return
-    print(f"\nSMC over N particles against n = N samples (regex {SMC_REGEX!r}; tok/s of generated tokens)")
-    print(
-        "| N | samples tok/s | SMC tok/s | SMC / samples | resampling steps "
-        "| samples KV | SMC KV | SMC KV / ideal |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+def _print_smc(rows: list[dict[str, float]], tasks: list[dict[str, Any]]) -> None:
+    if rows:
+        print(
+            f"\nSMC over N particles against n = N samples (regex {SMC_REGEX!r}; tok/s of generated tokens)"
+        )
+        print(
+            "| N | samples tok/s | SMC tok/s | SMC / samples | resampling steps "
+            "| samples KV | SMC KV | SMC KV / ideal |"
+        )
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['N']} | {r['samples_tok_s']:.1f} | {r['smc_tok_s']:.1f} | "
@@ -278,9 +305,7 @@ def _print_smc(rows: list[dict[str, float]], task: dict[str, float]) -> None:
             f"{r['samples_kv_tokens']:.0f} | {r['smc_kv_tokens']:.0f} | "
             f"{r['smc_kv_tokens'] / r['ideal_kv_tokens']:.2f} |"
         )
-    if task:
-        shown = ", ".join(f"N={k[4:-3]}: {v:.3f}" for k, v in task.items() if k.startswith("smc_"))
-        print(
-            "\nbundled-model choice task, TV to the exact target: "
-            f"masking {task['masking_tv']:.3f}; SMC {shown}"
-        )
+    for task in tasks:
+        counts = [key[4:-3] for key in task if key.startswith("smc_") and key.endswith("_tv")]
+        shown = ", ".join(f"N={n}: {task[f'smc_{n}_tv']:.3f} ({task[f'smc_{n}_s']:.1f} s)" for n in counts)
+        print(f"\n{task['task']}, TV to the exact target: masking {task['masking_tv']:.3f}; SMC {shown}")
