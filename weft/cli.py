@@ -12,13 +12,13 @@ if TYPE_CHECKING:
     from weft.llm import LLM
 
 EPILOG = """examples:
-  weft demo                                       free, JSON and choice completions side by side
-  weft generate "ROMEO:"                          complete with the bundled model
+  weft demo                                       chat, extraction, choice, tool call and logprobs
+  weft generate "The capital of France is"        complete with the default model
   weft generate --model ./my-checkpoint --temperature 0 --max-tokens 50 "Once upon a time"
-  weft generate --stream --seed 1 "JULIET:"       print tokens as they come
+  weft generate --stream --seed 1 "Once upon a time"   print tokens as they come
   weft generate --json-schema person.json "A person:"   output that matches a JSON Schema
   weft generate --choice yes --choice no "Is it?"       one of the given strings
-  weft generate --beam-width 4 --max-tokens 20 "ROMEO:"  beam search, the best beams with scores
+  weft generate --beam-width 4 --max-tokens 20 "The three primary colors are"   beam search, best first
   weft score "The capital of France is" --option " Paris" --option " Lyon"   exact option logprobs
   weft serve --port 8000                          OpenAI-compatible server (base_url http://127.0.0.1:8000/v1)
   weft quantize model-f16.gguf model-q8_0.gguf --type q8_0   a GGUF file's matrices in Q8_0 blocks
@@ -71,10 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo = commands.add_parser(
         "demo",
-        help="free, JSON and choice completions side by side (bundled model)",
-        description="A free completion, a JSON Schema completion and a choice, in one batch.",
+        help="what weft does, on the default model: chat, extraction, choice, tool call, logprobs",
+        description=(
+            "A chat answer, a Pydantic model extracted from a sentence, a choice with exact scores, a "
+            "tool call and top-5 logprobs, each timed (the bundled model: free, JSON and choice completions)."
+        ),
     )
-    demo.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    demo.add_argument(
+        "--model", default=None, help="checkpoint directory or GGUF file (default: the default model)"
+    )
     demo.add_argument("--seed", type=int, default=7, help="sampling seed (default: 7)")
     _add_bench(commands)
     return parser

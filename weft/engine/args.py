@@ -34,7 +34,11 @@ class EngineArgs:
 
     model: str | Path | None = field(
         default=None,
-        metadata=cli("checkpoint directory, GGUF file or model id (default: the bundled model)", type=str),
+        metadata=cli(
+            "checkpoint directory, GGUF file or model id (default: the default model, SmolLM2-135M-Instruct "
+            "where it is installed, else the bundled model)",
+            type=str,
+        ),
     )
     tokenizer: str | Path | None = field(
         default=None, metadata=cli("a Hugging Face tokenizer directory (default: the model's)", type=str)
