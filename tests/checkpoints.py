@@ -34,6 +34,24 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    # YaRN over an original context of 16 positions (the parity prompts reach 21)
+    "qwen3-yarn": (
+        "Qwen3Config",
+        {
+            "head_dim": 16,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        },
+    ),
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+        },
+    ),
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # its second layer without rotary embedding
 }
 
 

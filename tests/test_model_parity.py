@@ -13,7 +13,7 @@ from weft import LLM, SamplingParams
 # one, on a CUDA GPU (LLM's default there would be bfloat16).
 ON_CPU = {"device": "cpu", "dtype": "float32"}
 VOCAB_ALL = 100_000  # max_logprobs high enough for a whole (tiny) vocabulary
-ARCHS = ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "smollm3"]
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
     [11, 12, 13],

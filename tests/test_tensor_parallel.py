@@ -132,7 +132,9 @@ def test_the_shard_cuts_every_tensor_by_heads_columns_and_vocabulary(checkpoint_
 # ---- engines at world size 2 against one rank ----------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "bundled"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "granite", "bundled"]
+)
 def test_two_ranks_compute_what_one_rank_does(checkpoint_factory, arch):
     """Every architecture's tiny checkpoint, and the bundled model: prompt logprobs, greedy tokens
     and their logprobs, and seeded samples on two ranks as on one."""

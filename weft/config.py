@@ -8,6 +8,7 @@ Each component receives only its own sub-config: the scheduler a `SchedulerConfi
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +28,7 @@ class RopeType(StrEnum):
     DEFAULT = "default"
     LINEAR = "linear"
     LLAMA3 = "llama3"
+    YARN = "yarn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,12 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     # llama.cpp's rope_freqs (GGUF files of Llama 3.1 and later): each frequency divided by its factor
     freq_factors: tuple[float, ...] = ()
+    # YaRN (weft/model/layers.py `_yarn_scaled`): the band of rotations between which frequencies
+    # move from kept to interpolated, and the factor cos and sin are scaled by (None: 0.1 ln(factor) + 1)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,27 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: torch.dtype | None = None  # the dtype config.json says the weights are stored in
+    # Granite's scales (1.0 / None elsewhere): the embedding times `embedding_multiplier`, each
+    # layer's attention and MLP output times `residual_multiplier` before the residual add, the
+    # attention scores times `attention_multiplier` (None: head_dim ** -0.5), logits divided by
+    # `logits_scaling`
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # SmolLM3: whether each layer rotates q and k (empty: every layer does)
+    rope_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """No family scales and rotary embedding in every layer (what the fused decode stack runs)."""
+        return (
+            self.embedding_multiplier == 1.0
+            and self.residual_multiplier == 1.0
+            and self.attention_multiplier is None
+            and self.logits_scaling == 1.0
+            and all(self.rope_layers)
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -101,7 +130,25 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
         checkpoint_dtype=DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype"))),
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        attention_multiplier=None
+        if raw.get("attention_multiplier") is None
+        else float(raw["attention_multiplier"]),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        rope_layers=_rope_layers(raw),
     )
+
+
+def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's `no_rope_layers` (despite its name, 1 where a layer uses rotary embedding), or
+    every `no_rope_layer_interval`-th layer without; () for families that rotate in every layer."""
+    if raw.get("no_rope_layers") is not None:
+        return tuple(bool(v) for v in raw["no_rope_layers"])
+    interval = raw.get("no_rope_layer_interval")
+    if interval is None or "SmolLM3ForCausalLM" not in (raw.get("architectures") or []):
+        return ()
+    return tuple((i + 1) % int(interval) != 0 for i in range(int(raw["num_hidden_layers"])))
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
@@ -123,8 +170,31 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings")
+            or (raw.get("max_position_embeddings", 8192) if rope_type == RopeType.YARN else 8192)
+        ),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        attention_factor=_yarn_attention_factor(merged) if rope_type == RopeType.YARN else None,
+        truncate=bool(merged.get("truncate", True)),
     )
+
+
+def _yarn_attention_factor(params: dict[str, Any]) -> float | None:
+    """YaRN's scale of cos and sin where the config sets it: `attention_factor`, or DeepSeek's
+    `mscale` / `mscale_all_dim` (as transformers reads them); None: the default from the factor."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and all_dim:
+        factor = float(params.get("factor", 1.0))
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+    return None
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

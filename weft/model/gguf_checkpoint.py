@@ -4,15 +4,16 @@ blocks' formats and dequantization from the `gguf` package).
 
 Steps of `GgufCheckpoint(path)`:
   1. read the header (metadata and the tensor index; the tensor data stays memory-mapped) and
-     check the architecture (`general.architecture`: llama, qwen2 or qwen3);
+     check the architecture (`general.architecture`: llama, qwen2, qwen3, granite or smollm3);
   2. `model_config()`: the `{arch}.*` keys as a Hugging Face config (sizes, heads, rope base and
-     linear scaling, norm epsilon, context length, tied embeddings when there is no `output`
-     tensor, the tokenizer's BOS/EOS ids), and the per-frequency rope factors of a `rope_freqs`
-     tensor (Llama 3.1 and later);
+     linear or YaRN scaling, norm epsilon, context length, tied embeddings when there is no
+     `output` tensor, the tokenizer's BOS/EOS ids, Granite's scales, SmolLM3's layers without
+     rotary embedding), and the per-frequency rope factors of a `rope_freqs` tensor (Llama 3.1
+     and later);
   3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
      reads (`SUPPORTED_TYPES`): a quantized matrix kept in its blocks where asked
      (`KEPT_IN_BLOCKS`), anything else dequantized exactly to float32 (`gguf.quants.dequantize`), with
-     the rows of `attn_q` / `attn_k` of llama-architecture files put back in the Hugging Face
+     the rows of `attn_q` / `attn_k` of llama, granite and smollm3 files put back in the Hugging Face
      order (llama.cpp's converter interleaves each head's two rotary halves);
   4. `metadata`: the `tokenizer.*` keys, for `weft.gguf_tokenizer`.
 
@@ -35,7 +36,26 @@ from weft.model.gguf_file import GgufFile
 from weft.model.quantized import QuantizedRows, Weight
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+}
+# Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
+# two rotary halves in the rows of attn_q and attn_k.
+PERMUTED_ROTARY = ("llama", "granite", "smollm3")
+# Granite's scales: GGUF key -> config.json key
+_GRANITE_SCALES = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+}
+# llama.cpp's SmolLM3 leaves rotary embedding out of every 4th layer (`n_no_rope_layer_step`, not in
+# the file's metadata), as transformers' default `no_rope_layer_interval` does.
+SMOLLM3_NO_ROPE_INTERVAL = 4
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # The types whose matrices run from their blocks on CPU (an embedding table: all but Q4_K;
@@ -168,8 +188,29 @@ class GgufCheckpoint:
             "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
-        if self._key("rope.scaling.type") == "linear":
+        raw.update(self._family_keys())
+        return raw
+
+    def _family_keys(self) -> dict[str, Any]:
+        """config.json keys of rope scaling and of the families' own settings."""
+        raw: dict[str, Any] = {}
+        scaling = self._key("rope.scaling.type")
+        if scaling == "linear":
             raw["rope_scaling"] = {"rope_type": "linear", "factor": self._key("rope.scaling.factor", 1.0)}
+        elif scaling == "yarn":
+            raw["rope_scaling"] = {
+                "rope_type": "yarn",
+                "factor": self._key("rope.scaling.factor", 1.0),
+                "original_max_position_embeddings": self._key("rope.scaling.original_context_length"),
+            }
+        elif scaling not in (None, "none"):
+            raise GgufError(f"{self.path}: rope scaling {scaling!r} is not supported (linear, yarn)")
+        if self.arch == "granite":
+            raw.update(
+                {key: self._key(gguf_key) for gguf_key, key in _GRANITE_SCALES.items() if self._key(gguf_key)}
+            )
+        if self.arch == "smollm3":
+            raw["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
         return raw
 
     def model_config(self) -> ModelConfig:
@@ -202,9 +243,9 @@ class GgufCheckpoint:
             if kind == "q4_k" and tensor.name == "token_embd.weight":
                 kind = None
             weight = self._blocks(tensor, kind) if kind else self.dequantized(tensor)
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            if self.arch in PERMUTED_ROTARY and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermuted(weight, heads)
-            elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            elif self.arch in PERMUTED_ROTARY and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = _unpermuted(weight, kv_heads)
             yield name, weight
 

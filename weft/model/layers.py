@@ -260,6 +260,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == RopeType.LLAMA3:
         inv_freq = _llama3_scaled(inv_freq, rope)
+    elif rope.rope_type == RopeType.YARN:
+        inv_freq = _yarn_scaled(inv_freq, head_dim, rope)
     if rope.freq_factors:
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64, device="cpu")
     return inv_freq.float()
@@ -277,6 +279,36 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, interpolated, scaled)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN (as transformers and llama.cpp compute it): frequencies that turn more than `beta_fast`
+    times over the original context are kept, those that turn fewer than `beta_slow` times are
+    divided by `factor`, and a linear ramp over the dimensions between blends the two."""
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns this many times
+        old_len = rope.original_max_position_embeddings
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    dims = torch.arange(head_dim // 2, dtype=torch.float64, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)  # [D/2]
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are scaled by: YaRN's attention factor (0.1 ln(factor) + 1 by default), 1
+    for the other kinds."""
+    if rope.rope_type != RopeType.YARN:
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -300,9 +332,26 @@ class RotaryEmbedding(nn.Module):
         # computed on the CPU even inside a meta-device context (the loader builds the model there)
         steps = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         angles = torch.outer(steps, inv_freq)  # [P, D/2]
+        scale = rope_attention_factor(rope)
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
-        self.cos = angles.cos().to(device)  # [P, D/2]
-        self.sin = angles.sin().to(device)  # [P, D/2]
+        self.cos = cos.to(device)  # [P, D/2]
+        self.sin = sin.to(device)  # [P, D/2]
+
+    @classmethod
+    def identity(
+        cls, head_dim: int, max_positions: int, device: torch.device | None, kernels: TorchKernels
+    ) -> RotaryEmbedding:
+        """Tables that rotate by nothing (cos 1, sin 0: q and k exactly as they are), for the layers
+        of a family that have no rotary embedding (SmolLM3's NoPE layers)."""
+        table = cls.__new__(cls)
+        nn.Module.__init__(table)
+        table.kernels = kernels
+        table.cos = torch.ones(max_positions, head_dim // 2, device="cpu").to(device)  # [P, D/2]
+        table.sin = torch.zeros(max_positions, head_dim // 2, device="cpu").to(device)
+        return table
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The rotation of one step's tokens at `positions` ([T] int64), shared by all layers."""

@@ -1,9 +1,14 @@
-"""The Llama family of decoders (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2, Qwen3) over a paged
-KV cache. The families differ only in small switches, gathered in `DecoderSpec`:
+"""The Llama family of decoders (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2, Qwen3, Granite,
+SmolLM3) over a paged KV cache. The families differ only in small switches, gathered in
+`DecoderSpec`, and in values of their configuration:
 
 - Qwen2 has biases on the q/k/v projections;
 - Qwen3 normalises q and k per head (RMSNorm over head_dim) before the rotary embedding;
-- Llama checkpoints with `attention_bias` have biases on q/k/v and o.
+- Llama checkpoints with `attention_bias` have biases on q/k/v and o;
+- Granite scales the embedding, each residual branch, the attention scores and the logits
+  (`ModelConfig.embedding_multiplier`, ...);
+- SmolLM3 leaves the rotary embedding out of every fourth layer (`ModelConfig.rope_layers`: those
+  layers rotate by the identity tables, `RotaryEmbedding.identity`).
 
 Projections are fused: q, k and v into one [(H + 2 * KVH) * D, hidden] matrix, gate and up into
 one [2 * intermediate, hidden] matrix.
@@ -64,7 +69,7 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_multiplier or self.head_dim**-0.5
         self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o = Linear(self.q_size, config.hidden_size, bias=spec.o_bias)
         kernels = backend.kernels
@@ -145,6 +150,7 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, spec, backend)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
 
     def forward(
         self,
@@ -157,11 +163,14 @@ class DecoderLayer(nn.Module):
         pairs: tuple[bool, bool] = (False, False),  # the MLP's input, next_norm's output as pairs
         rows: StepRows | None = None,  # which rows may take the BLAS GEMM (`StepRows`)
     ) -> torch.Tensor | BFloat16Pairs:  # [T, hidden], next_norm(x) after this layer
-        delta = self.attn(normed, rope, kv_cache, meta, rows)
+        delta = self._scaled(self.attn(normed, rope, kv_cache, meta, rows))
         post = self.post_attn_norm
         normed = post.pairs_(x, delta) if pairs[0] else post.add_residual_(x, delta)
-        delta = self.mlp(normed, rows)
+        delta = self._scaled(self.mlp(normed, rows))
         return next_norm.pairs_(x, delta) if pairs[1] else next_norm.add_residual_(x, delta)
+
+    def _scaled(self, delta: torch.Tensor) -> torch.Tensor:  # [T, hidden], a branch's output
+        return delta if self.residual_multiplier == 1.0 else delta.mul_(self.residual_multiplier)
 
     def takes_pairs(self, num_tokens: int) -> bool:
         """Whether both norms may hand bfloat16 pairs to the products after them (`BFloat16Pairs`):
@@ -193,6 +202,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
+        self.unrotated: RotaryEmbedding | None = None  # the tables of layers without rotary embedding
+        if not all(config.rope_layers):
+            self.unrotated = RotaryEmbedding.identity(config.head_dim, max_positions, None, kernels)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
         )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)
@@ -219,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
         x = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
+        ropes = self._layer_ropes(rope, positions, x.dtype)
         group = meta.decode_group
         if self.stack is not None and group is not None:
             self.kernels.decoder_stack_(
@@ -238,8 +251,20 @@ class LlamaForCausalLM(nn.Module):
         normed = layers[0].input_norm.pairs_(x) if pairs else layers[0].input_norm(x)
         last = len(layers) - 1
         for i, (layer, next_norm, kv_cache) in enumerate(zip(layers, next_norms, kv_caches, strict=True)):
-            normed = layer(x, normed, next_norm, rope, kv_cache, meta, (pairs, pairs and i < last), rows)
+            layer_rope = rope if ropes is None else ropes[i]
+            normed = layer(
+                x, normed, next_norm, layer_rope, kv_cache, meta, (pairs, pairs and i < last), rows
+            )
         return cast(torch.Tensor, normed)  # the final norm's output is float
+
+    def _layer_ropes(
+        self, rope: RopeTables, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[RopeTables] | None:
+        """Each layer's rotation where some layers have none (SmolLM3), else None (all `rope`)."""
+        if self.unrotated is None:
+            return None
+        plain = self.unrotated.tables(positions, dtype)
+        return [rope if rotates else plain for rotates in self.config.rope_layers]
 
     def _norms_write_pairs(self, num_tokens: int) -> bool:
         """Whether this step's norms write bfloat16 pairs for the products after them (every layer
@@ -251,12 +276,17 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             x = self.embed(input_ids)
             # half-precision weights, float32 activations (CPU kernels)
-            return x if self.activation_dtype is None else x.to(self.activation_dtype)
+            x = x if self.activation_dtype is None else x.to(self.activation_dtype)
+            return self._embedding_scaled(x)
         local = input_ids - self.vocab_start  # [T]: this rank's rows, the others read as zeros
         outside = (local < 0) | (local >= self.config.vocab_size)
         x = self.embed(local.masked_fill(outside, 0))
         x = x.to(self.activation_dtype or x.dtype).masked_fill(outside[:, None], 0.0)
-        return self.tp.all_reduce_(x)
+        return self._embedding_scaled(self.tp.all_reduce_(x))
+
+    def _embedding_scaled(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        multiplier = self.config.embedding_multiplier  # Granite's; 1 elsewhere
+        return x if multiplier == 1.0 else x * multiplier
 
     def fuse_stack(self) -> None:
         """Let steps whose rows each attend as one query (decode) run every layer in one call of the
@@ -267,6 +297,8 @@ class LlamaForCausalLM(nn.Module):
             return
         if not all(_stackable(layer) for layer in layers) or self.tp is not None:
             return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
+        if not self.config.is_plain_llama:
+            return  # (the kernel has no family scales and rotates in every layer)
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
@@ -299,6 +331,8 @@ class LlamaForCausalLM(nn.Module):
         """Tensor parallel: each rank's vocabulary range, gathered on rank 0 (the others get theirs).
         `rows`: `GENERATED_ROWS` for sampling rows, whose logits never take the BLAS GEMM."""
         logits = self.lm_head(hidden, rows).float()
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits.div_(self.config.logits_scaling)
         return logits if self.tp is None else self.tp.gather_columns(logits)
 
 

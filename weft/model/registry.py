@@ -22,6 +22,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qkv_bias=True)),
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True)),
+    "GraniteForCausalLM": _LLAMA,  # its scales are values of the configuration
+    "SmolLM3ForCausalLM": _LLAMA,  # its layers without rotary embedding too
 }
 
 

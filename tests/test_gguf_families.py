@@ -1,0 +1,64 @@
+"""GGUF files of other families, made by llama.cpp's own converter (../shared/data/gguf-families):
+weft reads each file's configuration and computes what llama.cpp computed on it (its greedy tokens
+and teacher-forced logprobs, recorded in the folder's `llama_cpp_reference.json`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weft import LLM, SamplingParams
+
+FAMILIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gguf-families"
+REFERENCE = FAMILIES_DIR / "llama_cpp_reference.json"
+
+pytestmark = pytest.mark.skipif(
+    not REFERENCE.is_file(), reason="../shared/data/gguf-families is not here (a user's clone)"
+)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(REFERENCE.read_text())
+
+
+# file -> what its configuration must say (the family's settings, read from the GGUF metadata)
+FILES = {
+    "granite-f16": lambda c: (
+        (c.embedding_multiplier, c.logits_scaling, c.attention_multiplier) == (12.0, 8.0, 2**-7)
+        and c.residual_multiplier == pytest.approx(0.22)
+    ),  # float32 in the file
+    "smollm3-f16": lambda c: c.rope_layers == (True, True, True, False),
+    "qwen3yarn-f16": lambda c: (
+        (c.rope.rope_type, c.rope.factor, c.rope.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_a_family_computes_what_llama_cpp_computes(name, reference):
+    """Teacher-forced along llama.cpp's 16 greedy tokens after each of the six prompts (five of 80
+    tokens, past SmolLM3's NoPE layer and YaRN's original 64 positions), weft's logprob of each
+    token is within 0.005 of llama.cpp's (mean within 0.001), and its greedy tokens are llama.cpp's."""
+    llm = LLM(str(FAMILIES_DIR / f"{name}.gguf"), show_progress=False, max_logprobs=5)
+    assert FILES[name](llm.config.model), llm.config.model
+    gaps = []
+    runs = reference["files"][name]
+    prompts = reference["prompts"]
+    forced = llm.generate(
+        [p + run["tokens"] for p, run in zip(prompts, runs, strict=True)],
+        SamplingParams(max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
+    for prompt, run, out in zip(prompts, runs, forced, strict=True):
+        steps = out.prompt_logprobs[len(prompt) :]
+        gaps += [
+            abs(e[t].logprob - lp) for t, e, lp in zip(run["tokens"], steps, run["tf_logprobs"], strict=True)
+        ]
+    assert max(gaps) <= 0.005 and float(np.mean(gaps)) <= 0.001, (max(gaps), np.mean(gaps))
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [run["tokens"] for run in runs]
