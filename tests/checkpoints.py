@@ -52,6 +52,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # its second layer without rotary embedding
+    "olmo2": ("Olmo2Config", {}),
 }
 
 

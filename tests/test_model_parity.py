@@ -13,7 +13,18 @@ from weft import LLM, SamplingParams
 # one, on a CUDA GPU (LLM's default there would be bfloat16).
 ON_CPU = {"device": "cpu", "dtype": "float32"}
 VOCAB_ALL = 100_000  # max_logprobs high enough for a whole (tiny) vocabulary
-ARCHS = ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "smollm3"]
+ARCHS = [
+    "llama",
+    "llama3",
+    "llama-untied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3-yarn",
+    "granite",
+    "smollm3",
+    "olmo2",
+]
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
     [11, 12, 13],
@@ -77,7 +88,7 @@ def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
     assert_close(second, reference_logprobs(reference, extended))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
 def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -129,6 +129,17 @@ def test_the_shard_cuts_every_tensor_by_heads_columns_and_vocabulary(checkpoint_
         assert shard.config(config).num_kv_heads == config.num_kv_heads // 2
 
 
+def test_olmo2_is_refused_with_the_reason(checkpoint_factory):
+    """OLMo 2's q and k norms span every head, which the ranks split: a clear error, not wrong numbers."""
+    from weft.config import ConfigError
+    from weft.model.loader import load_config
+    from weft.parallel.shard import Shard
+
+    config = load_config(checkpoint_factory("olmo2"))
+    with pytest.raises(ConfigError, match="OLMo 2"):
+        Shard(0, 2).check(config)
+
+
 # ---- engines at world size 2 against one rank ----------------------------------------------
 
 

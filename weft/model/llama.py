@@ -8,7 +8,9 @@ SmolLM3) over a paged KV cache. The families differ only in small switches, gath
 - Granite scales the embedding, each residual branch, the attention scores and the logits
   (`ModelConfig.embedding_multiplier`, ...);
 - SmolLM3 leaves the rotary embedding out of every fourth layer (`ModelConfig.rope_layers`: those
-  layers rotate by the identity tables, `RotaryEmbedding.identity`).
+  layers rotate by the identity tables, `RotaryEmbedding.identity`);
+- OLMo 2 normalises q and k over all heads at once, and normalises each branch's output before the
+  residual add instead of its input (`PostNormLayer`).
 
 Projections are fused: q, k and v into one [(H + 2 * KVH) * D, hidden] matrix, gate and up into
 one [2 * intermediate, hidden] matrix.
@@ -56,6 +58,8 @@ class DecoderSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_all_heads: bool = False  # q and k normalised as one vector of all their heads (OLMo 2)
+    post_norms: bool = False  # each branch's output normalised before the residual add (OLMo 2)
 
 
 class Attention(nn.Module):
@@ -73,8 +77,10 @@ class Attention(nn.Module):
         self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o = Linear(self.q_size, config.hidden_size, bias=spec.o_bias)
         kernels = backend.kernels
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if spec.qk_norm else None
+        q_width, k_width = (self.q_size, self.kv_size) if spec.qk_norm_all_heads else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, kernels) if spec.qk_norm else None
+        self.norms_all_heads = spec.qk_norm_all_heads
         self.reduce: Reduce = _alone  # tensor parallel: the output projection's sum over the ranks
 
     def forward(
@@ -89,12 +95,22 @@ class Attention(nn.Module):
         num_q, num_kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x, rows).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
         if self.q_norm is not None and self.k_norm is not None:
-            qkv[:, :num_q] = self.q_norm(qkv[:, :num_q])
-            qkv[:, num_q : num_q + num_kv] = self.k_norm(qkv[:, num_q : num_q + num_kv])
+            self._norm_qk(qkv, self.q_norm, self.k_norm)
         # q and k rotated in place, k and v into the cache: one launch where the kernel set fuses them
         self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
         out = self.backend(qkv[:, :num_q], None, kv_cache, meta, self.scale)  # q: [T, H, D]
         return self.reduce(self.o(out, rows))
+
+    def _norm_qk(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+        """q and k normalised in place, per head or (OLMo 2) over all heads: qkv [T, H + 2 KVH, D]."""
+        num_q, num_kv, num_tokens = self.num_heads, self.num_kv_heads, qkv.shape[0]
+        q, k = qkv[:, :num_q], qkv[:, num_q : num_q + num_kv]
+        if self.norms_all_heads:
+            qkv[:, :num_q] = q_norm(q.reshape(num_tokens, -1)).view(num_tokens, num_q, -1)
+            qkv[:, num_q : num_q + num_kv] = k_norm(k.reshape(num_tokens, -1)).view(num_tokens, num_kv, -1)
+            return
+        qkv[:, :num_q] = q_norm(q)
+        qkv[:, num_q : num_q + num_kv] = k_norm(k)
 
 
 class MLP(nn.Module):
@@ -180,6 +196,33 @@ class DecoderLayer(nn.Module):
         return self.attn.qkv.bf16_dot and float_norms and self.mlp.takes_pairs(num_tokens)
 
 
+class PostNormLayer(nn.Module):
+    """OLMo 2's layer: attention and MLP read the residual stream as it is, and each one's output is
+    normalised before it is added back (no norm before either)."""
+
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
+        super().__init__()
+        kernels = backend.kernels
+        self.attn = Attention(config, spec, backend)
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = MLP(config, kernels)
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
+        rope: RopeTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rows: StepRows | None = None,
+    ) -> None:
+        x.add_(self.attn_out_norm(self.attn(x, rope, kv_cache, meta, rows)))
+        x.add_(self.mlp_out_norm(self.mlp(x, rows)))
+
+    def takes_pairs(self, num_tokens: int) -> bool:
+        return False  # its products read the residual stream, not a norm's output
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, spec: DecoderSpec, max_positions: int, kernels: TorchKernels
@@ -197,9 +240,8 @@ class LlamaForCausalLM(nn.Module):
         group = config.num_heads // config.num_kv_heads
         self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, self.attention) for _ in range(config.num_layers)
-        )
+        layer = PostNormLayer if spec.post_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, spec, self.attention) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
         self.unrotated: RotaryEmbedding | None = None  # the tables of layers without rotary embedding
@@ -245,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
                 self._shape,
             )
             return self.norm(x)
+        if isinstance(self.layers[0], PostNormLayer):
+            for i, (post_norm_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                post_norm_layer(x, rope if ropes is None else ropes[i], kv_cache, meta, rows)
+            return self.norm(x)
         layers = cast(list[DecoderLayer], list(self.layers))
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         pairs = self._norms_write_pairs(x.shape[0])
@@ -269,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
     def _norms_write_pairs(self, num_tokens: int) -> bool:
         """Whether this step's norms write bfloat16 pairs for the products after them (every layer
         `takes_pairs`, checked at load; the MLP's chunking, per step)."""
-        first = cast(DecoderLayer, self.layers[0])
+        first = cast(DecoderLayer | PostNormLayer, self.layers[0])
         return self.norm_pairs and self.tp is None and first.mlp.takes_pairs(num_tokens)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
@@ -291,11 +337,15 @@ class LlamaForCausalLM(nn.Module):
     def fuse_stack(self) -> None:
         """Let steps whose rows each attend as one query (decode) run every layer in one call of the
         kernel set's `decoder_stack_`, where it has one and the layers fit it."""
-        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         device = self.lm_head.weight.device
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
-        if not all(_stackable(layer) for layer in layers) or self.tp is not None:
+        if (
+            len(layers) < len(self.layers)
+            or not all(_stackable(layer) for layer in layers)
+            or self.tp is not None
+        ):
             return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
         if not self.config.is_plain_llama:
             return  # (the kernel has no family scales and rotates in every layer)
@@ -312,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16
-        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        layers = cast(list[DecoderLayer | PostNormLayer], list(self.layers))
         self.norm_pairs = bf16_dot and all(layer.takes_pairs(1) for layer in layers)
 
     def quantized_matrices(self) -> dict[str, int]:

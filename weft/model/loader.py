@@ -428,14 +428,14 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
         if spec.o_bias:
             state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))
         if spec.qk_norm:
-            state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (d,))
-            state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (d,))
+            q_width, k_width = (q_out, kv_out) if spec.qk_norm_all_heads else (d, d)
+            state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (q_width,))
+            state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (k_width,))
         gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
         up = weights.take(src + "mlp.up_proj.weight", (inter, h))
         state[dst + "mlp.gate_up.weight"] = cat_rows([gate, up])
         state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter))
-        state[dst + "input_norm.weight"] = weights.take(src + "input_layernorm.weight", (h,))
-        state[dst + "post_attn_norm.weight"] = weights.take(src + "post_attention_layernorm.weight", (h,))
+        state.update(_layer_norms(weights, spec, src, dst, h))
     state["norm.weight"] = weights.take("model.norm.weight", (h,))
     if config.tie_word_embeddings or "lm_head.weight" not in weights.tensors:
         if not config.tie_word_embeddings:
@@ -448,6 +448,19 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
         state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h))
     _check_leftovers(weights)
     return state
+
+
+def _layer_norms(weights: _Weights, spec: DecoderSpec, src: str, dst: str, h: int) -> dict[str, Weight]:
+    """A layer's norms: before attention and MLP, or (OLMo 2) after each."""
+    if spec.post_norms:
+        return {
+            dst + "attn_out_norm.weight": weights.take(src + "post_attention_layernorm.weight", (h,)),
+            dst + "mlp_out_norm.weight": weights.take(src + "post_feedforward_layernorm.weight", (h,)),
+        }
+    return {
+        dst + "input_norm.weight": weights.take(src + "input_layernorm.weight", (h,)),
+        dst + "post_attn_norm.weight": weights.take(src + "post_attention_layernorm.weight", (h,)),
+    }
 
 
 def _check_leftovers(weights: _Weights) -> None:

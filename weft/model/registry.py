@@ -24,6 +24,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True)),
     "GraniteForCausalLM": _LLAMA,  # its scales are values of the configuration
     "SmolLM3ForCausalLM": _LLAMA,  # its layers without rotary embedding too
+    "Olmo2ForCausalLM": Architecture(
+        LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True, post_norms=True)
+    ),
 }
 
 

@@ -45,6 +45,11 @@ class Shard:
     def check(self, config: ModelConfig) -> None:
         """A ConfigError naming what does not divide by the number of ranks."""
         n = self.world_size
+        if config.architecture == "Olmo2ForCausalLM":  # its q/k norms span the heads of every rank
+            raise ConfigError(
+                "tensor parallelism does not run OLMo 2 (its q and k norms span all heads, which the "
+                "ranks split); use tensor_parallel_size=1"
+            )
         sizes = {
             "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.num_kv_heads,
