@@ -39,6 +39,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3Config",
         {
             "head_dim": 16,
+            "max_position_embeddings": 64,
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
         },
     ),
@@ -53,6 +54,20 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # its second layer without rotary embedding
     "olmo2": ("Olmo2Config", {}),
+    # Phi-4-mini's shape of rotary embedding: 3/4 of each head rotates, LongRoPE's short factors
+    "phi3": (
+        "Phi3Config",
+        {
+            "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            },
+        },
+    ),
 }
 
 

@@ -130,3 +130,22 @@ def test_logits_match_for_equal_length_fresh_prompts(checkpoint_factory):
     llm = parity_llm(path)
     for actual, prompt in zip(weft_logprobs(llm, prompts), prompts, strict=True):
         assert_close(actual, reference_logprobs(reference, prompt))
+
+
+def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory):
+    """Phi-3's fused q|k|v and gate|up, 3/4 of each head rotating (weft reorders q's and k's head
+    dimensions so that its whole-head rotation does it), LongRoPE: a context no longer than the
+    original one takes the short factors, as transformers does for a sequence that fits it; a
+    longer context the long factors, as transformers does for a forward past it (an 80-token
+    prompt; transformers switches per forward, weft by the context, as llama.cpp does)."""
+    path = checkpoint_factory("phi3")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    short = parity_llm(path, max_model_len=64)
+    for actual, prompt in zip(weft_logprobs(short, PROMPTS), PROMPTS, strict=True):
+        assert_close(actual, reference_logprobs(reference, prompt))
+    long_prompt = [(i * 37) % 380 + 3 for i in range(80)]
+    long = parity_llm(path)
+    (actual,) = weft_logprobs(long, [long_prompt])
+    assert_close(actual, reference_logprobs(reference, long_prompt))
+    (with_long, with_short) = (weft_logprobs(llm, [long_prompt[:60]])[0] for llm in (long, short))
+    assert not torch.allclose(with_long, with_short, atol=1e-3)  # the factors do differ

@@ -29,6 +29,7 @@ class RopeType(StrEnum):
     LINEAR = "linear"
     LLAMA3 = "llama3"
     YARN = "yarn"
+    LONGROPE = "longrope"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,12 @@ class RopeConfig:
     beta_slow: float = 1.0
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3, Phi-4-mini): each frequency divided by its short factor, or by its long one
+    # where the context is longer than `original_max_position_embeddings` (weft/model/layers.py)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # the share of each head's dimensions that rotate (Phi-4-mini: 0.75); the rest pass through
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,14 +166,21 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = str(merged.get("rope_type", merged.get("type", "default")))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
     try:
         rope_type = RopeType(kind)
     except ValueError:
         supported = ", ".join(t.value for t in RopeType)
         raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {supported})") from None
+    original = merged.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if rope_type == RopeType.LONGROPE:
+        return _longrope_config(raw, merged, theta, int(original or raw["max_position_embeddings"]))
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
+        partial_rotary_factor=float(
+            merged.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
+        ),
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
@@ -178,6 +192,27 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         beta_slow=float(merged.get("beta_slow") or 1.0),
         attention_factor=_yarn_attention_factor(merged) if rope_type == RopeType.YARN else None,
         truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _longrope_config(raw: dict[str, Any], params: dict[str, Any], theta: float, original: int) -> RopeConfig:
+    """LongRoPE as transformers reads it: the factor, where not given, is the context over the
+    original one; the attention factor, where not given, sqrt(1 + ln(factor) / ln(original))."""
+    factor = float(params.get("factor") or raw["max_position_embeddings"] / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(
+        theta=theta,
+        rope_type=RopeType.LONGROPE,
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        long_factor=tuple(float(f) for f in params["long_factor"]),
+        partial_rotary_factor=float(
+            params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
+        ),
     )
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.config import RopeConfig, RopeType
+from weft.config import ConfigError, RopeConfig, RopeType
 from weft.kernels import TORCH_KERNELS, BlockPart, RopeTables, TorchKernels
 
 
@@ -253,18 +253,49 @@ class RMSNorm(nn.Module):
         return BFloat16Pairs(torch.ops.weft.add_rms_norm_pairs_(x, delta, self.weight, self.eps), x.shape[0])
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim  # [D/2]
+def rotary_dims(head_dim: int, rope: RopeConfig) -> int:
+    """How many of a head's dimensions rotate (all but with a `partial_rotary_factor`)."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def rope_inv_freq(
+    head_dim: int, rope: RopeConfig, max_positions: int | None = None
+) -> torch.Tensor:  # [head_dim // 2] float32
+    """Each rotating pair's frequency, then 0 for the pairs that pass through (a partial rotary
+    embedding, whose q and k dimensions the loader reorders: `partial_rotary_order`).
+    `max_positions`: the context, which picks LongRoPE's long factors where it is longer than the
+    original one (as llama.cpp does; transformers switches per forward)."""
+    dims = rotary_dims(head_dim, rope)
+    exponents = torch.arange(0, dims, 2, dtype=torch.float64, device="cpu") / dims  # [R/2]
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == RopeType.LINEAR:
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == RopeType.LLAMA3:
         inv_freq = _llama3_scaled(inv_freq, rope)
     elif rope.rope_type == RopeType.YARN:
-        inv_freq = _yarn_scaled(inv_freq, head_dim, rope)
+        inv_freq = _yarn_scaled(inv_freq, dims, rope)
+    elif rope.rope_type == RopeType.LONGROPE:
+        long = max_positions is not None and max_positions > rope.original_max_position_embeddings
+        factors = rope.long_factor if long else rope.short_factor
+        if len(factors) != dims // 2:
+            raise ConfigError(f"rope scaling longrope: {len(factors)} factors for {dims // 2} rotating pairs")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64, device="cpu")
     if rope.freq_factors:
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64, device="cpu")
-    return inv_freq.float()
+    padded = torch.zeros(head_dim // 2, dtype=torch.float64, device="cpu")
+    padded[: dims // 2] = inv_freq
+    return padded.float()
+
+
+def partial_rotary_order(head_dim: int, rotary: int) -> torch.Tensor:  # [head_dim] int64
+    """Where each of a head's dimensions moves so that a partial rotary embedding (the first
+    `rotary` dimensions, rotating i with i + rotary/2) becomes weft's whole-head one (i with i +
+    head_dim/2, the pairs past rotary/2 rotating by nothing): q and k rows reordered alike keep
+    every q.k, and v is not touched."""
+    half, rest = rotary // 2, (head_dim - rotary) // 2
+    first = [*range(half), *range(rotary, rotary + rest)]
+    second = [*range(half, rotary), *range(rotary + rest, head_dim)]
+    return torch.tensor(first + second)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -302,9 +333,9 @@ def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> tor
 
 
 def rope_attention_factor(rope: RopeConfig) -> float:
-    """What cos and sin are scaled by: YaRN's attention factor (0.1 ln(factor) + 1 by default), 1
-    for the other kinds."""
-    if rope.rope_type != RopeType.YARN:
+    """What cos and sin are scaled by: YaRN's attention factor (0.1 ln(factor) + 1 by default) and
+    LongRoPE's (set when read), 1 for the other kinds."""
+    if rope.rope_type not in (RopeType.YARN, RopeType.LONGROPE):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
@@ -328,14 +359,16 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.kernels = kernels
-        inv_freq = rope_inv_freq(head_dim, rope)  # [D/2]
+        inv_freq = rope_inv_freq(head_dim, rope, max_positions)  # [D/2]
         # computed on the CPU even inside a meta-device context (the loader builds the model there)
         steps = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         angles = torch.outer(steps, inv_freq)  # [P, D/2]
         scale = rope_attention_factor(rope)
         cos, sin = angles.cos(), angles.sin()
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
+        if scale != 1.0:  # the rotating pairs only: the others pass through as they are
+            pairs = rotary_dims(head_dim, rope) // 2
+            cos[:, :pairs] *= scale
+            sin[:, :pairs] *= scale
         # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
         self.cos = cos.to(device)  # [P, D/2]
         self.sin = sin.to(device)  # [P, D/2]

@@ -46,6 +46,8 @@ from weft.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     WeightLayout,
+    partial_rotary_order,
+    rotary_dims,
     weight_layout,
 )
 from weft.model.llama import DecoderSpec, LlamaForCausalLM
@@ -413,11 +415,7 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
     state["embed.weight"] = embed
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        qkv = [
-            weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
-            for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
-        ]
-        state[dst + "attn.qkv.weight"] = cat_rows(qkv)
+        state[dst + "attn.qkv.weight"] = cat_rows(_qkv_rows(weights, src, config))
         if spec.qkv_bias:
             biases = [
                 weights.take(src + f"self_attn.{p}_proj.bias", (n,))
@@ -431,9 +429,12 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             q_width, k_width = (q_out, kv_out) if spec.qk_norm_all_heads else (d, d)
             state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (q_width,))
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (k_width,))
-        gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
-        up = weights.take(src + "mlp.up_proj.weight", (inter, h))
-        state[dst + "mlp.gate_up.weight"] = cat_rows([gate, up])
+        if src + "mlp.gate_up_proj.weight" in weights.tensors:  # Phi-3's, fused as weft fuses it
+            state[dst + "mlp.gate_up.weight"] = weights.take(src + "mlp.gate_up_proj.weight", (2 * inter, h))
+        else:
+            gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
+            up = weights.take(src + "mlp.up_proj.weight", (inter, h))
+            state[dst + "mlp.gate_up.weight"] = cat_rows([gate, up])
         state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter))
         state.update(_layer_norms(weights, spec, src, dst, h))
     state["norm.weight"] = weights.take("model.norm.weight", (h,))
@@ -448,6 +449,38 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
         state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h))
     _check_leftovers(weights)
     return state
+
+
+def _qkv_rows(weights: _Weights, src: str, config: ModelConfig) -> list[Weight]:
+    """A layer's q, k and v matrices (Phi-3's fused qkv_proj cut in three), with q's and k's head
+    dimensions reordered for a partial rotary embedding (`partial_rotary_order`)."""
+    h, d = config.hidden_size, config.head_dim
+    sizes = (config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d)
+    fused = src + "self_attn.qkv_proj.weight"
+    if fused in weights.tensors:
+        whole = weights.take(fused, (sum(sizes), h))
+        if not isinstance(whole, torch.Tensor):
+            raise CheckpointError(
+                f"{weights.files.get(fused, fused)}: a fused qkv_proj in blocks is not supported"
+            )
+        parts: list[Weight] = list(torch.split(whole, list(sizes)))
+    else:
+        parts = [
+            weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
+            for p, n in zip("qkv", sizes, strict=True)
+        ]
+    rotary = rotary_dims(d, config.rope)
+    if rotary == d:
+        return parts
+    order = partial_rotary_order(d, rotary)
+    return [_heads_reordered(parts[0], order), _heads_reordered(parts[1], order), parts[2]]
+
+
+def _heads_reordered(weight: Weight, order: torch.Tensor) -> torch.Tensor:  # [heads * D, in]
+    """Each head's rows of a q or k matrix in `order`."""
+    rows = dequantized(weight) if not isinstance(weight, torch.Tensor) else weight
+    head_dim = order.numel()
+    return rows.view(-1, head_dim, rows.shape[-1])[:, order].reshape(rows.shape)
 
 
 def _layer_norms(weights: _Weights, spec: DecoderSpec, src: str, dst: str, h: int) -> dict[str, Weight]:
