@@ -149,3 +149,24 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory)
     assert_close(actual, reference_logprobs(reference, long_prompt))
     (with_long, with_short) = (weft_logprobs(llm, [long_prompt[:60]])[0] for llm in (long, short))
     assert not torch.allclose(with_long, with_short, atol=1e-3)  # the factors do differ
+
+
+def test_a_sliding_window_holds_the_context_until_weft_attends_within_one(checkpoint_factory, capsys):
+    """Mistral's `sliding_window` (weft does not restrict attention to a window yet): the default
+    context is held to the window, where attention is the same with or without it, and says so;
+    a longer one asked for is an error naming the window; Qwen2's window with
+    `use_sliding_window: false` is not one."""
+    from weft.config import ConfigError
+
+    path = checkpoint_factory("mistral", sliding_window=32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path), device="cpu", dtype="float32", max_logprobs=VOCAB_ALL)
+    assert llm.config.scheduler.max_model_len == 32
+    assert "sliding window" in capsys.readouterr().err
+    prompt = [(i * 37) % 380 + 3 for i in range(30)]
+    (actual,) = weft_logprobs(llm, [prompt])
+    assert_close(actual, reference_logprobs(reference, prompt))
+    with pytest.raises(ConfigError, match=r"sliding window \(32 tokens\).*max_model_len <= 32"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=64, show_progress=False)
+    qwen2 = checkpoint_factory("qwen2", sliding_window=32, use_sliding_window=False)
+    assert LLM(str(qwen2), show_progress=False).config.scheduler.max_model_len == 512

@@ -86,6 +86,9 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # SmolLM3: whether each layer rotates q and k (empty: every layer does)
     rope_layers: tuple[bool, ...] = ()
+    # Mistral's (and Phi-3's) attention window, which weft does not apply yet: the context is held
+    # to it (weft/engine/loading.py `_max_model_len`); None: the model attends to every position
+    sliding_window: int | None = None
 
     @property
     def is_plain_llama(self) -> bool:
@@ -144,7 +147,17 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         else float(raw["attention_multiplier"]),
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
         rope_layers=_rope_layers(raw),
+        sliding_window=_sliding_window(raw),
     )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window the model uses: `sliding_window`, unless `use_sliding_window` is false
+    (Qwen2's configs name a window they do not use)."""
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...]:

@@ -211,6 +211,8 @@ class GgufCheckpoint:
             )
         if self.arch == "smollm3":
             raw["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
+        if self._key("attention.sliding_window"):
+            raw["sliding_window"] = self._key("attention.sliding_window")
         return raw
 
     def model_config(self) -> ModelConfig:
