@@ -261,9 +261,9 @@ def test_the_store_keeps_only_the_last_responses():
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
         ({"max_tool_calls": 2}, "max_tool_calls"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0]"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         (
@@ -287,6 +287,54 @@ def test_what_weft_cannot_honour_is_a_400_naming_it(server, fields, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert "response_format" not in error["message"] and "max_completion_tokens" not in error["message"]
+
+
+def test_what_real_clients_send_and_changes_nothing_is_taken(server):
+    """Codex CLI's first request carries fields that change nothing weft generates: its
+    `client_metadata`, `reasoning.summary`, `include` entries for built-in tools' outputs, and
+    built-in tools among its functions. They are taken; the built-in tools are left out of the
+    prompt and named in the `x-weft-warning` header, a tool_choice naming one is still a 400."""
+    body = {
+        "model": MODEL,
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "client_metadata": {"session": "abc"},
+        "reasoning": {"summary": "auto"},
+        "include": ["web_search_call.action.sources"],
+        "tools": [{"type": "web_search"}, WEATHER],
+        "prompt_cache_key": "k",
+        "store": False,
+    }
+    response = server.post("/v1/responses", body)
+    assert response.status_code == 200, response.text
+    assert "web_search" in response.headers["x-weft-warning"]
+    assert response.json()["status"] in ("completed", "incomplete")
+    with server.streaming("/v1/responses", {**body, "stream": True}) as r:
+        assert r.status_code == 200 and "web_search" in r.headers["x-weft-warning"]
+        r.read()
+    plain = server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 4})
+    assert "x-weft-warning" not in plain.headers
+
+
+def test_the_server_logs_why_it_refused_a_request():
+    """Every 400 is in the server's log with its path, status, param and message; so are the
+    built-in tools it left out."""
+    server = Server()
+    try:
+        assert (
+            server.post("/v1/responses", {"model": MODEL, "input": "Hi", "background": True}).status_code
+            == 400
+        )
+        tools = [{"type": "web_search"}]
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "tools": tools}
+        assert server.post("/v1/responses", body).status_code == 200
+        assert server.post("/v1/chat/completions", {"model": MODEL, "messages": "x"}).status_code == 400
+    finally:
+        server.stop()
+    log = server.process.stdout.read() if server.process.stdout else ""
+    assert "POST /v1/responses refused with 400 (param background): background:" in log, log
+    assert "tools of type web_search were left out" in log, log
+    assert "POST /v1/chat/completions refused with 400 (param messages)" in log, log
 
 
 def test_the_openapi_document_describes_the_responses_routes(server):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from weft.server.protocol import ChatCompletionRequest, CompletionRequest, Error
 from weft.server.responses_endpoint import Responses, ResponseStore, UnknownResponse
 from weft.server.responses_request import ResponsesRequest
 from weft.server.service import GenerationFailed, Service, UnknownModel
+
+log = logging.getLogger("weft.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +155,15 @@ def _add_responses_routes(app: FastAPI, service: Service, responses: Responses) 
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         run = await responses.start(body)
         if body.stream:
-            return _stream(service, responses.stream(run), lambda exc: responses.failed(run, exc))
-        return await _until_disconnect(request, service, responses.respond(run))
+            reply: Response = _stream(service, responses.stream(run), lambda exc: responses.failed(run, exc))
+        else:
+            reply = await _until_disconnect(request, service, responses.respond(run))
+        dropped = body.dropped_tools()
+        if dropped:  # built-in tools weft cannot run: left out, said in a header and the log
+            warning = f"tools of type {', '.join(dropped)} were left out: weft runs function tools only"
+            log.warning("POST /v1/responses: %s", warning)
+            reply.headers["x-weft-warning"] = warning
+        return reply
 
     stored: dict[int | str, dict[str, Any]] = {
         401: ERRORS[401],
@@ -258,9 +268,17 @@ def _error(
 
 def _add_error_handlers(app: FastAPI, service: Service) -> None:
     def counted(
-        status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+        request: Request,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
     ) -> JSONResponse:
+        """The error response, counted, and its reason in the server's log."""
         service.metrics.requests.labels("rejected" if status < 500 else "error").inc()
+        where = f" (param {param})" if param else ""
+        log.warning("%s %s refused with %d%s: %s", request.method, request.url.path, status, where, message)
         return _error(status, message, kind, param, code)
 
     @app.exception_handler(RequestValidationError)
@@ -269,39 +287,39 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
             offset = first.get("loc", ("body", "?"))[-1]
             message = f"the body is not valid JSON: {first.get('msg', '')} (at character {offset})"
-            return counted(400, message, "invalid_request_error")
+            return counted(request, 400, message, "invalid_request_error")
         where = ".".join(str(p) for p in first.get("loc", ())[1:])
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
-        return counted(400, message, "invalid_request_error", where or None)
+        return counted(request, 400, message, "invalid_request_error", where or None)
 
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
-        return counted(400, str(exc), "invalid_request_error", exc.param)
+        return counted(request, 400, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        return counted(400, str(exc), "invalid_request_error")
+        return counted(request, 400, str(exc), "invalid_request_error")
 
     @app.exception_handler(UnknownModel)
     async def unknown_model(request: Request, exc: UnknownModel) -> JSONResponse:
-        return counted(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return counted(request, 404, str(exc), "invalid_request_error", "model", "model_not_found")
 
     @app.exception_handler(UnknownResponse)
     async def unknown_response(request: Request, exc: UnknownResponse) -> JSONResponse:
-        return counted(404, str(exc), "invalid_request_error", exc.param, "response_not_found")
+        return counted(request, 404, str(exc), "invalid_request_error", exc.param, "response_not_found")
 
     @app.exception_handler(QueueFull)
     async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
-        return counted(503, str(exc), "server_overloaded")
+        return counted(request, 503, str(exc), "server_overloaded")
 
     @app.exception_handler(GenerationFailed)
     async def failed(request: Request, exc: GenerationFailed) -> JSONResponse:
-        return counted(400, f"generation failed: {exc}", "invalid_request_error")
+        return counted(request, 400, f"generation failed: {exc}", "invalid_request_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        response = counted(exc.status_code, str(exc.detail), kind)
+        response = counted(request, exc.status_code, str(exc.detail), kind)
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:  # Allow: the methods of every route of this path, not the first's
             response.headers["Allow"] = ", ".join(sorted(_methods(app, request)))

@@ -4,11 +4,14 @@ A Responses request is a chat request in another shape: `input` (a string, or it
 earlier function calls and their outputs, reasoning) and `instructions` become the chat's messages,
 function `tools` and `tool_choice` the chat's tools, `text.format` its `response_format`,
 `max_output_tokens` its `max_completion_tokens`. Fields weft cannot honour are a 400 that names
-them (`background`, `include`, `conversation`, `prompt`, built-in tools, images, ...), never
-dropped. The sampling extras of weft's other endpoints (seed, top_k, min_p, repetition_penalty,
-presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
-speculative) are
-taken here too.
+them (`background`, `conversation`, `prompt`, `reasoning.effort`, images, ...), never dropped.
+Fields that change nothing weft generates are taken as real clients send them (Codex CLI's
+`client_metadata`, `reasoning.summary`, `include` entries that ask for the outputs of built-in
+tools, which weft returns none of); built-in tools (`web_search`, ...) weft cannot run are left
+out of the prompt and named in the response's `x-weft-warning` header and the server's log,
+unless `tool_choice` names one (a 400). The sampling extras of weft's other endpoints (seed,
+top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, stop_token_ids,
+ignore_eos, min_tokens, logit_bias, speculative) are taken here too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ from weft.server.protocol import (
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+# `include` entries that ask for what built-in tools or image inputs produce: weft runs neither, so
+# there is nothing to include
+_EMPTY_INCLUDES = {
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+}
+_SUMMARIES = (None, "auto", "concise", "detailed")  # weft returns the thinking itself, no summary
 _EXTRAS = (
     "seed",
     "top_k",
@@ -90,6 +104,7 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
+    client_metadata: dict[str, Any] | None = None  # a client's own bookkeeping (Codex CLI): not read
     background: bool | None = None
     stream_options: dict[str, Any] | None = None
     top_logprobs: int | None = None
@@ -120,8 +135,15 @@ class ResponsesRequest(BaseModel):
         ]
         if self.background:
             found.append(("background", "background responses are not supported; leave it false"))
-        if self.include:
-            found.append(("include", "weft adds no extra output data; leave include empty"))
+        unknown_includes = sorted(set(self.include or ()) - _EMPTY_INCLUDES)
+        if unknown_includes:
+            found.append(
+                (
+                    "include",
+                    f"weft cannot add {', '.join(unknown_includes)}; it takes only entries for built-in "
+                    "tools' outputs, which it returns none of",
+                )
+            )
         if self.top_logprobs:
             found.append(
                 ("top_logprobs", "logprobs are not returned by /v1/responses; use /v1/chat/completions")
@@ -132,17 +154,17 @@ class ResponsesRequest(BaseModel):
             found.append(("truncation", "only 'disabled': an input longer than the context is a 400"))
         if self.service_tier not in (None, "auto", "default"):
             found.append(("service_tier", "weft has one service tier: 'auto' or 'default'"))
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            found.append(
-                (
-                    "reasoning",
-                    "a reasoning effort or summary cannot be set; a reasoning model's "
-                    "thinking is returned as a reasoning item",
-                )
-            )
+        found += _reasoning_unsupported(self.reasoning or {})
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") not in (None, "function"):
+            found.append(("tool_choice", f"names a {choice.get('type')} tool, which weft does not run"))
         if self.stream_options and set(self.stream_options) - {"include_obfuscation"}:
             found.append(("stream_options", "only include_obfuscation (weft adds no obfuscation)"))
         return found
+
+    def dropped_tools(self) -> list[str]:
+        """The types of the built-in tools weft leaves out of the prompt (it runs functions only)."""
+        return sorted({str(t.get("type")) for t in self.tools or () if t.get("type") != "function"})
 
     @property
     def format(self) -> TextFormat | None:
@@ -158,7 +180,8 @@ class ResponsesRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             max_completion_tokens=self.max_output_tokens,
-            tools=[_tool(t, i) for i, t in enumerate(self.tools)] if self.tools else None,
+            tools=[_tool(t, i) for i, t in enumerate(self.tools or ()) if t.get("type") == "function"]
+            or None,
             tool_choice=_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
             response_format=_response_format(self.format),
@@ -238,6 +261,27 @@ class InputItems:
             message["reasoning_content"] = self.reasoning
             self.reasoning = None
         self.messages.append(message)
+
+
+def _reasoning_unsupported(reasoning: dict[str, Any]) -> list[tuple[str, str]]:
+    """What of `reasoning` weft cannot honour: an effort (no thinking budget yet), a summary other
+    than the ones it may leave empty, any other key."""
+    found = []
+    if reasoning.get("effort") is not None:
+        found.append(
+            (
+                "reasoning.effort",
+                "a thinking budget is not supported yet; leave it out (a reasoning model's thinking is "
+                "returned as a reasoning item)",
+            )
+        )
+    if reasoning.get("summary") not in _SUMMARIES:
+        found.append(
+            ("reasoning.summary", f"must be one of auto, concise, detailed, got {reasoning['summary']!r}")
+        )
+    for key in sorted(set(reasoning) - {"effort", "summary", "generate_summary"}):
+        found.append((f"reasoning.{key}", "unknown field"))
+    return found
 
 
 def _string(item: dict[str, Any], key: str, where: str) -> str:
