@@ -256,7 +256,11 @@ def test_the_store_keeps_only_the_last_responses():
     "fields,param",
     [
         ({"background": True}, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        (
+            {"input": [{"type": "reasoning", "encrypted_content": "gAAAA-not-weft", "summary": []}]},
+            "input[0].encrypted_content",
+        ),
         ({"conversation": "conv_1"}, "conversation"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 3}, "top_logprobs"),
@@ -472,6 +476,42 @@ def test_reasoning_is_an_item_before_the_answer_whole_and_streamed(thinking, spe
     assert (thought, answer) == (reasoning.content[0].text, message.content[0].text)
     added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
     assert added == ["reasoning", "message"]
+
+
+def test_sealed_reasoning_comes_back_on_the_next_turn(thinking, spec):
+    """`include: ["reasoning.encrypted_content"]` with `store: false` (Codex CLI's way): reasoning
+    items carry the thinking as opaque `encrypted_content`, whole and streamed; handed back with
+    no content, it is the thinking of the assistant turn that follows it, as the whole item is."""
+    request = {
+        "model": "chat",
+        "input": "Is it ok?",
+        "logit_bias": {"522": 100, "26865": 100, "29": 100},
+        "max_output_tokens": 40,
+        "seed": 0,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
+    whole = create(thinking.client(), request)
+    reasoning = whole.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    events = stream_events(thinking, request)
+    check_events(spec, events)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["type"] == "reasoning" and done[0]["encrypted_content"] == reasoning.encrypted_content
+    from weft.server.responses_request import ResponsesRequest
+
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}
+    full = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": reasoning.content[0].text}],
+    }
+    turn = [{"role": "user", "content": "Is it ok?"}, None, {"role": "assistant", "content": "yes"}]
+    as_sealed = ResponsesRequest(input=[turn[0], sealed, turn[2]]).messages()
+    as_text = ResponsesRequest(input=[turn[0], full, turn[2]]).messages()
+    assert as_sealed == as_text and as_sealed[1]["reasoning_content"] == reasoning.content[0].text
+    plain = create(thinking.client(), {k: v for k, v in request.items() if k != "include"})
+    assert plain.output[0].encrypted_content is None
 
 
 def test_a_stream_that_fails_ends_with_error_and_response_failed(spec):

@@ -21,7 +21,7 @@ from weft.outputs import RequestOutput
 from weft.server.chat import Chat
 from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import RequestError
-from weft.server.responses_output import OutputEvents, conversation_message, output_items
+from weft.server.responses_output import OutputEvents, conversation_message, output_items, seal
 from weft.server.responses_request import ResponsesRequest, renamed
 from weft.server.service import GenerationFailed, Service
 
@@ -107,7 +107,8 @@ class Responses:
             handle, plan, _ = await self.chat.start(chat, response_id)
         except RequestError as exc:
             raise renamed(exc) from None
-        return ResponseRun(request, handle, plan, response_id, conversation)
+        sealed = request.sealed_reasoning
+        return ResponseRun(request, handle, plan, response_id, conversation, events=OutputEvents(sealed))
 
     async def respond(self, run: ResponseRun) -> dict[str, Any]:
         final: RequestOutput | None = None
@@ -120,6 +121,8 @@ class Responses:
         complete = c.finish_reason != "length"
         message = run.plan.message(c.text, finished=c.finish_reason == "stop")
         items = output_items(message, complete)
+        if run.request.sealed_reasoning:
+            items = [seal(item) if item["type"] == "reasoning" else item for item in items]
         self.service.count(len(final.prompt_token_ids), len(c.token_ids))
         usage = self._usage(final, len(c.token_ids), message.reasoning_content)
         return self._finish(run, items, complete, usage)

@@ -10,6 +10,7 @@ before the next one opens. Every event carries a `sequence_number`.
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from typing import Any
@@ -24,6 +25,27 @@ def item_id(prefix: str) -> str:
 def message_item(text: str, status: str = "completed") -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "message", "id": item_id("msg"), "status": status, "role": "assistant", "content": [part]}
+
+
+SEALED = "weft1:"  # the prefix of weft's `encrypted_content`
+
+
+def seal(item: dict[str, Any]) -> dict[str, Any]:
+    """A reasoning item with its thinking also as `encrypted_content` (asked for with `include:
+    ["reasoning.encrypted_content"]`): opaque to a client, which hands it back on the next turn
+    (`unseal`) where it keeps nothing (`store: false`). Not secret: base64 of the text."""
+    item["encrypted_content"] = SEALED + base64.b64encode(item["content"][0]["text"].encode()).decode()
+    return item
+
+
+def unseal(content: str) -> str | None:
+    """The thinking in a reasoning item's `encrypted_content`, or None if weft did not write it."""
+    if not content.startswith(SEALED):
+        return None
+    try:
+        return base64.b64decode(content[len(SEALED) :], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -73,10 +95,11 @@ def conversation_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 class OutputEvents:
     """The events of one streamed reply, fed its chat deltas (weft/agents/reply.py's ReplyStream)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sealed: bool = False) -> None:
         self.items: list[dict[str, Any]] = []  # the output so far, the open item last
         self.open: dict[str, Any] | None = None
         self.sequence = 0
+        self.sealed = sealed  # reasoning items carry `encrypted_content` when done (`seal`)
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -168,6 +191,8 @@ class OutputEvents:
             )
         else:
             part = item["content"][0]
+            if item["type"] == "reasoning" and self.sealed:
+                seal(item)
             if item["type"] == "reasoning":
                 events.append(
                     self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])

@@ -7,11 +7,13 @@ function `tools` and `tool_choice` the chat's tools, `text.format` its `response
 them (`background`, `conversation`, `prompt`, `reasoning.effort`, images, ...), never dropped.
 Fields that change nothing weft generates are taken as real clients send them (Codex CLI's
 `client_metadata`, `reasoning.summary`, `include` entries that ask for the outputs of built-in
-tools, which weft returns none of); built-in tools (`web_search`, ...) weft cannot run are left
-out of the prompt and named in the response's `x-weft-warning` header and the server's log,
-unless `tool_choice` names one (a 400). The sampling extras of weft's other endpoints (seed,
-top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, stop, stop_token_ids,
-ignore_eos, min_tokens, logit_bias, speculative) are taken here too.
+tools, which weft returns none of), and `include: ["reasoning.encrypted_content"]` is honoured
+(reasoning items carry their thinking as opaque content, taken back on the next turn). Built-in
+tools (`web_search`, ...) weft cannot run are left out of the prompt and named in the response's
+`x-weft-warning` header and the server's log, unless `tool_choice` names one (a 400). The
+sampling extras of weft's other endpoints (seed, top_k, min_p, repetition_penalty,
+presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, min_tokens, logit_bias,
+speculative) are taken here too.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from weft.server.protocol import (
     ResponseFormat,
     Tool,
 )
+from weft.server.responses_output import unseal
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text")
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+SEALED_REASONING = "reasoning.encrypted_content"  # reasoning items carry it (responses_output.seal)
 # `include` entries that ask for what built-in tools or image inputs produce: weft runs neither, so
-# there is nothing to include
+# there is nothing to include; and the one weft honours
 _EMPTY_INCLUDES = {
+    SEALED_REASONING,
     "web_search_call.action.sources",
     "web_search_call.results",
     "file_search_call.results",
@@ -140,8 +145,8 @@ class ResponsesRequest(BaseModel):
             found.append(
                 (
                     "include",
-                    f"weft cannot add {', '.join(unknown_includes)}; it takes only entries for built-in "
-                    "tools' outputs, which it returns none of",
+                    f"weft cannot add {', '.join(unknown_includes)}; it takes reasoning.encrypted_content "
+                    "and entries for built-in tools' outputs, which it returns none of",
                 )
             )
         if self.top_logprobs:
@@ -161,6 +166,12 @@ class ResponsesRequest(BaseModel):
         if self.stream_options and set(self.stream_options) - {"include_obfuscation"}:
             found.append(("stream_options", "only include_obfuscation (weft adds no obfuscation)"))
         return found
+
+    @property
+    def sealed_reasoning(self) -> bool:
+        """Whether reasoning items carry `encrypted_content` (`include`), for a client that keeps
+        nothing on the server (`store: false`) and hands them back next turn."""
+        return SEALED_REASONING in (self.include or ())
 
     def dropped_tools(self) -> list[str]:
         """The types of the built-in tools weft leaves out of the prompt (it runs functions only)."""
@@ -311,6 +322,16 @@ def _text(content: Any, where: str) -> str:
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's thinking: its text parts, or what weft sealed in its `encrypted_content`."""
+    sealed = item.get("encrypted_content")
+    if not item.get("content") and isinstance(sealed, str):
+        text = unseal(sealed)
+        if text is None:
+            raise RequestError(
+                f"{where}.encrypted_content was not written by weft; send the reasoning item weft returned",
+                f"{where}.encrypted_content",
+            )
+        return text
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list) or not all(
         isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
