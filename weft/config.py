@@ -43,7 +43,8 @@ class RopeConfig:
     # llama.cpp's rope_freqs (GGUF files of Llama 3.1 and later): each frequency divided by its factor
     freq_factors: tuple[float, ...] = ()
     # YaRN (weft/model/layers.py `_yarn_scaled`): the band of rotations between which frequencies
-    # move from kept to interpolated, and the factor cos and sin are scaled by (None: 0.1 ln(factor) + 1)
+    # move from kept to interpolated; YaRN's and LongRoPE's factor that cos and sin are scaled by
+    # (None: 1, the other kinds)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
@@ -186,14 +187,13 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         supported = ", ".join(t.value for t in RopeType)
         raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {supported})") from None
     original = merged.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    partial = float(merged.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
     if rope_type == RopeType.LONGROPE:
-        return _longrope_config(raw, merged, theta, int(original or raw["max_position_embeddings"]))
+        return _longrope_config(raw, merged, theta, int(original or raw["max_position_embeddings"]), partial)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        partial_rotary_factor=float(
-            merged.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
-        ),
+        partial_rotary_factor=partial,
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
@@ -208,7 +208,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _longrope_config(raw: dict[str, Any], params: dict[str, Any], theta: float, original: int) -> RopeConfig:
+def _longrope_config(
+    raw: dict[str, Any], params: dict[str, Any], theta: float, original: int, partial: float
+) -> RopeConfig:
     """LongRoPE as transformers reads it: the factor, where not given, is the context over the
     original one; the attention factor, where not given, sqrt(1 + ln(factor) / ln(original))."""
     factor = float(params.get("factor") or raw["max_position_embeddings"] / original)
@@ -223,22 +225,20 @@ def _longrope_config(raw: dict[str, Any], params: dict[str, Any], theta: float, 
         attention_factor=float(attention),
         short_factor=tuple(float(f) for f in params["short_factor"]),
         long_factor=tuple(float(f) for f in params["long_factor"]),
-        partial_rotary_factor=float(
-            params.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
-        ),
+        partial_rotary_factor=partial,
     )
 
 
-def _yarn_attention_factor(params: dict[str, Any]) -> float | None:
-    """YaRN's scale of cos and sin where the config sets it: `attention_factor`, or DeepSeek's
-    `mscale` / `mscale_all_dim` (as transformers reads them); None: the default from the factor."""
+def _yarn_attention_factor(params: dict[str, Any]) -> float:
+    """YaRN's scale of cos and sin (as transformers reads it): `attention_factor`, or DeepSeek's
+    `mscale` / `mscale_all_dim`, else 0.1 ln(factor) + 1."""
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
+    factor = float(params.get("factor", 1.0))
     mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale and all_dim:
-        factor = float(params.get("factor", 1.0))
         return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
-    return None
+    return _yarn_mscale(factor)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

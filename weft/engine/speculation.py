@@ -51,12 +51,12 @@ class Speculation:
         allowed, self._next_allowed = self._next_allowed, None
         if allowed is None and self.adaptive:
             allowed = self.gate.allows(len(running))
-        if allowed is False and not any(self._extracts(seq) for seq in running):
-            return {}
         share = self.cost.share(len(running)) if self.adaptive else 0.0
+        if allowed is False:  # only extractions draft (`_extracts`)
+            running = [seq for seq in running if self._extracts(seq)]
         drafts = {}
         for seq in running:
-            if not _may_draft(seq) or (allowed is False and not self._extracts(seq)):
+            if not _may_draft(seq):
                 continue
             state = seq.drafts
             if state is None:

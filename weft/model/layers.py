@@ -332,16 +332,6 @@ def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> tor
     return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_attention_factor(rope: RopeConfig) -> float:
-    """What cos and sin are scaled by: YaRN's attention factor (0.1 ln(factor) + 1 by default) and
-    LongRoPE's (set when read), 1 for the other kinds."""
-    if rope.rope_type not in (RopeType.YARN, RopeType.LONGROPE):
-        return 1.0
-    if rope.attention_factor is not None:
-        return rope.attention_factor
-    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
-
-
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the half-split ("rotate_half") layout used by Llama-family
     checkpoints on Hugging Face."""
@@ -363,7 +353,7 @@ class RotaryEmbedding(nn.Module):
         # computed on the CPU even inside a meta-device context (the loader builds the model there)
         steps = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         angles = torch.outer(steps, inv_freq)  # [P, D/2]
-        scale = rope_attention_factor(rope)
+        scale = 1.0 if rope.attention_factor is None else rope.attention_factor  # YaRN's, LongRoPE's
         cos, sin = angles.cos(), angles.sin()
         if scale != 1.0:  # the rotating pairs only: the others pass through as they are
             pairs = rotary_dims(head_dim, rope) // 2
@@ -372,19 +362,6 @@ class RotaryEmbedding(nn.Module):
         # plain attributes, not buffers: the tables stay float32 when the model moves to half precision
         self.cos = cos.to(device)  # [P, D/2]
         self.sin = sin.to(device)  # [P, D/2]
-
-    @classmethod
-    def identity(
-        cls, head_dim: int, max_positions: int, device: torch.device | None, kernels: TorchKernels
-    ) -> RotaryEmbedding:
-        """Tables that rotate by nothing (cos 1, sin 0: q and k exactly as they are), for the layers
-        of a family that have no rotary embedding (SmolLM3's NoPE layers)."""
-        table = cls.__new__(cls)
-        nn.Module.__init__(table)
-        table.kernels = kernels
-        table.cos = torch.ones(max_positions, head_dim // 2, device="cpu").to(device)  # [P, D/2]
-        table.sin = torch.zeros(max_positions, head_dim // 2, device="cpu").to(device)
-        return table
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The rotation of one step's tokens at `positions` ([T] int64), shared by all layers."""

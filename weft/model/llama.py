@@ -8,7 +8,7 @@ SmolLM3) over a paged KV cache. The families differ only in small switches, gath
 - Granite scales the embedding, each residual branch, the attention scores and the logits
   (`ModelConfig.embedding_multiplier`, ...);
 - SmolLM3 leaves the rotary embedding out of every fourth layer (`ModelConfig.rope_layers`: those
-  layers rotate by the identity tables, `RotaryEmbedding.identity`);
+  layers rotate by the tables of a rotary embedding of no dimensions, cos 1 and sin 0);
 - OLMo 2 normalises q and k over all heads at once, and normalises each branch's output before the
   residual add instead of its input (`PostNormLayer`).
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from weft.config import ModelConfig
+from weft.config import ModelConfig, RopeConfig
 from weft.kernels import RopeTables, StackShape, TorchKernels
 from weft.model import glu
 from weft.model.attention import AttentionMetadata, PagedAttention
@@ -246,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
         self.unrotated: RotaryEmbedding | None = None  # the tables of layers without rotary embedding
         if not all(config.rope_layers):
-            self.unrotated = RotaryEmbedding.identity(config.head_dim, max_positions, None, kernels)
+            none = RopeConfig(config.rope.theta, partial_rotary_factor=0.0)  # q and k exactly as they are
+            self.unrotated = RotaryEmbedding(config.head_dim, max_positions, none, kernels=kernels)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
         )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)
