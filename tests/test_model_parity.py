@@ -151,22 +151,37 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory)
     assert not torch.allclose(with_long, with_short, atol=1e-3)  # the factors do differ
 
 
-def test_a_sliding_window_holds_the_context_until_weft_attends_within_one(checkpoint_factory, capsys):
-    """Mistral's `sliding_window` (weft does not restrict attention to a window yet): the default
-    context is held to the window, where attention is the same with or without it, and says so;
-    a longer one asked for is an error naming the window; Qwen2's window with
-    `use_sliding_window: false` is not one."""
-    from weft.config import ConfigError
+WINDOWED = {  # sliding windows of 8 keys: Mistral's in every layer, Qwen2's from its second layer on
+    "mistral": {"sliding_window": 8},
+    "qwen2": {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
+}
 
-    path = checkpoint_factory("mistral", sliding_window=32)
+
+@pytest.mark.parametrize("arch", sorted(WINDOWED))
+def test_sliding_windows_match_transformers_past_the_window(checkpoint_factory, arch):
+    """Prompts and generations several windows long: teacher-forced logprobs at every generated
+    position (decode rows, prompt chunks of 6 tokens beside them, blocks of 4 so that windows start
+    mid-block), then greedy tokens; Qwen2's window with `use_sliding_window: false` is none."""
+    path = checkpoint_factory(arch, **WINDOWED[arch])
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(str(path), device="cpu", dtype="float32", max_logprobs=VOCAB_ALL)
-    assert llm.config.scheduler.max_model_len == 32
-    assert "sliding window" in capsys.readouterr().err
-    prompt = [(i * 37) % 380 + 3 for i in range(30)]
-    (actual,) = weft_logprobs(llm, [prompt])
-    assert_close(actual, reference_logprobs(reference, prompt))
-    with pytest.raises(ConfigError, match=r"sliding window \(32 tokens\).*max_model_len <= 32"):
-        LLM(str(path), device="cpu", dtype="float32", max_model_len=64, show_progress=False)
-    qwen2 = checkpoint_factory("qwen2", sliding_window=32, use_sliding_window=False)
-    assert LLM(str(qwen2), show_progress=False).config.scheduler.max_model_len == 512
+    assert reference.config.sliding_window == 8
+    llm = parity_llm(path, max_num_batched_tokens=6, block_size=4)
+    assert llm.config.model.sliding_window == 8
+    vocab = llm.config.model.vocab_size
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=vocab, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
+        completion = out.outputs[0]
+        for i, position in enumerate(completion.logprobs):
+            actual = torch.full((vocab,), float("nan"))
+            for token_id, lp in position.items():
+                actual[token_id] = lp.logprob
+            assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (out,) = parity_llm(path).generate([PROMPTS[0]], greedy, use_tqdm=False)
+    with torch.no_grad():
+        expected = reference.generate(
+            torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=40, min_new_tokens=40, pad_token_id=0
+        )[0, len(PROMPTS[0]) :].tolist()
+    assert out.outputs[0].token_ids == expected
+    off = checkpoint_factory("qwen2", sliding_window=8, use_sliding_window=False)
+    assert LLM(str(off), show_progress=False).config.model.sliding_window is None

@@ -87,9 +87,11 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # SmolLM3: whether each layer rotates q and k (empty: every layer does)
     rope_layers: tuple[bool, ...] = ()
-    # Mistral's (and Phi-3's) attention window, which weft does not apply yet: the context is held
-    # to it (weft/engine/loading.py `_max_model_len`); None: the model attends to every position
+    # The attention window of sliding-window layers: a query sees itself and the `sliding_window - 1`
+    # keys before it (Mistral, Phi-3: every layer; Gemma, gpt-oss: the layers `sliding_layers` names);
+    # None: every layer attends to every earlier position
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # whether each layer slides (empty: all, given a window)
 
     @property
     def is_plain_llama(self) -> bool:
@@ -100,7 +102,14 @@ class ModelConfig:
             and self.attention_multiplier is None
             and self.logits_scaling == 1.0
             and all(self.rope_layers)
+            and self.sliding_window is None
         )
+
+    def layer_window(self, layer: int) -> int:
+        """The keys a query of layer `layer` sees, itself included; 0: every earlier one."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -149,6 +158,7 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
         rope_layers=_rope_layers(raw),
         sliding_window=_sliding_window(raw),
+        sliding_layers=_sliding_layers(raw),
     )
 
 
@@ -159,6 +169,24 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     if window is None or raw.get("use_sliding_window") is False:
         return None
     return int(window)
+
+
+def _sliding_layers(raw: dict[str, Any]) -> tuple[bool, ...]:
+    """Which layers slide: `layer_types` (transformers' newer configs), Gemma 3's
+    `sliding_window_pattern` (every n-th layer global), Gemma 2's alternation (even layers slide),
+    Qwen2's `max_window_layers` (the layers from it on slide); () where every layer does."""
+    num_layers = int(raw["num_hidden_layers"])
+    if raw.get("layer_types"):
+        return tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+    architectures = raw.get("architectures") or []
+    if "Gemma3ForCausalLM" in architectures or raw.get("model_type") == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+    if "Gemma2ForCausalLM" in architectures:
+        return tuple(i % 2 == 0 for i in range(num_layers))
+    if raw.get("max_window_layers") is not None and "Qwen2ForCausalLM" in architectures:
+        return tuple(i >= int(raw["max_window_layers"]) for i in range(num_layers))
+    return ()
 
 
 def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...]:

@@ -49,6 +49,7 @@ class RaggedBatch:
     seq_lens: torch.Tensor  # [B] int32, tokens of each sequence after this step
     query_start: torch.Tensor  # [B + 1] int32, the first step row of each sequence, then T
     max_query_len: int  # host value: sizes the kernel's grid
+    window: int = 0  # a sliding-window layer's keys per query, itself included; 0: every earlier key
 
 
 # GGUF block kinds weft keeps as they are -> (input features per block, bytes per block in the file)
@@ -205,9 +206,11 @@ class TorchKernels:
         block_table: torch.Tensor,  # [B, max_blocks] int64
         context_lens: torch.Tensor,  # [B] int64
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:  # [B, H, D]
-        """Attention of one query per sequence over its cached keys and values, read in place; only
-        where `reads_cache_in_place` says so (otherwise attention gathers the blocks for SDPA)."""
+        """Attention of one query per sequence over its cached keys and values (the last `window`
+        of them in a sliding-window layer; 0: all), read in place; only where
+        `reads_cache_in_place` says so (otherwise attention gathers the blocks for SDPA)."""
         raise NotImplementedError(f"the {self.name} kernel set does not read the KV cache in place")
 
     def reads_cache_in_place(self, head_dim: int) -> bool:
@@ -223,9 +226,11 @@ class TorchKernels:
         query_start: torch.Tensor,  # [B + 1] int64: sequence b's are q[query_start[b] : query_start[b + 1]]
         scale: float,
         bf16_dot: bool = False,
+        window: int = 0,
     ) -> torch.Tensor:  # [T, H, D]
         """Causal attention of several queries per sequence (the last ones of its context) over its
-        cached keys and values, read in place; only where `prefills_in_place` says so (otherwise
+        cached keys and values (in a sliding-window layer, the last `window` up to each query's
+        own; 0: all), read in place; only where `prefills_in_place` says so (otherwise
         multi-token rows gather their blocks for SDPA). `bf16_dot`: q, k, the probabilities and v
         rounded to bfloat16 for the two products, float32 accumulation and softmax."""
         raise NotImplementedError(f"the {self.name} kernel set does not attend prefills in place")
@@ -523,8 +528,9 @@ class NativeCpuKernels(TorchKernels):
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale)
+        return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window)
 
     def reads_cache_in_place(self, head_dim: int) -> bool:
         return head_dim <= 256  # larger heads take the gather + SDPA path
@@ -538,9 +544,10 @@ class NativeCpuKernels(TorchKernels):
         query_start: torch.Tensor,
         scale: float,
         bf16_dot: bool = False,
+        window: int = 0,
     ) -> torch.Tensor:
         attend = torch.ops.weft.paged_prefill_attention
-        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot)
+        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window)
 
     def prefills_in_place(self, head_dim: int) -> bool:
         return head_dim in (16, 32, 64, 128)  # the sizes weft/native/prefill_attention.cpp is built for

@@ -6,8 +6,9 @@ owns one tile of one sequence's new tokens for one KV head, and its rows are tho
 query heads that share the KV head (`BLOCK_Q` tokens x `GQA` heads, padded to a power of two of at
 least 16 rows, the smallest `tl.dot`). It walks the sequence's cache blocks up to the tile's last
 position with an online softmax (the flash-attention recurrence), masking keys after each row's own
-position (causal within the step, full over the cached context). Programs of tiles past a
-sequence's new tokens return at once, so one grid serves ragged lengths.
+position (causal within the step, full over the cached context; in a sliding-window layer from the
+start of each row's window, `RaggedBatch.window`). Programs of tiles past a sequence's new tokens
+return at once, so one grid serves ragged lengths.
 
 Decode-only steps with few sequences split each sequence's context too (flash-decoding): a program
 per sequence, KV head and split walks its share of the blocks and writes its partial output with
@@ -42,10 +43,12 @@ def _online_softmax_step(q, keys, values, visible, scale, acc, row_max, row_sum,
         q, keys, values = q.to(tl.float32), keys.to(tl.float32), values.to(tl.float32)
     scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [M, S]
     scores = tl.where(visible, scores, float("-inf"))
-    # Position 0 is visible to every row, so row_max is finite from the first block on.
     new_max = tl.maximum(row_max, tl.max(scores, 1))  # [M]
-    probs = tl.exp(scores - new_max[:, None])  # [M, S]
-    alpha = tl.exp(row_max - new_max)  # [M]
+    # A row that has seen no key yet (a sliding window starts past this block) keeps max -inf:
+    # its probabilities and its rescale are 0 against a finite stand-in.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # [M]
+    probs = tl.exp(scores - shift[:, None])  # [M, S]
+    alpha = tl.exp(row_max - shift)  # [M]
     row_sum = row_sum * alpha + tl.sum(probs, 1)
     probs = probs.to(values.dtype)  # P @ V in the cache's dtype
     acc = acc * alpha[:, None] + tl.dot(probs, values, input_precision="ieee")
@@ -67,7 +70,7 @@ def _load_block(cache_ptr, table_entry, slots, dims, dim_ok, kv_head, stride_blo
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr,  # [T, H, D], [T, H, D], [num_blocks, block_size, 2, KVH, D]
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1] int32
-    scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head, stride_table,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -92,17 +95,21 @@ def _paged_attention_kernel(
         row_sum = tl.zeros([BLOCK_M], tl.float32)  # [M]
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)  # [M, Dp]
         tile_end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_Q, seq_len)  # keys the tile can see
+        # a sliding window of `window` keys (0: none): the tile's first row sees from its window's start
+        low = tl.where(window > 0, q_pos - window + 1, 0)  # [M] each row's first key
+        tile_start = tl.where(window > 0, tl.maximum(seq_len - q_len + tile * BLOCK_Q - window + 1, 0), 0)
         slots = tl.arange(0, BLOCK_SIZE)  # [S]
-        for j in range(0, tl.cdiv(tile_end, BLOCK_SIZE)):
+        for j in range(tile_start // BLOCK_SIZE, tl.cdiv(tile_end, BLOCK_SIZE)):
             keys, values = _load_block(
                 cache_ptr, block_table_ptr + seq * stride_table + j, slots, dims, dim_ok, kv_head,
                 stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
             )  # fmt: skip
-            visible = (j * BLOCK_SIZE + slots)[None, :] <= q_pos[:, None]  # [M, S] causal
+            key = (j * BLOCK_SIZE + slots)[None, :]  # [1, S]
+            visible = (key <= q_pos[:, None]) & (key >= low[:, None])  # [M, S] causal, in the window
             acc, row_max, row_sum = _online_softmax_step(
                 q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
             )
-        acc = acc / row_sum[:, None]
+        acc = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # (0: a padding row, no keys)
         out_offsets = (q_start + q_local)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(
             out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
@@ -112,8 +119,8 @@ def _paged_attention_kernel(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, part_ptr, lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,  # [B, H, SPLITS, Dp], [B, H, SPLITS]
-    scale, stride_qt, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
-    stride_table, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    scale, window, stride_qt, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_kv,
+    stride_cache_head, stride_table, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One split of one decode row's context for one KV head: its share of the blocks, rounded up
@@ -123,8 +130,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_SIZE) * BLOCK_SIZE  # tokens of each split
-    start = split * share
+    low = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key (a sliding window's)
+    base = low // BLOCK_SIZE * BLOCK_SIZE
+    share = tl.cdiv(tl.cdiv(seq_len - base, SPLITS), BLOCK_SIZE) * BLOCK_SIZE  # tokens of each split
+    start = base + split * share
     rows = tl.arange(0, BLOCK_M)  # [M]: the query heads of this KV head, padded
     head = kv_head * GQA + rows
     row_ok = rows < GQA
@@ -144,7 +153,8 @@ def _decode_split_kernel(
                 cache_ptr, block_table_ptr + seq * stride_table + j, slots, dims, dim_ok, kv_head,
                 stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head,
             )  # fmt: skip
-            visible = tl.broadcast_to(((j * BLOCK_SIZE + slots) < end)[None, :], (BLOCK_M, BLOCK_SIZE))
+            key = j * BLOCK_SIZE + slots  # [S]
+            visible = tl.broadcast_to(((key < end) & (key >= low))[None, :], (BLOCK_M, BLOCK_SIZE))
             acc, row_max, row_sum = _online_softmax_step(
                 q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
             )
@@ -198,8 +208,8 @@ def split_decode_attention(
     part = torch.empty(num_seqs, num_heads, splits, head_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, part, lse, kv_cache, batch.block_table, batch.seq_lens, scale, q.stride(0), q.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        q, part, lse, kv_cache, batch.block_table, batch.seq_lens, scale, batch.window, q.stride(0),
+        q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         batch.block_table.stride(0), GQA=gqa, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=max(MIN_DOT_ROWS, triton.next_power_of_2(gqa)), SPLITS=splits,
         DOT_FP32=q.device.type == "cpu",
@@ -247,6 +257,7 @@ def paged_attention(
         batch.seq_lens,
         batch.query_start,
         scale,
+        batch.window,
         q.stride(0),
         q.stride(1),
         out.stride(0),

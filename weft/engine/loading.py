@@ -5,7 +5,6 @@ settled the same way for an engine (`weft.engine.factory`) and for each tensor-p
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
     quantization = check_quantization(args.quantization)
     quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
-    max_len = _max_model_len(args.max_model_len, model_config, args.show_progress)
+    max_len = _max_model_len(args.max_model_len, model_config)
     progress = args.show_progress and (tp is None or tp.rank == 0)
     model = load_model(
         source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp
@@ -91,30 +90,11 @@ def with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
     return replace(config, eos_token_ids=merged)
 
 
-def _max_model_len(requested: int | None, config: ModelConfig, show_progress: bool = False) -> int:
-    """The context: as asked, else `DEFAULT_MAX_MODEL_LEN`; within the model's positions and, since
-    weft does not yet restrict attention to a window, within its sliding window (where the model
-    would attend as weft does)."""
+def _max_model_len(requested: int | None, config: ModelConfig) -> int:
+    """The context: as asked, else `DEFAULT_MAX_MODEL_LEN`; within the model's positions."""
     if requested is not None and requested > config.max_position_embeddings:
         raise ConfigError(
             f"max_model_len={requested} exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings})"
         )
-    window = config.sliding_window
-    if requested is not None and window is not None and requested > window:
-        raise ConfigError(
-            f"max_model_len={requested} exceeds the model's sliding window ({window} tokens): weft does "
-            f"not yet restrict attention to a window, so past it weft would attend where the model does "
-            f"not; use max_model_len <= {window}"
-        )
-    limit = min(config.max_position_embeddings, window or config.max_position_embeddings)
-    length = min(requested or DEFAULT_MAX_MODEL_LEN, limit)
-    cut_by_window = window is not None and window < min(DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
-    if requested is None and cut_by_window and show_progress:
-        print(
-            f"weft: max_model_len {length}, the model's sliding window (weft does not yet attend within "
-            "a window, and up to it attention is the same)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return length
+    return min(requested or DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)

@@ -27,7 +27,7 @@ metadata and attends, with the kernel set chosen for the device at load.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class AttentionGroup:
     # [Bg + 1] int64, where each sequence's tokens start among the group's: set when the kernel set
     # attends multi-token rows in place (`paged_prefill_attention`), which needs no mask
     query_start: torch.Tensor | None = None
+    window: int = 0  # a sliding-window layer's keys per query, itself included (in the mask too); 0: none
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +66,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, flat cache slot (block_id * block_size + offset) per token
     groups: tuple[AttentionGroup, ...]  # one or two; none when `ragged` is set
     ragged: RaggedBatch | None = None  # the whole step for `ragged_paged_attention`
+    # the same step for the model's sliding-window layers (groups whose masks and kernels keep to
+    # the window); None where the model has none, or the step is `ragged` (the window is a number)
+    sliding: AttentionMetadata | None = None
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """The metadata a layer attending over the last `window` keys uses (0: this one)."""
+        if window == 0:
+            return self
+        if self.ragged is not None:
+            return AttentionMetadata(self.slot_mapping, (), replace(self.ragged, window=window))
+        if self.sliding is None or self.sliding.groups[0].window != window:
+            raise ValueError(f"this step's attention metadata was built without the window {window}")
+        return self.sliding
 
     @property
     def decode_group(self) -> AttentionGroup | None:
@@ -89,6 +103,7 @@ class _StepShape:
     block_size: int
     prefill_in_place: bool = False  # multi-token rows attend through `paged_prefill_attention`
     decode_in_place: bool = False  # single-query rows attend through `paged_decode_attention`: no mask
+    window: int = 0  # the keys each query sees, itself included (a sliding-window layer); 0: all
 
 
 def build_attention_metadata(
@@ -106,6 +121,7 @@ def build_attention_metadata(
     tokenwise_within: int | None = None,
     tokenwise_rows: Sequence[int] = (),
     put: Upload | None = None,
+    window: int = 0,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -119,22 +135,18 @@ def build_attention_metadata(
     context is at most that; the rows `tokenwise_rows` always; with `prefill_in_place`, longer
     rows attend through the kernel set's `paged_prefill_attention`; with `decode_in_place`,
     single-query groups get no mask (the kernel set's `paged_decode_attention` reads their context
-    lengths). With `ragged`, the step is one `RaggedBatch` instead of groups.
+    lengths). With `ragged`, the step is one `RaggedBatch` instead of groups. With `window`, the
+    metadata's `sliding` is the same step for layers that attend over the last `window` keys.
     Host arrays go to the device by `put` (default: `to_device`, once each); nothing is read back.
     """
     put = put or (lambda array: to_device(array, device))
-    num_seqs, num_tokens = len(query_lens), sum(query_lens)
+    num_tokens = sum(query_lens)
     q_lens = np.array(query_lens, dtype=np.int64)  # [B]
     ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
     table = (
         block_tables if isinstance(block_tables, np.ndarray) else padded(block_tables, pad=0)
     )  # [B, max_blocks]
-    if num_tokens == num_seqs:  # decode only: one token per sequence
-        seq_idx, positions = np.arange(num_seqs), ctx_lens - 1  # [T] each
-    else:
-        seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [T]
-        starts = np.cumsum(q_lens) - q_lens  # [B]
-        positions = (ctx_lens - q_lens)[seq_idx] + np.arange(num_tokens) - starts[seq_idx]  # [T]
+    seq_idx, positions = _token_positions(q_lens, ctx_lens, num_tokens)  # [T] each
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
     if ragged:
         batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put)
@@ -143,14 +155,26 @@ def build_attention_metadata(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
         decode_in_place,
     )  # fmt: skip
-    if num_tokens == num_seqs:  # decode only: every row is one query already
-        groups: tuple[AttentionGroup, ...] = (_group(shape, None, None, put),)
-    else:
-        rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
-        short = _tokenwise_rows(q_lens, ctx_lens, *rules)
-        short[list(tokenwise_rows)] = True
-        groups = _split_groups(shape, short, put)
-    return AttentionMetadata(put(slot_mapping), groups), put(positions)
+    rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
+    short = _tokenwise_rows(q_lens, ctx_lens, *rules)  # (decode only: every row is one query already)
+    short[list(tokenwise_rows)] = True
+    slots = put(slot_mapping)
+    sliding = None
+    if window > 0:
+        sliding = AttentionMetadata(slots, _split_groups(replace(shape, window=window), short, put))
+    return AttentionMetadata(slots, _split_groups(shape, short, put), sliding=sliding), put(positions)
+
+
+def _token_positions(
+    q_lens: np.ndarray, ctx_lens: np.ndarray, num_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:  # [T] int64 each
+    """The row of each of the step's tokens and its position (q_lens, ctx_lens: [B] int64)."""
+    num_seqs = len(q_lens)
+    if num_tokens == num_seqs:  # decode only: one token per sequence
+        return np.arange(num_seqs), ctx_lens - 1
+    seq_idx = np.repeat(np.arange(num_seqs), q_lens)  # [T]
+    starts = np.cumsum(q_lens) - q_lens  # [B]
+    return seq_idx, (ctx_lens - q_lens)[seq_idx] + np.arange(num_tokens) - starts[seq_idx]
 
 
 def _tokenwise_rows(
@@ -175,6 +199,8 @@ def _tokenwise_rows(
 def _split_groups(shape: _StepShape, short: np.ndarray, put: Upload) -> tuple[AttentionGroup, ...]:
     """The groups of a step with multi-token rows: the `short` rows ([B] bool) token by token as
     single queries, the others as they are; one group where all rows are of one kind."""
+    if len(shape.q_list) == len(shape.seq_idx):  # decode only: every row is one query already
+        return (_group(shape, None, None, put),)
     short_rows = np.flatnonzero(short).tolist()
     if not short_rows:
         return (_group(shape, None, None, put),)
@@ -203,12 +229,13 @@ def _ragged_batch(
 
 
 def build_tree_metadata(
-    parents: list[int], block_ids: list[int], block_size: int, device: torch.device
+    parents: list[int], block_ids: list[int], block_size: int, device: torch.device, window: int = 0
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for a token tree computed in one pass (scoring options that share prefixes): node
     i ([N], parents before children, `parents[i] < i`, -1 for a root) is written at slot i of the
-    blocks `block_ids`, sits at position depth(i), and attends to itself and its ancestors only.
-    Returns the metadata and the positions ([N] int64)."""
+    blocks `block_ids`, sits at position depth(i), and attends to itself and its ancestors only
+    (with `window`, the metadata's `sliding` keeps sliding-window layers to the ancestors less than
+    `window` deep above it). Returns the metadata and the positions ([N] int64)."""
     num_nodes = len(parents)
     parent = np.array(parents, dtype=np.int64)  # [N]
     depth = np.zeros(num_nodes, dtype=np.int64)  # [N]
@@ -219,7 +246,7 @@ def build_tree_metadata(
             mask[i] |= mask[parent[i]]
     table = np.array([block_ids], dtype=np.int64)  # [1, num_blocks]
     slots = np.arange(num_nodes)
-    slot_mapping = table[0, slots // block_size] * block_size + slots % block_size  # [N]
+    slot_mapping = to_device(table[0, slots // block_size] * block_size + slots % block_size, device)  # [N]
     group = AttentionGroup(
         token_idx=None,
         block_table=to_device(table, device),
@@ -229,7 +256,12 @@ def build_tree_metadata(
         max_query_len=num_nodes,
         kv_len=num_nodes,
     )
-    return AttentionMetadata(to_device(slot_mapping, device), (group,)), to_device(depth, device)
+    sliding = None
+    if window > 0:
+        near = depth[:, None] - depth[None, :] < window  # [N, N]: within the window above node i
+        windowed = replace(group, attn_mask=to_device((mask & near)[None, None], device), window=window)
+        sliding = AttentionMetadata(slot_mapping, (windowed,))
+    return AttentionMetadata(slot_mapping, (group,), sliding=sliding), to_device(depth, device)
 
 
 def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
@@ -252,6 +284,7 @@ def _tokenwise(shape: _StepShape, rows: list[int]) -> _StepShape:
         table=shape.table if all_rows else shape.table[np.array(token_rows, dtype=np.int64)],
         block_size=shape.block_size,
         decode_in_place=shape.decode_in_place,
+        window=shape.window,
     )
 
 
@@ -268,19 +301,19 @@ def _group(
         q_lens, ctx_lens, table = q_lens[index], ctx_lens[index], table[index]
     max_q, kv_len, num_seqs = max(q_list), max(ctx_list), len(q_list)
     num_blocks = -(-kv_len // shape.block_size)
+    window = shape.window
     if max_q > 1 and shape.prefill_in_place:
-        return _in_place_group(token_idx, q_lens, ctx_lens, table[:, :num_blocks], put)
+        return _in_place_group(token_idx, q_lens, ctx_lens, table[:, :num_blocks], put, window)
     is_causal = max_q > 1 and all(q == max_q for q in q_list) and ctx_list == q_list
+    is_causal &= window == 0 or max_q <= window  # (every key then within each query's window)
     scatter_idx, mask = None, None
     if max_q > 1 and not is_causal:
         local_seq = np.repeat(np.arange(num_seqs), q_lens)  # [Tg]
         starts = np.cumsum(q_lens) - q_lens
         scatter_idx = local_seq * max_q + np.arange(sum(q_list)) - starts[local_seq]
-    if (num_seqs > 1 or max_q > 1) and not is_causal and not (max_q == 1 and shape.decode_in_place):
-        q_pos = (ctx_lens - q_lens)[:, None] + np.arange(max_q)[None, :]  # [Bg, max_q]
-        k_pos = np.arange(kv_len)  # [kv_len]
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_lens[:, None, None])
-        mask = mask[:, None]  # [Bg, 1, max_q, kv_len]
+    masked = num_seqs > 1 or max_q > 1 or 0 < window < kv_len
+    if masked and not is_causal and not (max_q == 1 and shape.decode_in_place):
+        mask = _mask(q_lens, ctx_lens, max_q, kv_len, window)
     return AttentionGroup(
         token_idx=None if token_idx is None else put(token_idx),
         block_table=put(table[:, :num_blocks]),
@@ -290,7 +323,21 @@ def _group(
         max_query_len=max_q,
         kv_len=kv_len,
         is_causal=is_causal,
+        window=window,
     )
+
+
+def _mask(
+    q_lens: np.ndarray, ctx_lens: np.ndarray, max_q: int, kv_len: int, window: int
+) -> np.ndarray:  # [Bg, 1, max_q, kv_len] bool, True = attend
+    """Each query sees the keys up to its own position, and in a sliding-window layer only the
+    last `window` of them (q_lens, ctx_lens: [Bg] int64)."""
+    q_pos = (ctx_lens - q_lens)[:, None] + np.arange(max_q)[None, :]  # [Bg, max_q]
+    k_pos = np.arange(kv_len)[None, None, :]  # [1, 1, kv_len]
+    mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ctx_lens[:, None, None])  # [Bg, max_q, kv_len]
+    if window > 0:
+        mask &= k_pos > q_pos[:, :, None] - window
+    return mask[:, None]
 
 
 def _in_place_group(
@@ -299,6 +346,7 @@ def _in_place_group(
     ctx_lens: np.ndarray,  # [Bg] int64
     table: np.ndarray,  # [Bg, num_blocks] int64
     put: Upload,
+    window: int = 0,
 ) -> AttentionGroup:
     """A group of multi-token rows for `paged_prefill_attention`: each sequence's tokens are a run
     of the group's, and the kernel reads the cache in place (no mask, no padding)."""
@@ -313,6 +361,7 @@ def _in_place_group(
         max_query_len=int(q_lens.max()),
         kv_len=int(ctx_lens.max()),
         query_start=put(query_start),
+        window=window,
     )
 
 
@@ -355,13 +404,16 @@ def _attend(
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
     if max_q == 1 and kernels.reads_cache_in_place(head_dim):  # decode rows: read the cache in place
-        out = kernels.paged_decode_attention(q, kv_cache, group.block_table, group.context_lens, scale)
+        out = kernels.paged_decode_attention(
+            q, kv_cache, group.block_table, group.context_lens, scale, group.window
+        )  # [Bg, H, D]
         return out.view(num_seqs, num_heads * head_dim)
     if group.query_start is not None:  # multi-token rows, read in place too
         out = kernels.paged_prefill_attention(
-            q, kv_cache, group.block_table, group.context_lens, group.query_start, scale, bf16_dot
-        )  # [Tg, H, D]
-        return out.view(-1, num_heads * head_dim)
+            q, kv_cache, group.block_table, group.context_lens, group.query_start, scale, bf16_dot,
+            group.window,
+        )  # fmt: skip
+        return out.view(-1, num_heads * head_dim)  # [Tg, H * D]
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
@@ -397,8 +449,10 @@ class PagedAttention:
         head_dim: int | None = None,
         kv_group: int | None = None,
         num_heads: int | None = None,
+        window: int = 0,
     ) -> None:
         self.kernels = kernels
+        self.window = window  # the model's sliding-window layers' keys per query; 0: it has none
         self.head_dim = head_dim  # None: unknown, no ragged batches
         # query heads per KV head (1: no GQA; None: unknown) and query heads, for which rows attend
         # token by token (`TorchKernels.tokenwise_without_gqa`, `tokenwise_wide_gqa`, ...)
@@ -429,7 +483,7 @@ class PagedAttention:
         more, most, within = self._tokenwise_rules() if decode_in_place else (None, None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more, most, within, tokenwise_rows, put,
+            decode_in_place, more, most, within, tokenwise_rows, put, self.window,
         )  # fmt: skip
 
     def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None, int | None]:
@@ -442,12 +496,11 @@ class PagedAttention:
         within = work // width if group == 1 and work is not None and width > 0 else None
         return more, most, within
 
-    @staticmethod
     def build_tree_metadata(
-        parents: list[int], block_ids: list[int], block_size: int, device: torch.device
+        self, parents: list[int], block_ids: list[int], block_size: int, device: torch.device
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """See `build_tree_metadata`."""
-        return build_tree_metadata(parents, block_ids, block_size, device)
+        return build_tree_metadata(parents, block_ids, block_size, device, self.window)
 
     def __call__(
         self,

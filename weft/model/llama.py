@@ -63,9 +63,12 @@ class DecoderSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, window: int = 0
+    ) -> None:
         super().__init__()
         self.backend = backend
+        self.window = window  # a sliding-window layer's keys per query (`ModelConfig.layer_window`); 0: all
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
             config.num_kv_heads,
@@ -98,7 +101,8 @@ class Attention(nn.Module):
             self._norm_qk(qkv, self.q_norm, self.k_norm)
         # q and k rotated in place, k and v into the cache: one launch where the kernel set fuses them
         self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
-        out = self.backend(qkv[:, :num_q], None, kv_cache, meta, self.scale)  # q: [T, H, D]
+        q = qkv[:, :num_q]  # [T, H, D]
+        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale)
         return self.reduce(self.o(out, rows))
 
     def _norm_qk(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
@@ -159,11 +163,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, index: int) -> None:
         super().__init__()
         kernels = backend.kernels
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.attn = Attention(config, spec, backend)
+        self.attn = Attention(config, spec, backend, config.layer_window(index))
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
@@ -200,10 +204,10 @@ class PostNormLayer(nn.Module):
     """OLMo 2's layer: attention and MLP read the residual stream as it is, and each one's output is
     normalised before it is added back (no norm before either)."""
 
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention) -> None:
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, index: int) -> None:
         super().__init__()
         kernels = backend.kernels
-        self.attn = Attention(config, spec, backend)
+        self.attn = Attention(config, spec, backend, config.layer_window(index))
         self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
         self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
@@ -238,10 +242,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm_pairs = False  # the norms may write bfloat16 pairs (`_norms_write_pairs`; set at load)
         self.huge_page_bytes = 0  # the packed weights moved into 2 MB pages at load (huge_pages.py)
         group = config.num_heads // config.num_kv_heads
-        self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads)
+        window = max(config.layer_window(i) for i in range(config.num_layers))
+        self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads, window)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         layer = PostNormLayer if spec.post_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer(config, spec, self.attention) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(layer(config, spec, self.attention, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
         self.unrotated: RotaryEmbedding | None = None  # the tables of layers without rotary embedding
@@ -349,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
         ):
             return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
         if not self.config.is_plain_llama:
-            return  # (the kernel has no family scales and rotates in every layer)
+            return  # (the kernel has no family scales or windows, and rotates in every layer)
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)

@@ -215,6 +215,7 @@ constexpr int64_t kMaxSplits = 4;  // ranges of a sequence's context at most (`s
 struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
   int64_t q_seq_stride, q_head_stride, num_splits;
+  int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
@@ -385,7 +386,7 @@ inline int64_t chunk_tokens(const DecodeShape& sh) {
   return blocks * sh.block_size;
 }
 
-// One chunk of a work item's tokens [begin, end) (whole blocks from `begin`), every head, in two
+// One chunk of a work item's tokens [begin, end) (block by block from `begin`), every head, in two
 // passes over its blocks, each block read front to back as one stretch of memory: the scores of
 // every token for every head (scores [H, chunk]), then per head one update of the running softmax
 // (m, l, acc) for the whole chunk, then the values weighted by the scores. One max, one sum and one
@@ -395,10 +396,11 @@ template <typename T, int64_t kHeadDim>
 void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t end, int64_t range_end,
                   const float* queries, const DecodeShape& sh, int64_t chunk, float* scores, Partial part) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, bs = sh.block_size, n = end - begin;
-  for (int64_t t0 = begin; t0 < end; t0 += bs) {  // pass 1: scores
-    const T* block = cache + blocks[t0 / bs] * sh.block_stride;
-    const T* next = t0 + bs < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
-    const int64_t num_tokens = std::min(bs, end - t0);
+  for (int64_t t0 = begin, stop = 0; t0 < end; t0 = stop) {  // pass 1: scores
+    stop = std::min(end, (t0 / bs + 1) * bs);  // the rest of t0's block (a window starts mid-block)
+    const T* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
+    const T* next = stop < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
+    const int64_t num_tokens = stop - t0;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
         if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
@@ -418,9 +420,10 @@ void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t 
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) acc[i] *= rescale;
   }
-  for (int64_t t0 = begin; t0 < end; t0 += bs) {  // pass 2: values (the chunk is still in L2)
-    const T* block = cache + blocks[t0 / bs] * sh.block_stride;
-    const int64_t num_tokens = std::min(bs, end - t0);
+  for (int64_t t0 = begin, stop = 0; t0 < end; t0 = stop) {  // pass 2: values (the chunk is still in L2)
+    stop = std::min(end, (t0 / bs + 1) * bs);
+    const T* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
+    const int64_t num_tokens = stop - t0;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
       const T* values = block + (sh.num_kv_heads + kvh) * D;
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
@@ -456,13 +459,20 @@ inline int64_t split_blocks(int64_t num_blocks) {
   return (num_blocks + splits - 1) / splits;
 }
 
+// The first key a decode query at position len - 1 sees: 0, or the start of its window.
+inline int64_t window_start(int64_t len, const DecodeShape& sh) {
+  return sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
+}
+
 template <typename T>
 void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t split,
                   const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
                   Partial part) {
-  const int64_t D = sh.head_dim, num_blocks = (len + sh.block_size - 1) / sh.block_size;
+  const int64_t D = sh.head_dim, start = window_start(len, sh), first_block = start / sh.block_size;
+  const int64_t num_blocks = (len + sh.block_size - 1) / sh.block_size - first_block;
   const int64_t per_split = split_blocks(num_blocks);
-  const int64_t first = split * per_split, last = std::min(num_blocks, first + per_split);
+  const int64_t first = first_block + split * per_split;
+  const int64_t last = std::min(first_block + num_blocks, first + per_split);
   for (int64_t h = 0; h < sh.num_heads; ++h) {
     const T* src = qp + b * sh.q_seq_stride + h * sh.q_head_stride;
     for (int64_t i = 0; i < D; ++i) queries[h * D + i] = static_cast<float>(src[i]) * scale;
@@ -471,7 +481,7 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
   }
   std::fill(part.acc, part.acc + sh.num_heads * D, 0.f);
   if (first >= last) return;  // an empty range
-  const int64_t begin = first * sh.block_size, end = std::min(len, last * sh.block_size);
+  const int64_t begin = std::max(start, first * sh.block_size), end = std::min(len, last * sh.block_size);
   if (D == 32) {
     attend_range<T, 32>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   } else if (D == 64) {
@@ -512,9 +522,12 @@ void merge_splits(const std::vector<float>& m, const std::vector<float>& l, cons
 template <typename T>
 void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
                    DecodeShape sh, float scale, T* op) {
-  int64_t longest = 0;  // the longest context: its ranges are the most any sequence has
-  for (int64_t b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b]);
-  sh.num_splits = num_ranges((longest + sh.block_size - 1) / sh.block_size);
+  int64_t most_blocks = 0;  // the most blocks a query reads: their ranges are the most any sequence has
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t blocks = (lens[b] + sh.block_size - 1) / sh.block_size - window_start(lens[b], sh) / sh.block_size;
+    most_blocks = std::max(most_blocks, blocks);
+  }
+  sh.num_splits = num_ranges(most_blocks);
   const int64_t H = sh.num_heads, D = sh.head_dim, items = num_seqs * sh.num_splits;
   std::vector<float> m(items * H), l(items * H), acc(items * H * D);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -529,7 +542,7 @@ void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int6
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(on_cpu({q, kv_cache, block_table, context_lens}),
               "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
@@ -557,6 +570,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.q_seq_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
+  sh.window = window;
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
@@ -570,7 +585,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   // Software prefetch pays where the step's keys and values come from memory (5-10% at 25-270 MB)
   // and costs where they are in cache (10-25% at the bundled model's 0.2-12 MB): the bytes decide.
   int64_t tokens = 0;
-  for (int64_t b = 0; b < q.size(0); ++b) tokens += lens[b];
+  for (int64_t b = 0; b < q.size(0); ++b) tokens += lens[b] - window_start(lens[b], sh);
   sh.prefetch = tokens * sh.token_stride * static_cast<int64_t>(q.element_size()) > (int64_t{16} << 20);
   auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
@@ -1382,8 +1397,8 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
   ::rope_(x, positions, cos, sin, num_heads);
 }
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
-  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale);
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window);
 }
 
 }  // namespace weft
@@ -1393,7 +1408,9 @@ TORCH_LIBRARY(weft, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale, "
+      "int window=0) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");

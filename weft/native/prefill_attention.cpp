@@ -3,7 +3,8 @@
 // gathered copy of the cache, no mask tensor, and no work on the keys a query cannot see.
 //
 // Sequence b's queries are q[query_start[b] .. query_start[b + 1]), the last ones of its
-// context_lens[b] tokens; a query at position p attends keys 0 .. p. A work item is one sequence,
+// context_lens[b] tokens; a query at position p attends keys 0 .. p, or in a sliding-window layer
+// of window W keys p - W + 1 .. p (an item starts at the block of its first query's first key). A work item is one sequence,
 // one KV head and up to kChunk of its queries: the rows of the item are those queries times the
 // KV head's query heads (row = query * group + head), so every row of an item shares its keys. An
 // item walks its keys in blocks of kKeys (a flash-attention loop): it copies the block's keys into
@@ -57,6 +58,7 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 struct PrefillShape {
   int64_t num_heads, num_kv_heads, group, block_size, token_stride, block_stride, max_blocks;
   int64_t q_token_stride, q_head_stride;
+  int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
   float scale;
 };
 
@@ -182,12 +184,12 @@ __attribute__((always_inline)) inline void score_tile_pairs(const uint32_t* q, c
 }
 
 // The running softmax of a row after one block of scores, keys kb0 .. kb0 + kKeys - 1 of which
-// those after `limit` are masked: the row's probabilities into p, its rescale into *alpha.
-inline void softmax_row(const vecf (&s)[kKeyVecs], int64_t kb0, int64_t limit, float& m, float& l, vecf* p,
-                        float* alpha) {
+// those before `low` or after `limit` are masked: the row's probabilities into p, its rescale into *alpha.
+inline void softmax_row(const vecf (&s)[kKeyVecs], int64_t kb0, int64_t low, int64_t limit, float& m, float& l,
+                        vecf* p, float* alpha) {
   vecf scores[kKeyVecs];
   veci visible[kKeyVecs];
-  const bool all_visible = kb0 + kKeys - 1 <= limit;
+  const bool all_visible = kb0 >= low && kb0 + kKeys - 1 <= limit;
   for (int j = 0; j < kKeyVecs; ++j) {
     if (all_visible) {
       scores[j] = s[j];
@@ -195,7 +197,7 @@ inline void softmax_row(const vecf (&s)[kKeyVecs], int64_t kb0, int64_t limit, f
     }
     veci key;
     for (int c = 0; c < kLanes; ++c) key[c] = static_cast<int32_t>(kb0 + j * kLanes + c);
-    visible[j] = key <= static_cast<int32_t>(limit);
+    visible[j] = (key <= static_cast<int32_t>(limit)) & (key >= static_cast<int32_t>(low));
     scores[j] = visible[j] ? s[j] : vecf{} + kMinusInf;
   }
   vecf top = scores[0];
@@ -328,11 +330,13 @@ void attend_item(const Item& it, const float* q, const float* cache, const int64
   std::fill(s.m.begin(), s.m.end(), kMinusInf);
   std::fill(s.l.begin(), s.l.end(), 0.f);
   const int64_t last_key = first_pos + it.count - 1;
-  for (int64_t kb0 = 0; kb0 <= last_key; kb0 += kKeys) {
+  const int64_t first_key = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) / kKeys * kKeys : 0;
+  for (int64_t kb0 = first_key; kb0 <= last_key; kb0 += kKeys) {
     const int64_t num_keys = std::min(kKeys, last_key + 1 - kb0);
     load_key_block<kD, kPairs>(cache, blocks, it.kv_head, kb0, num_keys, sh, s);
     for (int64_t t0 = 0; t0 < rows; t0 += kRows) {
       if (first_pos + (std::min(t0 + kRows, rows) - 1) / sh.group < kb0) continue;  // all past the tile
+      if (sh.window > 0 && first_pos + t0 / sh.group - sh.window + 1 > kb0 + kKeys - 1) continue;  // all before it
       vecf acc[kRows][kKeyVecs];
       if constexpr (kPairs) {
         score_tile_pairs<kD>(reinterpret_cast<const uint32_t*>(s.qp.data()) + t0 * (kD / 2), s.ktp.data(), acc);
@@ -341,12 +345,13 @@ void attend_item(const Item& it, const float* q, const float* cache, const int64
       }
       for (int i = 0; i < kRows; ++i) {
         const int64_t r = t0 + i, limit = first_pos + r / sh.group;
-        if (r >= rows || limit < kb0) {  // padding, or a row that sees none of the block
+        const int64_t low = sh.window > 0 ? limit - sh.window + 1 : 0;
+        if (r >= rows || limit < kb0 || low > kb0 + kKeys - 1) {  // padding, or a row that sees none of the block
           std::fill(s.p.begin() + i * kKeyVecs, s.p.begin() + (i + 1) * kKeyVecs, vecf{});
           s.alpha[i] = 1.f;
           continue;
         }
-        softmax_row(acc[i], kb0, limit, s.m[r], s.l[r], s.p.data() + i * kKeyVecs, &s.alpha[i]);
+        softmax_row(acc[i], kb0, low, limit, s.m[r], s.l[r], s.p.data() + i * kKeyVecs, &s.alpha[i]);
       }
       if constexpr (kPairs) {
         for (int64_t v = 0; v < kRows * kKeyVecs / 2; ++v) s.pp[v] = consecutive_pairs(s.p[2 * v], s.p[2 * v + 1]);
@@ -452,7 +457,7 @@ void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, co
 // the CPU has AVX512_BF16), float32 accumulation and softmax, as the linear layers' bf16_dot.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                                   bool bf16_dot) {
+                                   bool bf16_dot, int64_t window) {
   check_prefill_inputs(q, kv_cache, block_table, context_lens, query_start);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start.data_ptr<int64_t>();
@@ -468,6 +473,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.q_token_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);
   sh.scale = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0 (0: no window)");
+  sh.window = window;
   auto out = at::empty({q.size(0), sh.num_heads, q.size(2)}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* cache = kv_cache.data_ptr<float>();
@@ -487,7 +494,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-      "Tensor query_start, float scale, bool bf16_dot=False) -> Tensor");
+      "Tensor query_start, float scale, bool bf16_dot=False, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
