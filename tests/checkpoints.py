@@ -54,6 +54,18 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # its second layer without rotary embedding
     "olmo2": ("Olmo2Config", {}),
+    # Gemma 3: windows of 8 keys in three layers of four (the third global), two rope bases
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
     # Phi-4-mini's shape of rotary embedding: 3/4 of each head rotates, LongRoPE's short factors
     "phi3": (
         "Phi3Config",
@@ -118,9 +130,11 @@ def build_checkpoint(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # random init is tiny; widen it so that logits differ visibly
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (Gemma's start at 0)
+                p.uniform_(-0.5, 0.5)
     model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

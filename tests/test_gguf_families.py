@@ -35,14 +35,26 @@ FILES = {
     "qwen3yarn-f16": lambda c: (
         (c.rope.rope_type, c.rope.factor, c.rope.original_max_position_embeddings) == ("yarn", 4.0, 64)
     ),
+    # llama.cpp's Gemma 3: every 6th layer global (so all four of these slide), windows of 32
+    "gemma3-f16": lambda c: (
+        (c.sliding_window, c.sliding_layers, c.hidden_act) == (32, (True,) * 4, "gelu_pytorch_tanh")
+        and (c.rope.theta, c.sliding_rope.theta, c.embedding_multiplier) == (1e6, 1e4, 8.0)
+    ),
 }
+
+
+# llama.cpp's own distance from exact float32 arithmetic on a file, where it is above 0.001: transformers
+# reading gemma3-f16.gguf (dequantized exactly, its query_pre_attn_scalar set to the head size as
+# llama.cpp's) is 0.0016 from llama.cpp on average (0.0039 at most) and 1.6e-6 from weft.
+MEAN_GAP = {"gemma3-f16": 0.002}
 
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_a_family_computes_what_llama_cpp_computes(name, reference):
     """Teacher-forced along llama.cpp's 16 greedy tokens after each of the six prompts (five of 80
     tokens, past SmolLM3's NoPE layer and YaRN's original 64 positions), weft's logprob of each
-    token is within 0.005 of llama.cpp's (mean within 0.001), and its greedy tokens are llama.cpp's."""
+    token is within 0.005 of llama.cpp's (mean within 0.001, or `MEAN_GAP`), and its greedy tokens
+    are llama.cpp's."""
     llm = LLM(str(FAMILIES_DIR / f"{name}.gguf"), show_progress=False, max_logprobs=5)
     assert FILES[name](llm.config.model), llm.config.model
     gaps = []
@@ -58,7 +70,8 @@ def test_a_family_computes_what_llama_cpp_computes(name, reference):
         gaps += [
             abs(e[t].logprob - lp) for t, e, lp in zip(run["tokens"], steps, run["tf_logprobs"], strict=True)
         ]
-    assert max(gaps) <= 0.005 and float(np.mean(gaps)) <= 0.001, (max(gaps), np.mean(gaps))
+    mean_gap = MEAN_GAP.get(name, 0.001)
+    assert max(gaps) <= 0.005 and float(np.mean(gaps)) <= mean_gap, (max(gaps), np.mean(gaps))
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [run["tokens"] for run in runs]

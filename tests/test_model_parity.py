@@ -24,6 +24,7 @@ ARCHS = [
     "granite",
     "smollm3",
     "olmo2",
+    "gemma3",
 ]
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
@@ -88,7 +89,7 @@ def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
     assert_close(second, reference_logprobs(reference, extended))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "gemma3"])
 def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -151,7 +152,9 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory)
     assert not torch.allclose(with_long, with_short, atol=1e-3)  # the factors do differ
 
 
-WINDOWED = {  # sliding windows of 8 keys: Mistral's in every layer, Qwen2's from its second layer on
+WINDOWED = {  # sliding windows of 8 keys: Mistral's in every layer, Qwen2's from its second layer on,
+    # Gemma 3's in three layers of four
+    "gemma3": {},
     "mistral": {"sliding_window": 8},
     "qwen2": {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
 }

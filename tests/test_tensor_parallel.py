@@ -144,7 +144,7 @@ def test_olmo2_is_refused_with_the_reason(checkpoint_factory):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "granite", "bundled"]
+    "arch", ["llama", "llama3", "llama-untied", "mistral", "qwen2", "qwen3", "granite", "gemma3", "bundled"]
 )
 def test_two_ranks_compute_what_one_rank_does(checkpoint_factory, arch):
     """Every architecture's tiny checkpoint, and the bundled model: prompt logprobs, greedy tokens

@@ -92,6 +92,11 @@ class ModelConfig:
     # None: every layer attends to every earlier position
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()  # whether each layer slides (empty: all, given a window)
+    # Gemma's: the rotary embedding of sliding-window layers (its own base); None: `rope` in every layer
+    sliding_rope: RopeConfig | None = None
+    # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
+    hidden_act: str = "silu"
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2's c = 30)
 
     @property
     def is_plain_llama(self) -> bool:
@@ -103,6 +108,8 @@ class ModelConfig:
             and self.logits_scaling == 1.0
             and all(self.rope_layers)
             and self.sliding_window is None
+            and self.hidden_act == "silu"
+            and self.final_logit_softcapping is None
         )
 
     def layer_window(self, layer: int) -> int:
@@ -133,7 +140,7 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     hidden_size = int(raw["hidden_size"])
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         architecture=str(architectures[0]),
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden_size,
@@ -159,7 +166,43 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         rope_layers=_rope_layers(raw),
         sliding_window=_sliding_window(raw),
         sliding_layers=_sliding_layers(raw),
+        sliding_rope=_sliding_rope(raw),
+        hidden_act=_hidden_act(raw),
     )
+    fields.update(_gemma_scales(raw, hidden_size))
+    return ModelConfig(**fields)
+
+
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # the names configs give GELU's tanh approximation
+
+
+def _hidden_act(raw: dict[str, Any]) -> str:
+    """The MLP's gate activation (Gemma names it `hidden_activation`)."""
+    act = str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
+    if act in GELU_TANH:
+        return "gelu_pytorch_tanh"
+    if act != "silu":
+        raise ValueError(f"hidden activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    return act
+
+
+def _is_gemma(raw: dict[str, Any]) -> bool:
+    return any(a.startswith("Gemma") for a in raw.get("architectures") or [])
+
+
+def _gemma_scales(raw: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """Gemma's embedding times sqrt(hidden) and attention scores times
+    `query_pre_attn_scalar ** -0.5` (as `ModelConfig`'s Granite scales); nothing for the others."""
+    if not _is_gemma(raw):
+        return {}
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
+    scales: dict[str, Any] = {"embedding_multiplier": hidden_size**0.5}
+    if raw.get("final_logit_softcapping") is not None:
+        scales["final_logit_softcapping"] = float(raw["final_logit_softcapping"])
+    if raw.get("query_pre_attn_scalar") is not None:
+        scales["attention_multiplier"] = float(raw["query_pre_attn_scalar"]) ** -0.5
+    return scales
 
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
@@ -200,10 +243,23 @@ def _rope_layers(raw: dict[str, Any]) -> tuple[bool, ...]:
     return tuple((i + 1) % int(interval) != 0 for i in range(int(raw["num_hidden_layers"])))
 
 
+def _sliding_rope(raw: dict[str, Any]) -> RopeConfig | None:
+    """Gemma's rotary embedding of its sliding-window layers: `rope_parameters["sliding_attention"]`
+    (transformers 5) or the base `rope_local_base_freq` (transformers 4, default 10,000)."""
+    if not _is_gemma(raw):
+        return None
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        return _rope_config({**raw, "rope_parameters": params["sliding_attention"], "rope_scaling": None})
+    return RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
+
+
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     """Rope settings from either layout: `rope_theta` + `rope_scaling` (transformers 4) or
-    `rope_parameters` (transformers 5)."""
+    `rope_parameters` (transformers 5; Gemma's per layer kind, of which the global layers' here)."""
     params = dict(raw.get("rope_parameters") or {})
+    if "full_attention" in params:
+        params = dict(params["full_attention"] or {})
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))

@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
 # two rotary halves in the rows of attn_q and attn_k.
@@ -89,6 +90,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's layer norms, which llama.cpp names by their place: before and after each branch
+_SANDWICH_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's converter stores Gemma's norms as (1 + w), their scale; Hugging Face's as w
+NORMS_PLUS_ONE = ("gemma3",)
+# llama.cpp's Gemma 3: every 6th layer global, the others slide (`set_swa_pattern(6)`, not in the file)
+GEMMA3_SLIDING_PATTERN = 6
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope factors (Llama 3.1 rope scaling)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -105,14 +117,16 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for one weft does not know."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`, or None for one weft does not
+    know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _SANDWICH_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
+    if match is None or match[2] not in names:
         return None
-    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -213,7 +227,23 @@ class GgufCheckpoint:
             raw["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
         if self._key("attention.sliding_window"):
             raw["sliding_window"] = self._key("attention.sliding_window")
+        if self.arch == "gemma3":
+            raw.update(self._gemma3_keys())
         return raw
+
+    def _gemma3_keys(self) -> dict[str, Any]:
+        """Gemma 3 as llama.cpp runs it: the sliding layers' rope base (10,000 unless the file says),
+        every 6th layer global, GeGLU, and the scores scaled by head_dim ** -0.5 (the 27B model's by
+        (hidden / heads) ** -0.5, as its `query_pre_attn_scalar`)."""
+        heads, layers = self._key("attention.head_count"), self._key("block_count")
+        head_dim = self._key("attention.key_length") or self._key("embedding_length") // heads
+        return {
+            "rope_local_base_freq": self._key("rope.freq_base_swa", 10000.0),
+            "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": self._key("embedding_length") // heads if layers == 62 else head_dim,
+            "final_logit_softcapping": self._key("final_logit_softcapping"),
+        }
 
     def model_config(self) -> ModelConfig:
         config = ModelConfig.from_dict(self.config_dict(), source=str(self.path))
@@ -234,7 +264,7 @@ class GgufCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.name == ROPE_FREQS:  # part of the configuration (`model_config`)
                 continue
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self.arch)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
             kind = (
@@ -249,6 +279,8 @@ class GgufCheckpoint:
                 weight = _unpermuted(weight, heads)
             elif self.arch in PERMUTED_ROTARY and name.endswith(("k_proj.weight", "k_proj.bias")):
                 weight = _unpermuted(weight, kv_heads)
+            elif self.arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+                weight = cast(torch.Tensor, weight) - 1.0  # (the loader adds it back)
             yield name, weight
 
     def dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization

@@ -1,6 +1,6 @@
 """The Llama family of decoders (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2, Qwen3, Granite,
-SmolLM3) over a paged KV cache. The families differ only in small switches, gathered in
-`DecoderSpec`, and in values of their configuration:
+SmolLM3, OLMo 2, Phi-3, Gemma 3) over a paged KV cache. The families differ only in small switches,
+gathered in `DecoderSpec`, and in values of their configuration:
 
 - Qwen2 has biases on the q/k/v projections;
 - Qwen3 normalises q and k per head (RMSNorm over head_dim) before the rotary embedding;
@@ -10,7 +10,12 @@ SmolLM3) over a paged KV cache. The families differ only in small switches, gath
 - SmolLM3 leaves the rotary embedding out of every fourth layer (`ModelConfig.rope_layers`: those
   layers rotate by the tables of a rotary embedding of no dimensions, cos 1 and sin 0);
 - OLMo 2 normalises q and k over all heads at once, and normalises each branch's output before the
-  residual add instead of its input (`PostNormLayer`).
+  residual add instead of its input (`PostNormLayer`);
+- Gemma 3 normalises each branch's input and output (`SandwichLayer`), with norms that scale by
+  (1 + w) (the loader adds the 1), q/k norms per head, GeGLU (tanh GELU) instead of SwiGLU, the
+  embedding times sqrt(hidden), and sliding-window layers (`ModelConfig.layer_window`) with a rotary
+  embedding of their own base (`ModelConfig.sliding_rope`); any family may slide its attention
+  (Mistral, Phi-3: every layer).
 
 Projections are fused: q, k and v into one [(H + 2 * KVH) * D, hidden] matrix, gate and up into
 one [2 * intermediate, hidden] matrix.
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from weft.config import ModelConfig, RopeConfig
@@ -60,6 +66,8 @@ class DecoderSpec:
     qk_norm: bool = False
     qk_norm_all_heads: bool = False  # q and k normalised as one vector of all their heads (OLMo 2)
     post_norms: bool = False  # each branch's output normalised before the residual add (OLMo 2)
+    sandwich_norms: bool = False  # a norm before and after each branch (Gemma: `SandwichLayer`)
+    norms_plus_one: bool = False  # checkpoints store each norm's scale less 1 (Gemma: x * (1 + w))
 
 
 class Attention(nn.Module):
@@ -124,6 +132,7 @@ class MLP(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down = Linear(config.intermediate_size, config.hidden_size)
         self.reduce: Reduce = _alone  # tensor parallel: the down projection's sum over the ranks
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(
         self, x: torch.Tensor | BFloat16Pairs, rows: StepRows | None = None
@@ -139,11 +148,15 @@ class MLP(nn.Module):
             out[start:stop] = self._forward(x[start:stop], None if rows is None else rows.slice(start, stop))
         return out
 
+    def _fuses(self) -> bool:
+        """Whether the MLP runs fused (glu.py, whose activation is SiLU)."""
+        return not self.gelu and glu.fuses(self.gate_up, self.down)
+
     def takes_pairs(self, num_tokens: int) -> bool:
         """Whether an input of this many rows may come as bfloat16 pairs: the MLP runs fused (glu.py)
         and in one chunk."""
         rows = self._chunk_rows()
-        return glu.fuses(self.gate_up, self.down) and (rows is None or num_tokens <= rows)
+        return self._fuses() and (rows is None or num_tokens <= rows)
 
     def _chunk_rows(self) -> int | None:
         """Rows of a long prefill's MLP at a time: the kernels' chunk, whose [rows, 2I] product stays
@@ -151,14 +164,19 @@ class MLP(nn.Module):
         such product, and the chunk only bounds the activation (unchunked, a 32 x 128-token prefill
         of SmolLM2-135M was 1.5% faster than in chunks of 1,024 rows)."""
         rows = self.kernels.mlp_chunk_rows
-        if rows is None or not glu.fuses(self.gate_up, self.down):
+        if rows is None or not self._fuses():
             return rows
         return max(rows, GLU_CHUNK_BYTES // (4 * self.down.in_features))
 
     def _forward(self, x: torch.Tensor, rows: StepRows | None) -> torch.Tensor:  # [T, hidden]
-        if glu.fuses(self.gate_up, self.down):  # bfloat16 products: in two passes (weft/model/glu.py)
+        if self._fuses():  # bfloat16 products: in two passes (weft/model/glu.py)
             return self.reduce(glu.glu_down(self.gate_up, self.down, x))
-        act = self.kernels.silu_mul(self.gate_up(x, rows))  # [T, 2I]: gate | up -> [T, I]
+        gate_up = self.gate_up(x, rows)  # [T, 2I]: gate | up
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh").mul_(up)  # [T, I]
+        else:
+            act = self.kernels.silu_mul(gate_up)  # [T, I]
         return self.reduce(self.down(act, rows))  # [T, hidden]
 
 
@@ -227,6 +245,35 @@ class PostNormLayer(nn.Module):
         return False  # its products read the residual stream, not a norm's output
 
 
+class SandwichLayer(nn.Module):
+    """Gemma's layer: a norm before and a norm after each of attention and MLP, the residual added
+    after the second."""
+
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, index: int) -> None:
+        super().__init__()
+        kernels, h, eps = backend.kernels, config.hidden_size, config.rms_norm_eps
+        self.input_norm = RMSNorm(h, eps, kernels)
+        self.attn = Attention(config, spec, backend, config.layer_window(index))
+        self.attn_out_norm = RMSNorm(h, eps, kernels)
+        self.mlp_norm = RMSNorm(h, eps, kernels)
+        self.mlp = MLP(config, kernels)
+        self.mlp_out_norm = RMSNorm(h, eps, kernels)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
+        rope: RopeTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        rows: StepRows | None = None,
+    ) -> None:
+        x.add_(self.attn_out_norm(self.attn(self.input_norm(x), rope, kv_cache, meta, rows)))
+        x.add_(self.mlp_out_norm(self.mlp(self.mlp_norm(x), rows)))
+
+    def takes_pairs(self, num_tokens: int) -> bool:
+        return False  # (its products read float norms' outputs)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, spec: DecoderSpec, max_positions: int, kernels: TorchKernels
@@ -245,14 +292,16 @@ class LlamaForCausalLM(nn.Module):
         window = max(config.layer_window(i) for i in range(config.num_layers))
         self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads, window)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        layer = PostNormLayer if spec.post_norms else DecoderLayer
+        layer = SandwichLayer if spec.sandwich_norms else PostNormLayer if spec.post_norms else DecoderLayer
         self.layers = nn.ModuleList(layer(config, spec, self.attention, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # the rotary embeddings of the layers: the model's, and where some layers rotate otherwise
+        # (SmolLM3's without, Gemma's sliding-window layers with their own base) theirs; `rotaries[i]`
+        # is layer i's index among them
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, kernels=kernels)
-        self.unrotated: RotaryEmbedding | None = None  # the tables of layers without rotary embedding
-        if not all(config.rope_layers):
-            none = RopeConfig(config.rope.theta, partial_rotary_factor=0.0)  # q and k exactly as they are
-            self.unrotated = RotaryEmbedding(config.head_dim, max_positions, none, kernels=kernels)
+        self.other_rotaries: list[RotaryEmbedding] = []
+        self.rotaries: list[int] = []
+        self.build_rotaries(max_positions)
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size
         )  # tied: shares embed.weight, or a copy of it in a CPU layout (`WeightLayout`)
@@ -293,9 +342,9 @@ class LlamaForCausalLM(nn.Module):
                 self._shape,
             )
             return self.norm(x)
-        if isinstance(self.layers[0], PostNormLayer):
-            for i, (post_norm_layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                post_norm_layer(x, rope if ropes is None else ropes[i], kv_cache, meta, rows)
+        if not isinstance(self.layers[0], DecoderLayer):  # PostNormLayer, SandwichLayer
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                layer(x, rope if ropes is None else ropes[i], kv_cache, meta, rows)
             return self.norm(x)
         layers = cast(list[DecoderLayer], list(self.layers))
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
@@ -309,19 +358,30 @@ class LlamaForCausalLM(nn.Module):
             )
         return cast(torch.Tensor, normed)  # the final norm's output is float
 
+    def build_rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
+        """The rotary embeddings' tables on `device` (the loader builds the model on the meta device)."""
+        config, kernels = self.config, self.kernels
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)
+        ropes = [_layer_rope(config, i) for i in range(config.num_layers)]
+        others = [rope for rope in dict.fromkeys(ropes) if rope != config.rope]
+        dim = config.head_dim
+        self.other_rotaries = [RotaryEmbedding(dim, max_positions, r, device, kernels) for r in others]
+        kinds = [config.rope, *others]
+        self.rotaries = [kinds.index(rope) for rope in ropes] if others else []
+
     def _layer_ropes(
         self, rope: RopeTables, positions: torch.Tensor, dtype: torch.dtype
     ) -> list[RopeTables] | None:
-        """Each layer's rotation where some layers have none (SmolLM3), else None (all `rope`)."""
-        if self.unrotated is None:
+        """Each layer's rotation where some layers rotate otherwise, else None (all `rope`)."""
+        if not self.rotaries:
             return None
-        plain = self.unrotated.tables(positions, dtype)
-        return [rope if rotates else plain for rotates in self.config.rope_layers]
+        tables = [rope] + [other.tables(positions, dtype) for other in self.other_rotaries]
+        return [tables[i] for i in self.rotaries]
 
     def _norms_write_pairs(self, num_tokens: int) -> bool:
         """Whether this step's norms write bfloat16 pairs for the products after them (every layer
         `takes_pairs`, checked at load; the MLP's chunking, per step)."""
-        first = cast(DecoderLayer | PostNormLayer, self.layers[0])
+        first = cast(DecoderLayer | PostNormLayer | SandwichLayer, self.layers[0])
         return self.norm_pairs and self.tp is None and first.mlp.takes_pairs(num_tokens)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
@@ -368,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16
-        layers = cast(list[DecoderLayer | PostNormLayer], list(self.layers))
+        layers = cast(list[DecoderLayer | PostNormLayer | SandwichLayer], list(self.layers))
         self.norm_pairs = bf16_dot and all(layer.takes_pairs(1) for layer in layers)
 
     def quantized_matrices(self) -> dict[str, int]:
@@ -389,7 +449,20 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden, rows).float()
         if self.config.logits_scaling != 1.0:  # Granite's
             logits.div_(self.config.logits_scaling)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2's: c * tanh(logits / c)
+            logits.div_(cap).tanh_().mul_(cap)
         return logits if self.tp is None else self.tp.gather_columns(logits)
+
+
+def _layer_rope(config: ModelConfig, layer: int) -> RopeConfig:
+    """Layer `layer`'s rotary embedding: none (SmolLM3's NoPE layers: a rotary embedding of no
+    dimensions, q and k exactly as they are), the sliding-window layers' own (Gemma), or the model's."""
+    if config.rope_layers and not config.rope_layers[layer]:
+        return RopeConfig(config.rope.theta, partial_rotary_factor=0.0)
+    if config.sliding_rope is not None and config.layer_window(layer):
+        return config.sliding_rope
+    return config.rope
 
 
 def _stackable(layer: DecoderLayer) -> bool:

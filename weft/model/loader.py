@@ -44,7 +44,6 @@ from weft.model.layers import (
     Embedding,
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     WeightLayout,
     partial_rotary_order,
     rotary_dims,
@@ -229,7 +228,7 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
-    model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, device, kernels)  # off meta
+    model.build_rotaries(max_positions, device)  # off the meta device
     _place_weights(model, config, layout, packs_table)
     _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
     if layout is WeightLayout.PANELS:
@@ -448,6 +447,9 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
     else:
         state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h))
     _check_leftovers(weights)
+    if spec.norms_plus_one:  # Gemma's norms scale by (1 + w)
+        for name in [n for n in state if n.endswith("norm.weight")]:
+            state[name] = cast(torch.Tensor, state[name]).float() + 1.0  # (in float32, as Gemma does)
     return state
 
 
@@ -484,7 +486,14 @@ def _heads_reordered(weight: Weight, order: torch.Tensor) -> torch.Tensor:  # [h
 
 
 def _layer_norms(weights: _Weights, spec: DecoderSpec, src: str, dst: str, h: int) -> dict[str, Weight]:
-    """A layer's norms: before attention and MLP, or (OLMo 2) after each."""
+    """A layer's norms: before attention and MLP, or (OLMo 2) after each, or (Gemma) both."""
+    if spec.sandwich_norms:
+        return {
+            dst + "input_norm.weight": weights.take(src + "input_layernorm.weight", (h,)),
+            dst + "attn_out_norm.weight": weights.take(src + "post_attention_layernorm.weight", (h,)),
+            dst + "mlp_norm.weight": weights.take(src + "pre_feedforward_layernorm.weight", (h,)),
+            dst + "mlp_out_norm.weight": weights.take(src + "post_feedforward_layernorm.weight", (h,)),
+        }
     if spec.post_norms:
         return {
             dst + "attn_out_norm.weight": weights.take(src + "post_attention_layernorm.weight", (h,)),
