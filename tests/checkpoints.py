@@ -54,6 +54,21 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2}),  # its second layer without rotary embedding
     "olmo2": ("Olmo2Config", {}),
+    # mixtures of 8 experts, 2 per token: Qwen3-MoE with normalised weights and its first layer dense,
+    # Mixtral, OLMoE without normalising
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
     # Gemma 3: windows of 8 keys in three layers of four (the third global), two rope bases
     "gemma3": (
         "Gemma3TextConfig",

@@ -24,6 +24,9 @@ FAMILIES = {  # name -> (checkpoint arch, overrides)
     "olmo2": ("olmo2", {}),
     "phi3": ("phi3", {}),
     "gemma3": ("gemma3", {}),
+    "qwen3moe": ("qwen3moe", {}),
+    "mixtral": ("mixtral", {}),
+    "olmoe": ("olmoe", {}),
 }
 PROMPT = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak."
 SCHEMA = {

@@ -25,6 +25,9 @@ ARCHS = [
     "smollm3",
     "olmo2",
     "gemma3",
+    "qwen3moe",
+    "mixtral",
+    "olmoe",
 ]
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
@@ -89,7 +92,7 @@ def test_logits_match_after_chunked_prefill_and_prefix_hit(checkpoint_factory):
     assert_close(second, reference_logprobs(reference, extended))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "gemma3", "qwen3moe"])
 def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

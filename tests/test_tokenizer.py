@@ -91,6 +91,18 @@ def test_chat_template_raise_exception_becomes_value_error():
         render_chat_template("{{ raise_exception('roles must alternate') }}", [])
 
 
+def test_a_template_without_a_system_role_gets_it_before_the_first_user_turn():
+    """Gemma's templates refuse a system message; weft puts its text before the first user
+    message's (as Gemma 3's own template does), so that OpenAI-style conversations run; a template
+    that still refuses says why."""
+    template = shared_data("chat_templates/google-gemma-2-2b-it.jinja").read_text()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = render_chat_template(template, messages, bos_token="<bos>")
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(ValueError, match="System role not supported"):
+        render_chat_template(template, [messages[0]], bos_token="<bos>")
+
+
 def test_special_tokens_from_config():
     tok = Tokenizer.from_dir(shared_data("tokenizers/llama2"))
     assert tok.bos_token == "<s>" and tok.eos_token_id == 2

@@ -97,6 +97,14 @@ class ModelConfig:
     # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
     hidden_act: str = "silu"
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2's c = 30)
+    # A mixture of experts in place of the MLP (weft/model/moe.py): `num_experts` of
+    # `moe_intermediate_size` columns each, `experts_per_token` of them per row, their weights divided
+    # by their sum where `norm_topk_prob`; in the layers `moe_layers` names (empty: all); 0: no experts
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def is_plain_llama(self) -> bool:
@@ -110,7 +118,12 @@ class ModelConfig:
             and self.sliding_window is None
             and self.hidden_act == "silu"
             and self.final_logit_softcapping is None
+            and self.num_experts == 0
         )
+
+    def layer_has_experts(self, layer: int) -> bool:
+        """Whether layer `layer` runs a mixture of experts instead of an MLP."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     def layer_window(self, layer: int) -> int:
         """The keys a query of layer `layer` sees, itself included; 0: every earlier one."""
@@ -170,7 +183,29 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         hidden_act=_hidden_act(raw),
     )
     fields.update(_gemma_scales(raw, hidden_size))
+    fields.update(_experts(raw))
     return ModelConfig(**fields)
+
+
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of experts: Qwen3-MoE's and OLMoE's `num_experts` (experts of
+    `moe_intermediate_size`, else `intermediate_size`), Mixtral's `num_local_experts` (weights always
+    normalised); Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`)."""
+    count = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if count == 0:
+        return {}
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError("a shared expert (Qwen2-MoE's shared_expert_intermediate_size) is not supported yet")
+    layers, dense = int(raw["num_hidden_layers"]), set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return {
+        "num_experts": count,
+        "experts_per_token": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", "num_local_experts" in raw)),
+        "moe_layers": () if all(moe_layers) else moe_layers,
+    }
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # the names configs give GELU's tanh approximation

@@ -550,7 +550,7 @@ class NativeCpuKernels(TorchKernels):
         return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window)
 
     def prefills_in_place(self, head_dim: int) -> bool:
-        return head_dim in (16, 32, 64, 128)  # the sizes weft/native/prefill_attention.cpp is built for
+        return head_dim in (16, 32, 64, 128, 256)  # the sizes weft/native/prefill_attention.cpp is built for
 
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         return device.type == "cpu" and activations == torch.float32

@@ -220,11 +220,29 @@ def render_chat_template(
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    context = {**context, "add_generation_prompt": add_generation_prompt}
     try:
         compiled = env.from_string(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        return compiled.render(messages=messages, **context)
     except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as exc:
+        folded = _system_folded(messages)
+        if folded is not None and isinstance(exc, jinja2.TemplateError):  # (Gemma's: no system role)
+            try:
+                return compiled.render(messages=folded, **context)
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError):
+                pass
         raise ValueError(f"chat template failed: {exc}") from None
+
+
+def _system_folded(messages: list[Message]) -> list[Message] | None:
+    """For a template without a system role (Gemma's): the system message's text put before the
+    first user message's, as Gemma 3's own template does; None where there is nothing to fold."""
+    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+        return None
+    system, user = messages[0].get("content"), messages[1].get("content")
+    if not isinstance(system, str) or not isinstance(user, str):
+        return None
+    return [{**messages[1], "content": f"{system}\n\n{user}"}, *messages[2:]]
 
 
 class IncrementalDetokenizer:

@@ -4,17 +4,19 @@ blocks' formats and dequantization from the `gguf` package).
 
 Steps of `GgufCheckpoint(path)`:
   1. read the header (metadata and the tensor index; the tensor data stays memory-mapped) and
-     check the architecture (`general.architecture`: llama, qwen2, qwen3, granite or smollm3);
+     check the architecture (`general.architecture`: llama, qwen2, qwen3, granite, smollm3 or
+     gemma3);
   2. `model_config()`: the `{arch}.*` keys as a Hugging Face config (sizes, heads, rope base and
      linear or YaRN scaling, norm epsilon, context length, tied embeddings when there is no
      `output` tensor, the tokenizer's BOS/EOS ids, Granite's scales, SmolLM3's layers without
-     rotary embedding), and the per-frequency rope factors of a `rope_freqs` tensor (Llama 3.1
-     and later);
+     rotary embedding, Gemma 3's sliding layers and their rope base), and the per-frequency rope
+     factors of a `rope_freqs` tensor (Llama 3.1 and later);
   3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
      reads (`SUPPORTED_TYPES`): a quantized matrix kept in its blocks where asked
      (`KEPT_IN_BLOCKS`), anything else dequantized exactly to float32 (`gguf.quants.dequantize`), with
      the rows of `attn_q` / `attn_k` of llama, granite and smollm3 files put back in the Hugging Face
-     order (llama.cpp's converter interleaves each head's two rotary halves);
+     order (llama.cpp's converter interleaves each head's two rotary halves), and Gemma's norms
+     back to Hugging Face's w from llama.cpp's 1 + w;
   4. `metadata`: the `tokenizer.*` keys, for `weft.gguf_tokenizer`.
 
 Every error names the file and the problem, and says what weft reads instead.
@@ -43,6 +45,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
 # two rotary halves in the rows of attn_q and attn_k.
@@ -89,7 +92,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' matrices, all experts in one [experts, out, in] tensor: each expert's under
+# Qwen3-MoE's names
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Gemma's layer norms, which llama.cpp names by their place: before and after each branch
 _SANDWICH_NAMES = {
     **_LAYER_NAMES,
@@ -229,7 +236,23 @@ class GgufCheckpoint:
             raw["sliding_window"] = self._key("attention.sliding_window")
         if self.arch == "gemma3":
             raw.update(self._gemma3_keys())
+        if self._key("expert_count"):
+            raw.update(self._expert_keys())
         return raw
+
+    def _expert_keys(self) -> dict[str, Any]:
+        """A mixture of experts as llama.cpp runs Qwen3-MoE and Mixtral (a llama file with experts):
+        softmax over the experts, the top `expert_used_count`, their weights normalised."""
+        keys: dict[str, Any] = {
+            "num_experts": self._key("expert_count"),
+            "num_experts_per_tok": self._key("expert_used_count"),
+            "moe_intermediate_size": self._key("expert_feed_forward_length")
+            or self._key("feed_forward_length"),
+            "norm_topk_prob": True,
+        }
+        if self.arch == "llama":
+            keys["architectures"] = ["MixtralForCausalLM"]
+        return keys
 
     def _gemma3_keys(self) -> dict[str, Any]:
         """Gemma 3 as llama.cpp runs it: the sliding layers' rope base (10,000 unless the file says),
@@ -264,6 +287,10 @@ class GgufCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.name == ROPE_FREQS:  # part of the configuration (`model_config`)
                 continue
+            match = _LAYER_TENSOR.fullmatch(tensor.name)
+            if match is not None and match[2] in _EXPERT_NAMES:
+                yield from self._experts(tensor, int(match[1]), _EXPERT_NAMES[match[2]], keep_blocks)
+                continue
             name = hf_name(tensor.name, self.arch)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
@@ -282,6 +309,20 @@ class GgufCheckpoint:
             elif self.arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
                 weight = cast(torch.Tensor, weight) - 1.0  # (the loader adds it back)
             yield name, weight
+
+    def _experts(
+        self, tensor: Any, layer: int, matrix: str, keep_blocks: bool
+    ) -> Iterator[tuple[str, Weight]]:
+        """Each expert's matrix of an [experts, out, in] tensor, under Qwen3-MoE's names: in its
+        blocks where asked and the type is kept so, else dequantized to float32."""
+        kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
+        if kind:
+            rows = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8).copy())  # [E, out, bytes]
+            weights: list[Weight] = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
+        else:
+            weights = list(self.dequantized(tensor))  # [out, in] each
+        for e, weight in enumerate(weights):
+            yield f"model.layers.{layer}.mlp.experts.{e}.{matrix}.weight", weight
 
     def dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization
         from gguf.quants import dequantize

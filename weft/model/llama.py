@@ -45,6 +45,7 @@ from weft.model.layers import (
     WeightLayout,
     num_rows,
 )
+from weft.model.moe import SparseMoE
 from weft.model.prefill_gemm import Shape
 
 if TYPE_CHECKING:
@@ -187,7 +188,9 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.attn = Attention(config, spec, backend, config.layer_window(index))
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = MLP(config, kernels)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, kernels) if config.layer_has_experts(index) else MLP(config, kernels)
+        )
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1 elsewhere
 
     def forward(
@@ -405,6 +408,8 @@ class LlamaForCausalLM(nn.Module):
         kernel set's `decoder_stack_`, where it has one and the layers fit it."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         device = self.lm_head.weight.device
+        if not self.config.is_plain_llama:
+            return  # (the kernel has no family scales, windows or experts, and rotates in every layer)
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
         if (
@@ -413,8 +418,6 @@ class LlamaForCausalLM(nn.Module):
             or self.tp is not None
         ):
             return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
-        if not self.config.is_plain_llama:
-            return  # (the kernel has no family scales or windows, and rotates in every layer)
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
@@ -468,13 +471,15 @@ def _layer_rope(config: ModelConfig, layer: int) -> RopeConfig:
 def _stackable(layer: DecoderLayer) -> bool:
     """No q/k norms, a head size the attention kernel takes, every matrix packed into panels."""
     attn, mlp = layer.attn, layer.mlp
+    if not isinstance(mlp, MLP):
+        return False  # (a mixture of experts)
     packed = all(lin.layout is WeightLayout.PANELS for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down))
     return attn.q_norm is None and attn.head_dim <= 256 and packed
 
 
 def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's weights in the order of `decoder_stack_` (weft/native/decoder.cpp)."""
-    attn, mlp, empty = layer.attn, layer.mlp, torch.empty(0)
+    attn, mlp, empty = layer.attn, cast(MLP, layer.mlp), torch.empty(0)
     return [
         layer.input_norm.weight,
         attn.qkv.weight,

@@ -428,13 +428,10 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             q_width, k_width = (q_out, kv_out) if spec.qk_norm_all_heads else (d, d)
             state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (q_width,))
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (k_width,))
-        if src + "mlp.gate_up_proj.weight" in weights.tensors:  # Phi-3's, fused as weft fuses it
-            state[dst + "mlp.gate_up.weight"] = weights.take(src + "mlp.gate_up_proj.weight", (2 * inter, h))
+        if config.layer_has_experts(i):
+            state.update(_expert_weights(weights, src, dst + "mlp.", config))
         else:
-            gate = weights.take(src + "mlp.gate_proj.weight", (inter, h))
-            up = weights.take(src + "mlp.up_proj.weight", (inter, h))
-            state[dst + "mlp.gate_up.weight"] = cat_rows([gate, up])
-        state[dst + "mlp.down.weight"] = weights.take(src + "mlp.down_proj.weight", (h, inter))
+            state.update(_mlp_weights(weights, src + "mlp.", dst + "mlp.", h, inter))
         state.update(_layer_norms(weights, spec, src, dst, h))
     state["norm.weight"] = weights.take("model.norm.weight", (h,))
     if config.tie_word_embeddings or "lm_head.weight" not in weights.tensors:
@@ -450,6 +447,39 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
     if spec.norms_plus_one:  # Gemma's norms scale by (1 + w)
         for name in [n for n in state if n.endswith("norm.weight")]:
             state[name] = cast(torch.Tensor, state[name]).float() + 1.0  # (in float32, as Gemma does)
+    return state
+
+
+def _mlp_weights(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:
+    """An MLP's gate|up (Phi-3's fused already, as weft fuses it) and down matrices."""
+    if src + "gate_up_proj.weight" in weights.tensors:
+        gate_up = weights.take(src + "gate_up_proj.weight", (2 * inter, h))
+    else:
+        gate = weights.take(src + "gate_proj.weight", (inter, h))
+        gate_up = cat_rows([gate, weights.take(src + "up_proj.weight", (inter, h))])
+    return {
+        dst + "gate_up.weight": gate_up,
+        dst + "down.weight": weights.take(src + "down_proj.weight", (h, inter)),
+    }
+
+
+def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) -> dict[str, Weight]:
+    """A mixture of experts' router and each expert's gate|up and down matrices: Qwen3-MoE's and
+    OLMoE's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.gate`
+    and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down)."""
+    h, inter, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    state: dict[str, Weight] = {}
+    if src + "block_sparse_moe.gate.weight" in weights.tensors:  # Mixtral's names
+        state[dst + "router.weight"] = weights.take(src + "block_sparse_moe.gate.weight", (count, h))
+        for e in range(count):
+            expert = f"{src}block_sparse_moe.experts.{e}."
+            gate, up = (weights.take(expert + w, (inter, h)) for w in ("w1.weight", "w3.weight"))
+            state[f"{dst}experts.{e}.gate_up.weight"] = cat_rows([gate, up])
+            state[f"{dst}experts.{e}.down.weight"] = weights.take(expert + "w2.weight", (h, inter))
+        return state
+    state[dst + "router.weight"] = weights.take(src + "mlp.gate.weight", (count, h))
+    for e in range(count):
+        state.update(_mlp_weights(weights, f"{src}mlp.experts.{e}.", f"{dst}experts.{e}.", h, inter))
     return state
 
 

@@ -28,6 +28,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture(
         LlamaForCausalLM, DecoderSpec(qk_norm=True, sandwich_norms=True, norms_plus_one=True)
     ),
+    "Qwen3MoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True)),
+    "MixtralForCausalLM": _LLAMA,  # its experts are values of the configuration
+    "OlmoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True)),
     "Olmo2ForCausalLM": Architecture(
         LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True, post_norms=True)
     ),

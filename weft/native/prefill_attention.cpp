@@ -408,8 +408,8 @@ void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv_cache, const
                   kv_cache.size(2) == 2 && kv_cache.size(4) == q.size(2),
               "paged_prefill_attention: kv_cache must be contiguous float32 [blocks, block_size, 2, KVH, D]");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128,
-              "paged_prefill_attention: head_dim must be 16, 32, 64 or 128 (others take SDPA)");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
+              "paged_prefill_attention: head_dim must be 16, 32, 64, 128 or 256 (others take SDPA)");
   TORCH_CHECK(kv_cache.size(3) > 0 && q.size(1) % kv_cache.size(3) == 0,
               "paged_prefill_attention: the query heads must be a multiple of the KV heads");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous(),
@@ -449,7 +449,8 @@ void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, co
     case 16: prefill_kernel<16, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
     case 32: prefill_kernel<32, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
     case 64: prefill_kernel<64, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
-    default: prefill_kernel<128, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    case 128: prefill_kernel<128, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
+    default: prefill_kernel<256, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
   }
 }
 

@@ -50,6 +50,10 @@ class Shard:
                 "tensor parallelism does not run OLMo 2 (its q and k norms span all heads, which the "
                 "ranks split); use tensor_parallel_size=1"
             )
+        if config.num_experts:
+            raise ConfigError(
+                "tensor parallelism does not split a mixture of experts yet; use tensor_parallel_size=1"
+            )
         sizes = {
             "num_attention_heads": config.num_heads,
             "num_key_value_heads": config.num_kv_heads,
