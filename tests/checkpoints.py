@@ -69,6 +69,29 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
     "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # gpt-oss: 4 experts with biases and clamped SwiGLU, attention sinks, windows of 8 keys in every
+    # other layer, YaRN over 16 original positions
+    "gptoss": (
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
     # Gemma 3: windows of 8 keys in three layers of four (the third global), two rope bases
     "gemma3": (
         "Gemma3TextConfig",
@@ -150,6 +173,8 @@ def build_checkpoint(
                 p.normal_(0.0, 0.2)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (Gemma's start at 0)
                 p.uniform_(-0.5, 0.5)
+            elif arch == "gptoss" and name.endswith(("sinks", "bias")):  # (they start at 0)
+                p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
     model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

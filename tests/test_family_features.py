@@ -27,6 +27,7 @@ FAMILIES = {  # name -> (checkpoint arch, overrides)
     "qwen3moe": ("qwen3moe", {}),
     "mixtral": ("mixtral", {}),
     "olmoe": ("olmoe", {}),
+    "gptoss": ("gptoss", {}),
 }
 PROMPT = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak."
 SCHEMA = {

@@ -28,6 +28,7 @@ ARCHS = [
     "qwen3moe",
     "mixtral",
     "olmoe",
+    "gptoss",
 ]
 PROMPTS = [
     [5, 17, 42, 99, 100, 7, 8, 250, 31, 64, 12, 77, 300, 2, 9, 1, 44, 45, 46, 47, 48],  # 21 tokens
@@ -156,8 +157,9 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory)
 
 
 WINDOWED = {  # sliding windows of 8 keys: Mistral's in every layer, Qwen2's from its second layer on,
-    # Gemma 3's in three layers of four
+    # Gemma 3's in three layers of four, gpt-oss's in every other layer (with attention sinks)
     "gemma3": {},
+    "gptoss": {},
     "mistral": {"sliding_window": 8},
     "qwen2": {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
 }

@@ -1,7 +1,9 @@
 """Sliding-window attention in every path against a direct reference: a query at position p sees
 keys p - W + 1 .. p (W keys, itself included, as transformers and llama.cpp count them). The native
 CPU kernels (decode, token by token, prefill in place), the gather + SDPA path with masks, Triton's
-ragged and split-decode kernels (in its interpreter off CUDA) and the scoring tree's masks."""
+ragged and split-decode kernels (in its interpreter off CUDA) and the scoring tree's masks. Then
+attention sinks (gpt-oss: a logit per head in each softmax's sum, with no value) in the same paths,
+with and without windows."""
 
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ def _step(query_lens, context_lens, heads, head_dim, block_size, seed=0):
     return q, kv, cache, tables
 
 
-def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale):  # [T, H * D] float64
-    """Each token's attention over the keys in its window, one token at a time, in float64."""
+def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale, sinks=None):  # [T, H * D]
+    """Each token's attention over the keys in its window, one token at a time, in float64 (with
+    each head's sink logit in the softmax's sum where given)."""
     cache = cache.clone().double()
     block_size, group = cache.shape[1], q.shape[1] // cache.shape[3]
     out, token = [], 0
@@ -58,7 +61,10 @@ def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale):  
             keys = rows[low : pos + 1, 0].repeat_interleave(group, dim=1)  # [n, H, D]
             values = rows[low : pos + 1, 1].repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,nhd->hn", q[token + i].double() * scale, keys)
-            out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values).flatten())
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double()[:, None]], dim=1)  # [H, n + 1]
+            probs = scores.softmax(-1)[:, : keys.shape[0]]
+            out.append(torch.einsum("hn,nhd->hd", probs, values).flatten())
         token += q_len
     return torch.stack(out)
 
@@ -124,3 +130,36 @@ def test_scoring_tree_keeps_sliding_layers_to_the_window():
     assert mask[7].nonzero().flatten().tolist() == [5, 6, 7]
     assert mask[4].nonzero().flatten().tolist() == [2, 3, 4]
     assert meta.groups[0].attn_mask[0, 0][7].nonzero().flatten().tolist() == [0, 1, 2, 5, 6, 7]
+
+
+@pytest.mark.parametrize("name,kernels", [("sdpa", TORCH_KERNELS), ("native", NATIVE_CPU_KERNELS)])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("steps", STEPS)
+def test_attention_sinks_match_the_reference(name, kernels, window, steps):
+    query_lens, context_lens = steps
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])  # [H]: large and small against the scores
+    q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 32, 16, seed=window + 1)
+    backend = PagedAttention(kernels, 32, 2, 4, window)
+    meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
+    out = backend(q, kv, cache, meta.windowed(window), 32**-0.5, sinks)
+    expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, 32**-0.5, sinks)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_triton_attention_sinks_match_the_reference(window):
+    pytest.importorskip("triton")
+    from weft.cuda.attention import split_decode_attention
+    from weft.cuda.kernels import TRITON_KERNELS
+
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    for query_lens, context_lens in (STEPS[1], ([1], [100])):
+        q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=window)
+        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, q.device, 1, True)
+        out = paged_attention(q, kv, cache.clone(), meta.windowed(window), 0.25, TRITON_KERNELS, sinks=sinks)
+        expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, 0.25, sinks)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    TORCH_KERNELS.write_kv_(cache, kv, meta.slot_mapping)
+    assert meta.ragged is not None
+    split = split_decode_attention(q, cache, meta.windowed(window).ragged, 0.25, 4, sinks)
+    torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)

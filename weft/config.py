@@ -105,6 +105,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    # gpt-oss's: biases on the router and the experts' matrices, the experts' clamped SwiGLU
+    # (`swiglu_limit`; None: plain SwiGLU), a learned sink logit per head in every attention softmax
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
 
     @property
     def is_plain_llama(self) -> bool:
@@ -119,6 +125,7 @@ class ModelConfig:
             and self.hidden_act == "silu"
             and self.final_logit_softcapping is None
             and self.num_experts == 0
+            and not self.attention_sinks
         )
 
     def layer_has_experts(self, layer: int) -> bool:
@@ -199,13 +206,22 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
     layers, dense = int(raw["num_hidden_layers"]), set(raw.get("mlp_only_layers") or [])
     step = int(raw.get("decoder_sparse_step") or 1)
     moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    return {
+    experts: dict[str, Any] = {
         "num_experts": count,
         "experts_per_token": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", "num_local_experts" in raw)),
         "moe_layers": () if all(moe_layers) else moe_layers,
     }
+    if "GptOssForCausalLM" in (raw.get("architectures") or []):  # softmax over its top-k logits
+        experts.update(
+            norm_topk_prob=True,
+            expert_bias=True,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            attention_sinks=True,
+        )
+    return experts
 
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # the names configs give GELU's tanh approximation

@@ -207,9 +207,11 @@ class TorchKernels:
         context_lens: torch.Tensor,  # [B] int64
         scale: float,
         window: int = 0,
+        sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
     ) -> torch.Tensor:  # [B, H, D]
         """Attention of one query per sequence over its cached keys and values (the last `window`
-        of them in a sliding-window layer; 0: all), read in place; only where
+        of them in a sliding-window layer; 0: all), with each head's sink logit in the softmax's
+        sum where given, read in place; only where
         `reads_cache_in_place` says so (otherwise attention gathers the blocks for SDPA)."""
         raise NotImplementedError(f"the {self.name} kernel set does not read the KV cache in place")
 
@@ -227,6 +229,7 @@ class TorchKernels:
         scale: float,
         bf16_dot: bool = False,
         window: int = 0,
+        sinks: torch.Tensor | None = None,  # [H] float32, as in `paged_decode_attention`
     ) -> torch.Tensor:  # [T, H, D]
         """Causal attention of several queries per sequence (the last ones of its context) over its
         cached keys and values (in a sliding-window layer, the last `window` up to each query's
@@ -250,6 +253,7 @@ class TorchKernels:
         kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D], the step's K/V already in it
         batch: RaggedBatch,
         scale: float,
+        sinks: torch.Tensor | None = None,  # [H] float32, as in `paged_decode_attention`
     ) -> torch.Tensor:  # [T, H, D]
         """Every new token of the step over its sequence's cache, causal within the step."""
         raise NotImplementedError(f"the {self.name} kernel set has no ragged_paged_attention")
@@ -529,8 +533,10 @@ class NativeCpuKernels(TorchKernels):
         context_lens: torch.Tensor,
         scale: float,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch.ops.weft.paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window)
+        attend = torch.ops.weft.paged_decode_attention
+        return attend(q, kv_cache, block_table, context_lens, scale, window, sinks)
 
     def reads_cache_in_place(self, head_dim: int) -> bool:
         return head_dim <= 256  # larger heads take the gather + SDPA path
@@ -545,9 +551,10 @@ class NativeCpuKernels(TorchKernels):
         scale: float,
         bf16_dot: bool = False,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attend = torch.ops.weft.paged_prefill_attention
-        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window)
+        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window, sinks)
 
     def prefills_in_place(self, head_dim: int) -> bool:
         return head_dim in (16, 32, 64, 128, 256)  # the sizes weft/native/prefill_attention.cpp is built for

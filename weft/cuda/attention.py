@@ -70,10 +70,10 @@ def _load_block(cache_ptr, table_entry, slots, dims, dim_ok, kv_head, stride_blo
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr,  # [T, H, D], [T, H, D], [num_blocks, block_size, 2, KVH, D]
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1] int32
-    scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+    sinks_ptr, scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head, stride_table,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -109,6 +109,8 @@ def _paged_attention_kernel(
             acc, row_max, row_sum = _online_softmax_step(
                 q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
             )
+        if HAS_SINKS:  # each head's sink joins the softmax's sum, with no value
+            row_sum += tl.exp(tl.load(sinks_ptr + head, mask=row_ok, other=0.0) - row_max)
         acc = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]  # (0: a padding row, no keys)
         out_offsets = (q_start + q_local)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(
@@ -167,20 +169,28 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    part_ptr, lse_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """A decode row's output for one query head: its splits weighed by their softmax sums."""
+    """A decode row's output for one query head: its splits weighed by their softmax sums (and
+    the head's sink in the sum, with no value, where it has one)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     base = seq * tl.num_programs(1) + head
     splits = tl.arange(0, SPLITS)
     lse = tl.load(lse_ptr + base * SPLITS + splits)  # [SPLITS]; split 0 always holds keys
-    weight = tl.exp(lse - tl.max(lse, 0))  # [SPLITS], 0 for empty splits
+    top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
+    weight = tl.exp(lse - top)  # [SPLITS], 0 for empty splits
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     dims = tl.arange(0, HEAD_PAD)
     parts = tl.load(part_ptr + (base * SPLITS + splits)[:, None] * HEAD_PAD + dims[None, :],
                     mask=(weight > 0)[:, None], other=0.0)  # fmt: skip
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)  # [Dp]
+    out = tl.sum(parts * weight[:, None], 0) / total  # [Dp]
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)  # fmt: skip
 
@@ -200,6 +210,7 @@ def split_decode_attention(
     batch: RaggedBatch,
     scale: float,
     splits: int,
+    sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [B, H, D]
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, _, num_kv_heads, _ = kv_cache.shape
@@ -216,8 +227,9 @@ def split_decode_attention(
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge_splits_kernel[(num_seqs, num_heads)](
-        part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits
-    )
+        part, lse, lse if sinks is None else sinks, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, SPLITS=splits, HAS_SINKS=sinks is not None,
+    )  # fmt: skip
     return out
 
 
@@ -233,6 +245,7 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
     batch: RaggedBatch,
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink
 ) -> torch.Tensor:  # [T, H, D]
     """Attention of every new token of the step over its sequence's cache (which already holds the
     step's keys and values), causal within the step."""
@@ -244,7 +257,7 @@ def paged_attention(
     if batch.max_query_len == 1 and q.shape[0] == batch.seq_lens.shape[0]:
         splits = decode_splits(q.shape[0], num_kv_heads, q.device)
         if splits > 1:
-            return split_decode_attention(q, kv_cache, batch, scale, splits)
+            return split_decode_attention(q, kv_cache, batch, scale, splits, sinks)
     block_q, block_m = tile_rows(gqa, batch.max_query_len)
     out = torch.empty_like(q)  # [T, H, D]
     num_seqs = batch.seq_lens.shape[0]
@@ -256,6 +269,7 @@ def paged_attention(
         batch.block_table,
         batch.seq_lens,
         batch.query_start,
+        q if sinks is None else sinks,
         scale,
         batch.window,
         q.stride(0),
@@ -274,5 +288,6 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         DOT_FP32=q.device.type == "cpu",  # CPU tensors: Triton's interpreter
+        HAS_SINKS=sinks is not None,
     )
     return out

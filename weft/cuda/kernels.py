@@ -94,9 +94,14 @@ class TritonKernels(TorchKernels):
         return head_dim <= MAX_HEAD_DIM and block_size >= attention.MIN_DOT_ROWS and power_of_two
 
     def ragged_paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: RaggedBatch, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: RaggedBatch,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return attention.paged_attention(q, kv_cache, batch, scale)
+        return attention.paged_attention(q, kv_cache, batch, scale, sinks)
 
 
 TRITON_KERNELS = TritonKernels()

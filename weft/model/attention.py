@@ -373,22 +373,24 @@ def paged_attention(
     scale: float,
     kernels: TorchKernels = TORCH_KERNELS,
     bf16_dot: bool = False,
+    sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
 ) -> torch.Tensor:  # [T, H * D]
     """Write the step's keys and values into the cache (None: already there, `rope_write_kv_`),
     then attend. `bf16_dot`: multi-token rows attending in place round their products' inputs to
-    bfloat16 (as the linear layers' `bf16_dot`)."""
+    bfloat16 (as the linear layers' `bf16_dot`). `sinks`: a logit per head that joins each softmax's
+    sum with no value (the share of attention that goes nowhere)."""
     num_tokens, num_heads, head_dim = q.shape
     if kv is not None:
         kernels.write_kv_(kv_cache, kv, meta.slot_mapping)
     if meta.ragged is not None:
-        out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale)  # [T, H, D]
+        out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale, sinks)  # [T, H, D]
         return out.view(num_tokens, num_heads * head_dim)
     if len(meta.groups) == 1:
-        return _attend(q, kv_cache, meta.groups[0], scale, kernels, bf16_dot)
+        return _attend(q, kv_cache, meta.groups[0], scale, kernels, bf16_dot, sinks)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         assert group.token_idx is not None
-        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels, bf16_dot)
+        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels, bf16_dot, sinks)
     return out
 
 
@@ -399,19 +401,20 @@ def _attend(
     scale: float,
     kernels: TorchKernels,
     bf16_dot: bool = False,
+    sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [Tg, H * D]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
     if max_q == 1 and kernels.reads_cache_in_place(head_dim):  # decode rows: read the cache in place
         out = kernels.paged_decode_attention(
-            q, kv_cache, group.block_table, group.context_lens, scale, group.window
+            q, kv_cache, group.block_table, group.context_lens, scale, group.window, sinks
         )  # [Bg, H, D]
         return out.view(num_seqs, num_heads * head_dim)
     if group.query_start is not None:  # multi-token rows, read in place too
         out = kernels.paged_prefill_attention(
             q, kv_cache, group.block_table, group.context_lens, group.query_start, scale, bf16_dot,
-            group.window,
+            group.window, sinks,
         )  # fmt: skip
         return out.view(-1, num_heads * head_dim)  # [Tg, H * D]
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
@@ -424,19 +427,54 @@ def _attend(
         queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         queries.index_copy_(0, group.query_scatter_idx, q)
         queries = queries.view(num_seqs, max_q, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),  # [Bg, H, max_q, D]
-        keys,
-        values,
-        attn_mask=group.attn_mask,
-        is_causal=group.is_causal,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # [Bg, H, max_q, D]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # [Bg, H, max_q, D]
+            keys,
+            values,
+            attn_mask=group.attn_mask,
+            is_causal=group.is_causal,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [Bg, H, max_q, D]
+    else:
+        out = _sdpa_with_sinks(queries.transpose(1, 2), keys, values, group, scale, sinks)
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads * head_dim)
     if group.query_scatter_idx is not None:
         out = out.index_select(0, group.query_scatter_idx)
     return out  # [Tg, H * D]
+
+
+def _sdpa_with_sinks(
+    queries: torch.Tensor,  # [Bg, H, max_q, D]
+    keys: torch.Tensor,  # [Bg, KVH, L, D]
+    values: torch.Tensor,  # [Bg, KVH, L, D]
+    group: AttentionGroup,
+    scale: float,
+    sinks: torch.Tensor,  # [H] float32
+) -> torch.Tensor:  # [Bg, H, max_q, D]
+    """SDPA with each head's sink as one more key: a key and value of zeros whose score the mask
+    sets to the sink's logit."""
+    num_seqs, num_heads, max_q, _ = queries.shape
+    length = keys.shape[2]
+    allowed = group.attn_mask  # [Bg, 1, max_q, L] bool, or None
+    if allowed is None:
+        allowed = torch.ones(max_q, length, dtype=torch.bool, device=queries.device)
+        allowed = allowed.tril(length - max_q) if group.is_causal else allowed
+        allowed = allowed.expand(num_seqs, 1, max_q, length)
+    bias = torch.zeros(allowed.shape, dtype=queries.dtype, device=queries.device)
+    bias = bias.masked_fill(~allowed, -torch.inf).expand(num_seqs, num_heads, max_q, length)
+    sink_column = sinks.to(queries.dtype).view(1, num_heads, 1, 1).expand(num_seqs, num_heads, max_q, 1)
+    bias = torch.cat([bias, sink_column], dim=-1)  # [Bg, H, max_q, L + 1]
+    zeros = keys.new_zeros(num_seqs, keys.shape[1], 1, keys.shape[3])
+    return F.scaled_dot_product_attention(
+        queries,
+        torch.cat([keys, zeros], dim=2),
+        torch.cat([values, zeros], dim=2),
+        attn_mask=bias,
+        scale=scale,
+        enable_gqa=num_heads != keys.shape[1],
+    )
 
 
 class PagedAttention:
@@ -509,5 +547,6 @@ class PagedAttention:
         kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, KVH, D]
         meta: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
     ) -> torch.Tensor:  # [T, H * D]
-        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels, self.bf16_dot)
+        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels, self.bf16_dot, sinks)

@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
 # two rotary halves in the rows of attn_q and attn_k.
@@ -104,6 +105,16 @@ _SANDWICH_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# gpt-oss's: llama.cpp names its norm before the MLP by its place after attention, its router by
+# its role, and its sinks as a weight
+_GPT_OSS_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.router",
+    "attn_sinks": "self_attn.sinks",
+}
+# llama.cpp's gpt-oss: every other layer slides (`set_swa_pattern(2)`), its SwiGLU clamped at 7
+GPT_OSS_SLIDING_PATTERN = 2
 # llama.cpp's converter stores Gemma's norms as (1 + w), their scale; Hugging Face's as w
 NORMS_PLUS_ONE = ("gemma3",)
 # llama.cpp's Gemma 3: every 6th layer global, the others slide (`set_swa_pattern(6)`, not in the file)
@@ -129,10 +140,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = _SANDWICH_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = {"gemma3": _SANDWICH_NAMES, "gpt-oss": _GPT_OSS_NAMES}.get(arch, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or match[2] not in names:
         return None
+    if names[match[2]] == "self_attn.sinks":  # (a parameter of its own in transformers, not a weight)
+        return f"model.layers.{match[1]}.self_attn.sinks"
     return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
 
 
@@ -223,6 +236,8 @@ class GgufCheckpoint:
                 "rope_type": "yarn",
                 "factor": self._key("rope.scaling.factor", 1.0),
                 "original_max_position_embeddings": self._key("rope.scaling.original_context_length"),
+                "beta_fast": self._key("rope.scaling.yarn_beta_fast"),
+                "beta_slow": self._key("rope.scaling.yarn_beta_slow"),
             }
         elif scaling not in (None, "none"):
             raise GgufError(f"{self.path}: rope scaling {scaling!r} is not supported (linear, yarn)")
@@ -252,6 +267,13 @@ class GgufCheckpoint:
         }
         if self.arch == "llama":
             keys["architectures"] = ["MixtralForCausalLM"]
+        if self.arch == "gpt-oss":
+            layers = self._key("block_count")
+            keys["layer_types"] = [
+                "sliding_attention" if i % GPT_OSS_SLIDING_PATTERN == 0 else "full_attention"
+                for i in range(layers)
+            ]
+            keys["attention_bias"] = True
         return keys
 
     def _gemma3_keys(self) -> dict[str, Any]:
@@ -289,7 +311,8 @@ class GgufCheckpoint:
                 continue
             match = _LAYER_TENSOR.fullmatch(tensor.name)
             if match is not None and match[2] in _EXPERT_NAMES:
-                yield from self._experts(tensor, int(match[1]), _EXPERT_NAMES[match[2]], keep_blocks)
+                matrix = f"{_EXPERT_NAMES[match[2]]}.{match[3]}"
+                yield from self._experts(tensor, int(match[1]), matrix, keep_blocks and match[3] == "weight")
                 continue
             name = hf_name(tensor.name, self.arch)
             if name is None:
@@ -313,8 +336,9 @@ class GgufCheckpoint:
     def _experts(
         self, tensor: Any, layer: int, matrix: str, keep_blocks: bool
     ) -> Iterator[tuple[str, Weight]]:
-        """Each expert's matrix of an [experts, out, in] tensor, under Qwen3-MoE's names: in its
-        blocks where asked and the type is kept so, else dequantized to float32."""
+        """Each expert's matrix of an [experts, out, in] tensor (or bias of an [experts, out] one),
+        under Qwen3-MoE's names: in its blocks where asked and the type is kept so, else
+        dequantized to float32."""
         kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
         if kind:
             rows = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8).copy())  # [E, out, bytes]
@@ -322,7 +346,7 @@ class GgufCheckpoint:
         else:
             weights = list(self.dequantized(tensor))  # [out, in] each
         for e, weight in enumerate(weights):
-            yield f"model.layers.{layer}.mlp.experts.{e}.{matrix}.weight", weight
+            yield f"model.layers.{layer}.mlp.experts.{e}.{matrix}", weight
 
     def dequantized(self, tensor: Any) -> torch.Tensor:  # float32, exactly gguf's dequantization
         from gguf.quants import dequantize

@@ -93,6 +93,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, kernels) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, kernels) if spec.qk_norm else None
         self.norms_all_heads = spec.qk_norm_all_heads
+        # gpt-oss's sink logit per head, in every softmax's sum with no value (None: no sinks)
+        sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.sinks = sinks if config.attention_sinks else None
         self.reduce: Reduce = _alone  # tensor parallel: the output projection's sum over the ranks
 
     def forward(
@@ -111,7 +114,8 @@ class Attention(nn.Module):
         # q and k rotated in place, k and v into the cache: one launch where the kernel set fuses them
         self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
         q = qkv[:, :num_q]  # [T, H, D]
-        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale, sinks)
         return self.reduce(self.o(out, rows))
 
     def _norm_qk(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:

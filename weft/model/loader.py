@@ -428,6 +428,8 @@ def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[
             q_width, k_width = (q_out, kv_out) if spec.qk_norm_all_heads else (d, d)
             state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (q_width,))
             state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (k_width,))
+        if config.attention_sinks:
+            state[dst + "attn.sinks"] = weights.take(src + "self_attn.sinks", (config.num_heads,))
         if config.layer_has_experts(i):
             state.update(_expert_weights(weights, src, dst + "mlp.", config))
         else:
@@ -477,10 +479,48 @@ def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) 
             state[f"{dst}experts.{e}.gate_up.weight"] = cat_rows([gate, up])
             state[f"{dst}experts.{e}.down.weight"] = weights.take(expert + "w2.weight", (h, inter))
         return state
-    state[dst + "router.weight"] = weights.take(src + "mlp.gate.weight", (count, h))
+    router = src + ("mlp.router." if src + "mlp.router.weight" in weights.tensors else "mlp.gate.")
+    state[dst + "router.weight"] = weights.take(router + "weight", (count, h))
+    if config.expert_bias:
+        state[dst + "router.bias"] = weights.take(router + "bias", (count,))
+    if src + "mlp.experts.gate_up_proj" in weights.tensors:  # gpt-oss's experts, in three tensors each
+        return {**state, **_fused_experts(weights, src + "mlp.experts.", dst + "experts.", config)}
     for e in range(count):
         state.update(_mlp_weights(weights, f"{src}mlp.experts.{e}.", f"{dst}experts.{e}.", h, inter))
+        if config.expert_bias:
+            state.update(_expert_biases(weights, f"{src}mlp.experts.{e}.", f"{dst}experts.{e}.", h, inter))
     return state
+
+
+def _expert_biases(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:
+    """One expert's biases (gpt-oss from a GGUF file): gate|up's and down's."""
+    gate, up = (weights.take(src + f"{p}_proj.bias", (inter,)) for p in ("gate", "up"))
+    down = weights.take(src + "down_proj.bias", (h,))
+    return {dst + "gate_up.bias": cat_rows([gate, up]), dst + "down.bias": down}
+
+
+def _fused_experts(weights: _Weights, src: str, dst: str, config: ModelConfig) -> dict[str, Weight]:
+    """gpt-oss's experts as transformers stores them: gate_up_proj [E, hidden, 2I] with gate and up
+    columns interleaved (gate first), down_proj [E, I, hidden], and their biases."""
+    h, inter, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    gate_up = _float(weights.take(src + "gate_up_proj", (count, h, 2 * inter)), src + "gate_up_proj")
+    gate_up_bias = _float(weights.take(src + "gate_up_proj_bias", (count, 2 * inter)), src + "gate_up_bias")
+    down = _float(weights.take(src + "down_proj", (count, inter, h)), src + "down_proj")
+    down_bias = _float(weights.take(src + "down_proj_bias", (count, h)), src + "down_proj_bias")
+    state: dict[str, Weight] = {}
+    for e in range(count):
+        rows = gate_up[e].t()  # [2I, hidden], gate and up rows interleaved
+        state[f"{dst}{e}.gate_up.weight"] = torch.cat([rows[0::2], rows[1::2]]).contiguous()
+        state[f"{dst}{e}.gate_up.bias"] = torch.cat([gate_up_bias[e][0::2], gate_up_bias[e][1::2]])
+        state[f"{dst}{e}.down.weight"] = down[e].t().contiguous()  # [hidden, I]
+        state[f"{dst}{e}.down.bias"] = down_bias[e]
+    return state
+
+
+def _float(weight: Weight, name: str) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor):
+        raise CheckpointError(f"{name}: experts in one tensor are read from float weights only")
+    return weight
 
 
 def _qkv_rows(weights: _Weights, src: str, config: ModelConfig) -> list[Weight]:

@@ -1,12 +1,13 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, OLMoE).
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, OLMoE, gpt-oss).
 
 The router scores every expert for each row (a small [E, hidden] matrix), takes the softmax over
 the experts, keeps the `experts_per_token` most probable and, where the family says so
-(`ModelConfig.norm_topk_prob`: Qwen3-MoE, Mixtral), divides their weights by their sum; Mixtral's
-softmax over its top-k logits is the same thing. A step then groups its rows by expert: each
-expert routed to multiplies its own gate|up and down matrices once, for all the rows routed to it,
-so only the active experts' weights are read (batch 1 reads its `experts_per_token` experts and no
-more), and their outputs, each scaled by its routing weight, are added into the rows they came from.
+(`ModelConfig.norm_topk_prob`: Qwen3-MoE, Mixtral, gpt-oss), divides their weights by their
+sum; Mixtral's and gpt-oss's softmax over the top-k logits is the same thing. A step then groups
+its rows by expert: each expert routed to multiplies its own gate|up and down matrices once, for
+all the rows routed to it, so only the active experts' weights are read (batch 1 reads its
+`experts_per_token` experts and no more), and their outputs, each scaled by its routing weight,
+are added into the rows they came from.
 Each expert is an ordinary pair of `Linear` layers, so quantized experts run through the same
 panels as dense matrices.
 """
@@ -22,16 +23,26 @@ from weft.model.layers import BFloat16Pairs, Linear
 
 
 class Expert(nn.Module):
-    """One expert: SwiGLU over its own gate|up and down matrices."""
+    """One expert: SwiGLU over its own gate|up and down matrices, or gpt-oss's clamped SwiGLU
+    (gate clamped above and up on both sides at `swiglu_limit`, then (up + 1) * gate *
+    sigmoid(alpha * gate)) over matrices with biases."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, kernels: TorchKernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: TorchKernels) -> None:
         super().__init__()
         self.kernels = kernels
-        self.gate_up = Linear(hidden_size, 2 * intermediate_size)
-        self.down = Linear(intermediate_size, hidden_size)
+        hidden, inter, bias = config.hidden_size, config.moe_intermediate_size, config.expert_bias
+        self.gate_up = Linear(hidden, 2 * inter, bias=bias)
+        self.down = Linear(inter, hidden, bias=bias)
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        return self.down(self.kernels.silu_mul(self.gate_up(x)))
+        gate_up = self.gate_up(x)  # [N, 2I]
+        if self.limit is None:
+            return self.down(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down(up.clamp(-self.limit, self.limit).add_(1.0).mul_(glu))
 
 
 class SparseMoE(nn.Module):
@@ -39,11 +50,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.experts_per_token
         self.normalize = config.norm_topk_prob
-        self.router = Linear(config.hidden_size, config.num_experts)
-        inter = config.moe_intermediate_size
-        self.experts = nn.ModuleList(
-            Expert(config.hidden_size, inter, kernels) for _ in range(config.num_experts)
-        )
+        self.router = Linear(config.hidden_size, config.num_experts, bias=config.expert_bias)
+        self.experts = nn.ModuleList(Expert(config, kernels) for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor | BFloat16Pairs, rows: object = None) -> torch.Tensor:  # [T, hidden]
         assert isinstance(x, torch.Tensor)  # (its norm writes floats: `takes_pairs` is False)

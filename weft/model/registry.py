@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True)),
     "MixtralForCausalLM": _LLAMA,  # its experts are values of the configuration
     "OlmoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True)),
+    "GptOssForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qkv_bias=True, o_bias=True)),
     "Olmo2ForCausalLM": Architecture(
         LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True, post_norms=True)
     ),

@@ -216,6 +216,7 @@ struct DecodeShape {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks, token_stride, block_stride;
   int64_t q_seq_stride, q_head_stride, num_splits;
   int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
+  const float* sinks;  // [H] each head's attention sink (gpt-oss): a logit in the softmax with no value; or null
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
@@ -493,7 +494,8 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
   }
 }
 
-// out[b, h] = sum over splits of acc * exp(m - M) / sum of l * exp(m - M), M the largest m.
+// out[b, h] = sum over splits of acc * exp(m - M) / (sum of l * exp(m - M) + exp(sink - M)), M the
+// largest m (and sink), where the head has an attention sink.
 template <typename T>
 void merge_splits(const std::vector<float>& m, const std::vector<float>& l, const std::vector<float>& acc,
                   int64_t num_seqs, const DecodeShape& sh, T* op) {
@@ -502,8 +504,9 @@ void merge_splits(const std::vector<float>& m, const std::vector<float>& l, cons
     std::vector<float> out(D);
     for (int64_t b = first; b < last; ++b) {
       for (int64_t h = 0; h < H; ++h) {
-        float max = -std::numeric_limits<float>::infinity(), total = 0.f;
+        float max = sh.sinks == nullptr ? -std::numeric_limits<float>::infinity() : sh.sinks[h], total = 0.f;
         for (int64_t s = 0; s < S; ++s) max = std::max(max, m[(b * S + s) * H + h]);
+        if (sh.sinks != nullptr) total = std::exp(sh.sinks[h] - max);
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t s = 0; s < S; ++s) {
           const int64_t row = (b * S + s) * H + h;
@@ -542,7 +545,8 @@ void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int6
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+                                  const at::Tensor& context_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(on_cpu({q, kv_cache, block_table, context_lens}),
               "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
@@ -572,6 +576,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.q_head_stride = q.stride(1);
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
   sh.window = window;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == sh.num_heads,
+                "paged_decode_attention: sinks must be float32 [H] on the CPU");
+    sh.sinks = sinks->data_ptr<float>();
+  }
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
@@ -1398,7 +1408,7 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 }
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t window) {
-  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window);
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt);
 }
 
 }  // namespace weft
@@ -1410,7 +1420,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale, "
-      "int window=0) -> Tensor");
+      "int window=0, Tensor? sinks=None) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");

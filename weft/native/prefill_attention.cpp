@@ -59,6 +59,7 @@ struct PrefillShape {
   int64_t num_heads, num_kv_heads, group, block_size, token_stride, block_stride, max_blocks;
   int64_t q_token_stride, q_head_stride;
   int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
+  const float* sinks;  // [H] each head's attention sink (gpt-oss): a logit in the softmax with no value; or null
   float scale;
 };
 
@@ -363,7 +364,9 @@ void attend_item(const Item& it, const float* q, const float* cache, const int64
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = out + ((query_start + it.first + r / sh.group) * sh.num_heads + it.kv_head * sh.group + r % sh.group) * kD;
-    const vecf inv = vecf{} + 1.f / s.l[r];
+    const int64_t head = it.kv_head * sh.group + r % sh.group;
+    const float sink = sh.sinks == nullptr ? 0.f : weft::vmath::exp_approx(sh.sinks[head] - s.m[r]);
+    const vecf inv = vecf{} + 1.f / (s.l[r] + sink);
     for (int v = 0; v < kDVecs; ++v) *reinterpret_cast<vecfu*>(dst + v * kLanes) = s.o[r * kDVecs + v] * inv;
   }
 }
@@ -458,7 +461,7 @@ void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, co
 // the CPU has AVX512_BF16), float32 accumulation and softmax, as the linear layers' bf16_dot.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                                   bool bf16_dot, int64_t window) {
+                                   bool bf16_dot, int64_t window, const std::optional<at::Tensor>& sinks) {
   check_prefill_inputs(q, kv_cache, block_table, context_lens, query_start);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start.data_ptr<int64_t>();
@@ -476,6 +479,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.scale = static_cast<float>(scale);
   TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0 (0: no window)");
   sh.window = window;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == sh.num_heads,
+                "paged_prefill_attention: sinks must be float32 [H] on the CPU");
+    sh.sinks = sinks->data_ptr<float>();
+  }
   auto out = at::empty({q.size(0), sh.num_heads, q.size(2)}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* cache = kv_cache.data_ptr<float>();
@@ -495,7 +504,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-      "Tensor query_start, float scale, bool bf16_dot=False, int window=0) -> Tensor");
+      "Tensor query_start, float scale, bool bf16_dot=False, int window=0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
