@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,59 +70,129 @@ def random_blocks(
     return data.reshape(rows, -1)
 
 
-def write_random_gguf(config_path: Path, mix: str, out: Path, seed: int = 0) -> Path:
-    """Write `out`: the shape of `config_path` (a Llama-family config.json) in `mix` blocks."""
+# Hugging Face architecture -> llama.cpp's (the families whose shapes these files take)
+GGUF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
+
+
+def write_random_gguf(
+    config_path: Path, mix: str, out: Path, seed: int = 0, num_layers: int | None = None
+) -> Path:
+    """Write `out`: the shape of `config_path` (a config.json of a family in `GGUF_ARCHS`; its
+    first `num_layers` layers where given) in `mix` blocks, with a vocabulary of placeholder tokens
+    so that llama.cpp loads it too."""
     import gguf
 
     if mix not in MIXES:
         raise ValueError(f"--gguf-type {mix!r}: choose one of {', '.join(MIXES)}")
     config = json.loads(config_path.read_text())
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
-    tied = bool(config.get("tie_word_embeddings", False))
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_context_length(config.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
-    writer.add_vocab_size(vocab)
-    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2}[mix])
-    rng = np.random.default_rng(seed)
-
-    def matrix(name: str, kind_name: str, layer: int, rows: int, features: int) -> None:
-        kind = tensor_kind(mix, kind_name, layer, layers, features)
-        qtype = gguf.GGMLQuantizationType[kind.upper()]
-        writer.add_tensor(name, random_blocks(kind, rows, features, rng), raw_dtype=qtype)
-
-    matrix("token_embd.weight", "token_embd_tied" if tied else "token_embd", 0, vocab, hidden)
-    for i in range(layers):
-        ones = np.ones(hidden, dtype=np.float32)
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        matrix(f"blk.{i}.attn_q.weight", "attn_q", i, heads * head_dim, hidden)
-        matrix(f"blk.{i}.attn_k.weight", "attn_k", i, kv_heads * head_dim, hidden)
-        matrix(f"blk.{i}.attn_v.weight", "attn_v", i, kv_heads * head_dim, hidden)
-        matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
-        matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", i, inter, hidden)
-        matrix(f"blk.{i}.ffn_up.weight", "ffn_up", i, inter, hidden)
-        matrix(f"blk.{i}.ffn_down.weight", "ffn_down", i, hidden, inter)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    if not tied:
-        matrix("output.weight", "output", 0, vocab, hidden)
+    if num_layers is not None:
+        config["num_hidden_layers"] = min(num_layers, config["num_hidden_layers"])
+    arch = GGUF_ARCHS.get((config.get("architectures") or ["LlamaForCausalLM"])[0])
+    if arch is None:
+        raise ValueError(f"{config_path}: random GGUF files are written for {', '.join(GGUF_ARCHS)}")
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_config(writer, config, mix)
+    _write_vocabulary(writer, config["vocab_size"])
+    _write_tensors(writer, config, mix, arch, np.random.default_rng(seed))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads", heads))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2}[mix])
+    if config.get("sliding_window") and config.get("layer_types"):
+        writer.add_sliding_window(config["sliding_window"])
+    if _num_experts(config):
+        writer.add_expert_count(_num_experts(config))
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _num_experts(config: dict[str, Any]) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
+def _write_vocabulary(writer: Any, vocab_size: int) -> None:
+    """Placeholder tokens `<t{i}>` as a byte-level BPE vocabulary (the benchmark feeds token ids)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"<t{i}>" for i in range(vocab_size)])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_token_merges(["< t"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+
+def _write_tensors(
+    writer: Any, config: dict[str, Any], mix: str, arch: str, rng: np.random.Generator
+) -> None:
+    import gguf
+
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    tied = bool(config.get("tie_word_embeddings", False))
+
+    def matrix(name: str, kind_name: str, layer: int, rows: int, features: int, experts: int = 0) -> None:
+        kind = tensor_kind(mix, kind_name, layer, layers, features)
+        blocks = random_blocks(kind, rows * max(experts, 1), features, rng)
+        data = blocks.reshape(experts, rows, -1) if experts else blocks
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
+
+    def ones(name: str, size: int) -> None:
+        writer.add_tensor(name, np.ones(size, dtype=np.float32))
+
+    matrix("token_embd.weight", "token_embd_tied" if tied else "token_embd", 0, vocab, hidden)
+    for i in range(layers):
+        ones(f"blk.{i}.attn_norm.weight", hidden)
+        ones(f"blk.{i}.ffn_norm.weight", hidden)
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
+            ones(f"blk.{i}.attn_q_norm.weight", head_dim)
+            ones(f"blk.{i}.attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            ones(f"blk.{i}.post_attention_norm.weight", hidden)
+            ones(f"blk.{i}.post_ffw_norm.weight", hidden)
+        matrix(f"blk.{i}.attn_q.weight", "attn_q", i, heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_k.weight", "attn_k", i, kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", "attn_v", i, kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
+        if arch == "qwen3moe":
+            experts, inter = _num_experts(config), config["moe_intermediate_size"]
+            router = rng.normal(0.0, 0.02, size=(experts, hidden)).astype(np.float32)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+            matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", i, inter, hidden, experts)
+            matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", i, inter, hidden, experts)
+            matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", i, hidden, inter, experts)
+            continue
+        inter = config["intermediate_size"]
+        matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", i, inter, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", "ffn_up", i, inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", "ffn_down", i, hidden, inter)
+    ones("output_norm.weight", hidden)
+    if not tied:
+        matrix("output.weight", "output", 0, vocab, hidden)
 
 
 def word_level_tokenizer(vocab_size: int, out: Path) -> Path:
