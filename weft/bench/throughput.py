@@ -45,6 +45,7 @@ from weft.bench.timing import Timing
 from weft.engine.factory import describe_kernels
 from weft.model.huge_pages import HugePageArena, huge_pages_available
 from weft.model.llama import LlamaForCausalLM
+from weft.model.moe import SparseMoE
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_CONFIG = SHARED / "configs" / "smollm2-135m-instruct" / "config.json"
@@ -377,13 +378,18 @@ def load_reference(path: Path, dtype: torch.dtype, device: torch.device, static:
 
 
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes of weights one decode step reads: every parameter once (a quantized matrix as its
-    packed blocks), except that an untied embedding table is only looked up (one row), not
-    streamed."""
+    """Bytes of weights one batch-1 decode step reads: every parameter once (a quantized matrix as
+    its packed blocks), except that an untied embedding table is only looked up (one row), not
+    streamed, and that of a mixture of experts only the `experts_per_token` experts a row is routed
+    to are read."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed, head = model.embed.weight, model.lm_head.weight
     if embed is not head:
         total -= embed.numel() * embed.element_size()
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            experts = sum(p.numel() * p.element_size() for p in module.experts.parameters())
+            total -= experts - experts * module.top_k // len(module.experts)
     return total
 
 
