@@ -41,6 +41,14 @@ from weft.server.documents import (
     ok,
 )
 from weft.server.engine_loop import EngineLoop, QueueFull, now
+from weft.server.messages import (
+    MESSAGE_EVENTS,
+    AnthropicError,
+    MessageObject,
+    Messages,
+    MessagesRequest,
+    TokenCount,
+)
 from weft.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, RequestError
 from weft.server.responses_endpoint import Responses, ResponseStore, UnknownResponse
 from weft.server.responses_request import ResponsesRequest
@@ -110,6 +118,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return await _until_disconnect(request, service, chat.respond(body, handle, plan, request_id))
 
     _add_responses_routes(app, service, responses)
+    _add_messages_routes(app, service, Messages(chat))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -177,6 +186,43 @@ def _add_responses_routes(app: FastAPI, service: Service, responses: Responses) 
     @app.delete("/v1/responses/{response_id}", responses={200: ok(DeletedResponse), **stored})
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
+
+
+MESSAGES = "/v1/messages"  # Anthropic's API: its errors in its own shape
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                     413: "request_too_large", 503: "overloaded_error"}  # fmt: skip
+
+
+def _add_messages_routes(app: FastAPI, service: Service, messages: Messages) -> None:
+    errors: dict[int | str, dict[str, Any]] = {
+        status: {"model": AnthropicError, "description": description}
+        for status, description in (
+            (400, "invalid parameters or messages"),
+            (401, "a missing or wrong API key (x-api-key or Authorization: Bearer)"),
+            (413, "a body over --max-body-bytes"),
+            (503, "--max-pending requests already in flight, or the server is loading or draining"),
+        )
+    }
+
+    @app.post(MESSAGES, responses={200: ok(MessageObject, MESSAGE_EVENTS), **errors})
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        run = await messages.start(body)
+        if body.stream:
+            reply: Response = _stream(service, messages.stream(run), messages.failed)
+        else:
+            reply = await _until_disconnect(request, service, messages.respond(run))
+        dropped = body.dropped_tools()
+        if dropped:  # server tools weft cannot run: left out, said in a header and the log
+            warning = (
+                f"tools of type {', '.join(dropped)} were left out: weft runs the client's own tools only"
+            )
+            log.warning("POST %s: %s", MESSAGES, warning)
+            reply.headers["x-weft-warning"] = warning
+        return reply
+
+    @app.post(MESSAGES + "/count_tokens", responses={200: ok(TokenCount), **errors})
+    async def count_message_tokens(body: MessagesRequest) -> dict[str, int]:
+        return messages.count_tokens(body)
 
 
 # what the /v1/ routes answer besides 200, each with OpenAI's error body
@@ -261,8 +307,17 @@ def _stream(
 
 
 def _error(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """OpenAI's error body, or on /v1/messages Anthropic's."""
+    if path.startswith(MESSAGES):
+        anthropic = {"type": _ANTHROPIC_ERRORS.get(status, "api_error"), "message": message}
+        return JSONResponse({"type": "error", "error": anthropic}, status_code=status)
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
@@ -279,7 +334,7 @@ def _add_error_handlers(app: FastAPI, service: Service) -> None:
         service.metrics.requests.labels("rejected" if status < 500 else "error").inc()
         where = f" (param {param})" if param else ""
         log.warning("%s %s refused with %d%s: %s", request.method, request.url.path, status, where, message)
-        return _error(status, message, kind, param, code)
+        return _error(status, message, kind, param, code, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -350,19 +405,23 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope["path"].startswith(PROTECTED):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                body = error_body(
-                    "invalid or missing API key (Authorization: Bearer KEY)",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        if self.api_key is not None and scope["path"].startswith(PROTECTED) and not self._allowed(headers):
+            message = "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+            reply = _error(401, message, "authentication_error", code="invalid_api_key", path=scope["path"])
+            return await reply(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _too_large(self.max_body_bytes)(scope, receive, send)
         return await self.app(scope, _limited(receive, self.max_body_bytes), send)
+
+    def _allowed(self, headers: dict[str, str]) -> bool:
+        """The key as OpenAI's clients send it (Authorization: Bearer) or Anthropic's (x-api-key)."""
+        assert self.api_key is not None
+        bearer = headers.get("authorization", "").encode()
+        key = headers.get("x-api-key", "").encode()
+        return hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode()) or hmac.compare_digest(
+            key, self.api_key.encode()
+        )
 
 
 def _too_large(limit: int) -> JSONResponse:

@@ -39,7 +39,7 @@ class Chat:
         service = self.service
         service.check_model(body.model)
         constraint, forced, field = _constraint(body, service.json_schema_mode)
-        text = self._render(body)
+        text = self.render(body)
         plan = self._plan(body, constraint, forced, text)
         params = body.sampling_params(service.vocab_size, plan.constraint, field)
         params = params.replace(output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
@@ -73,7 +73,8 @@ class Chat:
         except ValueError as exc:
             raise RequestError(str(exc), "response_format" if constraint else "tools") from None
 
-    def _render(self, body: ChatCompletionRequest) -> str:
+    def render(self, body: ChatCompletionRequest) -> str:
+        """The prompt of a chat request: its messages (and tools) through the chat template."""
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
         extra: dict[str, Any] = dict(body.chat_template_kwargs or {})
         if body.tools and body.tool_choice != "none":
