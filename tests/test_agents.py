@@ -212,6 +212,44 @@ def test_one_call_only_without_parallel_tool_calls():
     assert _matcher_accepts("qwen2.5", plan.constraint, f"<tool_call>\n{CALL}\n</tool_call>") == (True, True)
 
 
+FORCED_CASES = [  # tokenizer, format, tool_choice's function (None: "required"), reply, accepted, complete
+    ("qwen2.5", "hermes", "get_weather", f"<tool_call>\n{CALL}\n</tool_call>", True, True),
+    ("qwen2.5", "hermes", "get_weather", CALL_ARGS, False, False),  # the bare arguments: not its format
+    ("qwen2.5", "hermes", "get_weather", f"<tool_call>\n{TIME_CALL}\n</tool_call>", False, False),
+    ("qwen2.5", "hermes", "get_weather", "Sure. <tool_call>", False, False),  # no text before the call
+    ("qwen2.5", "hermes", None, REPLIES["hermes"], False, False),  # "required": no text before
+    ("qwen2.5", "hermes", None, REPLIES["hermes"].removeprefix("Let me check."), True, True),  # two calls
+    ("qwen2.5", "hermes", None, f"<tool_call>\n{TIME_CALL}\n</tool_call>", True, True),
+    ("llama3", "llama3_json", "get_weather", CALL.replace('"arguments"', '"parameters"'), True, True),
+    ("mistral", "mistral", None, REPLIES["mistral"], True, True),
+]
+
+
+@pytest.mark.parametrize("tokenizer,fmt,function,text,accepted,complete", FORCED_CASES)
+def test_a_forced_call_is_written_in_the_models_own_format(
+    tokenizer, fmt, function, text, accepted, complete
+):
+    """tool_choice "required" or a named function: the opener, the call's name (fixed where named),
+    the arguments under the tool's schema and the closer, as the template taught the model; the
+    reply reads back as the call."""
+    from weft.agents.reply import ForcedCall
+
+    tools = [ToolSpec.of(t) for t in TOOLS]
+    chosen = [t for t in tools if function in (None, t.name)]
+    specials = _tokenizer(tokenizer).added_tokens
+    plan = plan_reply(
+        constraint={"json_schema": {}},  # (the bare call's, which the format replaces)
+        forced=ForcedCall(function),
+        forced_tools=chosen,
+        tool_format=FORMATS[fmt],
+        added_tokens=specials,
+    )
+    assert _matcher_accepts(tokenizer, plan.constraint, text) == (accepted, complete)
+    if complete:
+        calls = plan.message(text).tool_calls
+        assert calls and all(function in (None, c.name) for c in calls)
+
+
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 
 

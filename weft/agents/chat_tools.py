@@ -88,4 +88,5 @@ class ChatTools:
             added_tokens=self.added_tokens,
             mode=self.mode,
             parallel_tool_calls=parallel_tool_calls,
+            forced_tools=[t for t in self.tools if forced and forced[1].function in (None, t.name)],
         )

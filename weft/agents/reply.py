@@ -17,7 +17,7 @@ from typing import Any
 
 from weft.agents.reasoning import ReasoningFormat
 from weft.agents.tool_formats import ToolCallFormat, ToolSpec, new_call_id
-from weft.agents.tool_grammar import grammar_text, lark_json, tool_call_lark
+from weft.agents.tool_grammar import forced_call_lark, grammar_text, lark_json, tool_call_lark
 from weft.agents.tool_reader import ToolCall, ToolCallStream, final_calls
 from weft.schema_objects import JsonSchemaMode, apply_mode
 
@@ -171,13 +171,24 @@ def plan_reply(
     added_tokens: Mapping[str, int] | None = None,
     mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
     parallel_tool_calls: bool = True,
+    forced_tools: Sequence[ToolSpec] = (),
 ) -> ReplyPlan:
     """The plan of a reply to `prompt` (its rendered text). `constraint`: the answer's constraint
     from response_format (or the forced call's); `tools` with `tool_format`: calls the model may
-    choose to make ("auto"). Raises ValueError for a combination weft cannot constrain."""
+    choose to make ("auto"); `forced_tools` with `tool_format`: the tools a forced call chooses
+    from, written in the format (else the forced call is its bare JSON). Raises ValueError for a
+    combination weft cannot constrain."""
     specials = added_tokens or {}
     inside = reasoning is not None and reasoning.opens_inside(prompt)
     short_ids = tool_format is not None and tool_format.short_ids
+    if forced is not None and tool_format is not None and forced_tools:
+        top = "answer" if reasoning is not None else "start"
+        parallel = parallel_tool_calls and forced.function is None
+        rules = forced_call_lark(tool_format, forced_tools, specials, parallel=parallel, mode=mode, start=top)
+        if reasoning is not None:
+            rules += reasoning.lark(inside, top, specials)
+        grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
+        return ReplyPlan(grammar, tool_format, None, reasoning, inside, short_ids)
     auto = bool(tools) and tool_format is not None and forced is None
     if not auto and (reasoning is None or not constraint):
         return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside, short_ids)

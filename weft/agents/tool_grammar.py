@@ -99,6 +99,39 @@ def tool_call_lark(
     return "\n".join(rules) + "\n"
 
 
+def forced_call_lark(
+    fmt: ToolCallFormat,
+    tools: Sequence[ToolSpec],
+    special_tokens: Mapping[str, int],
+    *,
+    parallel: bool = True,
+    mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
+    start: str = "start",
+) -> str:
+    """The Lark rules of a reply that is calls and nothing else (`tool_choice` "required", or one
+    named function: `tools` is then that one), in the model's own format: its opener, each call's
+    prefix with the function's name, the arguments under that tool's schema, its suffix, the
+    closer; as the model was trained to write them, and no text before or after."""
+    if not tools:
+        raise ValueError("tool calls need at least one tool")
+    lit = lambda text: lark_literal(text, special_tokens) if text else ""  # noqa: E731
+    rules = [f"tc_args_{i}: {lark_json(t.arguments_schema(mode))}" for i, t in enumerate(tools)]
+    rules += [
+        f"tc_call_{i}: {lit(fmt.call_prefix(t.name))} tc_args_{i} {lit(fmt.call_suffix)}"
+        for i, t in enumerate(tools)
+    ]
+    rules.append(f"tc_call: {' | '.join(f'tc_call_{i}' for i in range(len(tools)))}")
+    more = (
+        f" ({lit(fmt.separator)} tc_call)*"
+        if parallel and fmt.separator
+        else (" tc_call*" if parallel else "")
+    )
+    # (a space may come first: SentencePiece tokenizers start a reply's first word with one)
+    body = ['" "?', lit(fmt.opener), f"tc_call{more}", lit(fmt.closer)]
+    rules.append(f"{start}: {' '.join(part for part in body if part)}")
+    return "\n".join(rules) + "\n"
+
+
 def grammar_text(rules: str) -> str:
     """A whole llguidance Lark grammar from rules that define `start`."""
     return "%llguidance {}\n" + rules

@@ -58,6 +58,11 @@ class Chat:
     ) -> ReplyPlan:
         formats = self.service.formats
         auto = body.tools and body.tool_choice in (None, "auto")
+        forced_tools = [
+            ToolSpec.of(t)
+            for t in body.tools or []
+            if forced is not None and forced.function in (None, t.function.name)
+        ]
         try:
             return plan_reply(
                 constraint=constraint,
@@ -69,6 +74,7 @@ class Chat:
                 added_tokens=self.service.tokenizer.added_tokens,
                 mode=self.service.json_schema_mode,
                 parallel_tool_calls=body.parallel_tool_calls,
+                forced_tools=forced_tools,
             )
         except ValueError as exc:
             raise RequestError(str(exc), "response_format" if constraint else "tools") from None
