@@ -282,6 +282,46 @@ def test_a_json_answer_holds_only_after_the_reasoning(reasoning, prompt, text, a
     assert _matcher_accepts("qwen2.5", plan.constraint, text) == (accepted, complete)
 
 
+@pytest.mark.parametrize("budget", [0, 3, 8])
+def test_a_thinking_budget_ends_the_section_in_time(budget):
+    """With a budget of n tokens the section holds at most n tokens of thinking, then its end marker
+    is the only next token (single-token markers: stand-ins for Qwen3's); the answer after it is
+    free (or under its constraint); a budget has nothing to hold where the marker is text."""
+    reasoning, specials = (
+        ReasoningFormat("t", "<tool_call>", "</tool_call>"),
+        _tokenizer("qwen2.5").added_tokens,
+    )
+    tok = _tokenizer("qwen2.5")
+    plan = plan_reply(
+        constraint={},
+        reasoning=reasoning,
+        prompt="<tool_call>",
+        added_tokens=specials,
+        thinking_budget=budget,
+    )
+    thinking = tok.decode(
+        tok.encode(" one two three four five six seven eight nine ten", add_special_tokens=False)[:budget]
+    )
+    assert _matcher_accepts("qwen2.5", plan.constraint, f"{thinking}</tool_call>Sure.") == (True, True)
+    longer = tok.decode(
+        tok.encode(" one two three four five six seven eight nine ten", add_special_tokens=False)[
+            : budget + 1
+        ]
+    )
+    assert _matcher_accepts("qwen2.5", plan.constraint, f"{longer}</tool_call>Sure.") == (False, False)
+    json_plan = plan_reply(
+        constraint={"json_schema": SCHEMA}, reasoning=reasoning, prompt="<tool_call>", added_tokens=specials,
+        thinking_budget=budget,
+    )  # fmt: skip
+    assert _matcher_accepts("qwen2.5", json_plan.constraint, f'{thinking}</tool_call>{{"x": 1}}') == (
+        True,
+        True,
+    )
+    text_marker = plan_reply(constraint={}, reasoning=REASONING_FORMATS["deepseek_r1"], prompt="<think>\n",
+                             added_tokens=specials, thinking_budget=budget)  # fmt: skip
+    assert text_marker.constraint == {}  # (</think> is text in this vocabulary: no budget)
+
+
 # ---- tiny models over real tokenizers, pushed into a call ----
 
 

@@ -130,3 +130,14 @@ def test_server_tools_are_left_out_with_a_warning(server):
     assert reply.status_code == 200, reply.text
     assert "web_search_20250305" in reply.headers["x-weft-warning"]
     assert json.loads(reply.text)["type"] == "message"
+
+
+def test_a_thinking_budget_is_taken(client):
+    """`thinking` with `budget_tokens` (a model without a thinking section answers as it would)."""
+    message = client.messages.create(
+        model=CLAUDE,
+        max_tokens=4,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "hi"}],
+    )
+    assert message.content and message.stop_reason in ("end_turn", "max_tokens")

@@ -265,7 +265,7 @@ def test_the_store_keeps_only_the_last_responses():
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
         ({"max_tool_calls": 2}, "max_tool_calls"),
         ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0]"),

@@ -42,13 +42,25 @@ class ReasoningFormat:
             return text, "", held
         return text[:at], text[at + len(self.end) :].lstrip("\n"), 0
 
-    def lark(self, inside: bool, answer: str, special_tokens: Mapping[str, int], start: str = "start") -> str:
-        """Rules for a reply whose answer (rule `answer`) follows the reasoning section."""
+    def lark(
+        self,
+        inside: bool,
+        answer: str,
+        special_tokens: Mapping[str, int],
+        start: str = "start",
+        budget: int | None = None,
+    ) -> str:
+        """Rules for a reply whose answer (rule `answer`) follows the reasoning section; with
+        `budget`, the section's text is at most that many tokens, then the end marker is forced
+        (where the marker is one token: `takes_budget`)."""
         end = lark_literal(self.end, special_tokens)
         if end.startswith("<["):  # one token ends the section; the vocabulary's others may occur in it
             others = sorted(i for t, i in special_tokens.items() if t not in (self.start, self.end))
             piece = f"RS_TEXT | <[{','.join(map(str, others))}]>" if others else "RS_TEXT"
-            think = f"rs_think: rs_piece* {end}\nrs_piece: {piece}\nRS_TEXT: /(.|\\n)+/"
+            if budget is None:
+                think = f"rs_think: rs_piece* {end}\nrs_piece: {piece}\nRS_TEXT: /(.|\\n)+/"
+            else:  # one lexeme of at most `budget` tokens (no special tokens inside it), then the marker
+                think = f"rs_think: rs_body {end}\nrs_body[max_tokens={budget}]: /(.|\\n)*/"
         else:  # the section's text ends at the end marker's first occurrence
             think = f"rs_think[lazy]: RS_TEXT {end}\nRS_TEXT: /(.|\\n)*/"
         think += '\nrs_gap: "\\n"*'
@@ -56,6 +68,12 @@ class ReasoningFormat:
             return f"{start}: rs_think rs_gap {answer}\n{think}\n"
         opener = lark_literal(self.start, special_tokens)
         return f"{start}: {answer} | {opener} rs_think rs_gap {answer}\n{think}\n"
+
+
+def takes_budget(fmt: ReasoningFormat, special_tokens: Mapping[str, int]) -> bool:
+    """Whether a thinking budget can hold the section: its end marker is one token of the vocabulary
+    (a marker written as text could also be written inside the section)."""
+    return fmt.end in special_tokens
 
 
 REASONING_FORMATS = {name: ReasoningFormat(name) for name in ("deepseek_r1", "qwen3")}

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.agents.reasoning import ReasoningFormat
+from weft.agents.reasoning import ReasoningFormat, takes_budget
 from weft.agents.tool_formats import ToolCallFormat, ToolSpec, new_call_id
 from weft.agents.tool_grammar import forced_call_lark, grammar_text, lark_json, tool_call_lark
 from weft.agents.tool_reader import ToolCall, ToolCallStream, final_calls
@@ -172,13 +172,16 @@ def plan_reply(
     mode: JsonSchemaMode = JsonSchemaMode.CLOSED,
     parallel_tool_calls: bool = True,
     forced_tools: Sequence[ToolSpec] = (),
+    thinking_budget: int | None = None,
 ) -> ReplyPlan:
     """The plan of a reply to `prompt` (its rendered text). `constraint`: the answer's constraint
     from response_format (or the forced call's); `tools` with `tool_format`: calls the model may
     choose to make ("auto"); `forced_tools` with `tool_format`: the tools a forced call chooses
-    from, written in the format (else the forced call is its bare JSON). Raises ValueError for a
-    combination weft cannot constrain."""
+    from, written in the format (else the forced call is its bare JSON); `thinking_budget`: the
+    most tokens of the reasoning section, where its end marker is one token (`takes_budget`).
+    Raises ValueError for a combination weft cannot constrain."""
     specials = added_tokens or {}
+    budget = thinking_budget if reasoning is not None and takes_budget(reasoning, specials) else None
     inside = reasoning is not None and reasoning.opens_inside(prompt)
     short_ids = tool_format is not None and tool_format.short_ids
     if forced is not None and tool_format is not None and forced_tools:
@@ -186,11 +189,11 @@ def plan_reply(
         parallel = parallel_tool_calls and forced.function is None
         rules = forced_call_lark(tool_format, forced_tools, specials, parallel=parallel, mode=mode, start=top)
         if reasoning is not None:
-            rules += reasoning.lark(inside, top, specials)
+            rules += reasoning.lark(inside, top, specials, budget=budget)
         grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
         return ReplyPlan(grammar, tool_format, None, reasoning, inside, short_ids)
     auto = bool(tools) and tool_format is not None and forced is None
-    if not auto and (reasoning is None or not constraint):
+    if not auto and (reasoning is None or (not constraint and budget is None)):
         return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside, short_ids)
     answer = _answer_rule(constraint, mode) if constraint else None
     top = "answer" if reasoning is not None else "start"
@@ -200,9 +203,9 @@ def plan_reply(
             tool_format, tools, specials, parallel=parallel_tool_calls, mode=mode, answer=answer, start=top
         )
     else:
-        rules = f"{top}: {answer}\n"
+        rules = f"{top}: {answer}\n" if answer else f"{top}: ANSWER_TEXT\nANSWER_TEXT: /(.|\\n)*/\n"
     if reasoning is not None:
-        rules += reasoning.lark(inside, top, specials)
+        rules += reasoning.lark(inside, top, specials, budget=budget)
     grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
     return ReplyPlan(grammar, tool_format if auto else None, forced, reasoning, inside, short_ids)
 

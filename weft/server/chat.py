@@ -75,6 +75,7 @@ class Chat:
                 mode=self.service.json_schema_mode,
                 parallel_tool_calls=body.parallel_tool_calls,
                 forced_tools=forced_tools,
+                thinking_budget=body.thinking_budget_tokens(),
             )
         except ValueError as exc:
             raise RequestError(str(exc), "response_format" if constraint else "tools") from None

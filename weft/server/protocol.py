@@ -245,6 +245,10 @@ class NamedToolChoice(BaseModel):
     function: dict[str, str]
 
 
+# OpenAI's reasoning efforts as thinking budgets (tokens of the thinking section)
+EFFORT_BUDGETS = {"minimal": 0, "low": 1024, "medium": 4096, "high": 16384}
+
+
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
@@ -257,6 +261,15 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # the thinking section's budget in tokens (weft's), or OpenAI's effort for one (`EFFORT_BUDGETS`)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    thinking_budget: int | None = Field(default=None, ge=0)
+
+    def thinking_budget_tokens(self) -> int | None:
+        """The most tokens the reply's thinking section may take (None: no limit)."""
+        if self.thinking_budget is not None:
+            return self.thinking_budget
+        return None if self.reasoning_effort is None else EFFORT_BUDGETS[self.reasoning_effort]
 
     def sampling_params(
         self, vocab_size: int, constraint: dict[str, Any], constraint_field: str | None = None

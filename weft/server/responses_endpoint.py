@@ -211,7 +211,7 @@ class Responses:
             "output": items,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
             "store": self._stores(request),
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "top_p": 1.0 if request.top_p is None else request.top_p,

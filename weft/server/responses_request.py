@@ -4,7 +4,7 @@ A Responses request is a chat request in another shape: `input` (a string, or it
 earlier function calls and their outputs, reasoning) and `instructions` become the chat's messages,
 function `tools` and `tool_choice` the chat's tools, `text.format` its `response_format`,
 `max_output_tokens` its `max_completion_tokens`. Fields weft cannot honour are a 400 that names
-them (`background`, `conversation`, `prompt`, `reasoning.effort`, images, ...), never dropped.
+them (`background`, `conversation`, `prompt`, images, ...), never dropped.
 Fields that change nothing weft generates are taken as real clients send them (Codex CLI's
 `client_metadata`, `reasoning.summary`, `include` entries that ask for the outputs of built-in
 tools, which weft returns none of), and `include: ["reasoning.encrypted_content"]` is honoured
@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from weft.server.protocol import (
+    EFFORT_BUDGETS,
     ChatCompletionRequest,
     FunctionDef,
     NamedToolChoice,
@@ -196,6 +197,7 @@ class ResponsesRequest(BaseModel):
             tool_choice=_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
             response_format=_response_format(self.format),
+            reasoning_effort=(self.reasoning or {}).get("effort"),
             **extras,
         )
 
@@ -275,16 +277,12 @@ class InputItems:
 
 
 def _reasoning_unsupported(reasoning: dict[str, Any]) -> list[tuple[str, str]]:
-    """What of `reasoning` weft cannot honour: an effort (no thinking budget yet), a summary other
-    than the ones it may leave empty, any other key."""
+    """What of `reasoning` weft cannot honour: an effort it has no budget for, a summary other than
+    the ones it may leave empty, any other key."""
     found = []
-    if reasoning.get("effort") is not None:
+    if reasoning.get("effort") not in (None, *EFFORT_BUDGETS):
         found.append(
-            (
-                "reasoning.effort",
-                "a thinking budget is not supported yet; leave it out (a reasoning model's thinking is "
-                "returned as a reasoning item)",
-            )
+            ("reasoning.effort", f"must be one of {', '.join(EFFORT_BUDGETS)}, got {reasoning['effort']!r}")
         )
     if reasoning.get("summary") not in _SUMMARIES:
         found.append(
