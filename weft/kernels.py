@@ -496,6 +496,8 @@ class NativeCpuKernels(TorchKernels):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.stride(1) == 1:
             return torch.ops.weft.rms_norm(x, weight, eps)
+        if x.dim() > 2 and weight.dtype == x.dtype:  # per-head norms (q and k views of q|k|v: copied)
+            return torch.ops.weft.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
         return super().rms_norm(x, weight, eps)
 
     def add_rms_norm_(
