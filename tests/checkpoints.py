@@ -92,6 +92,20 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Gemma 2: windows of 8 keys in every other layer, attention and final logits soft-capped (low
+    # caps, so that they bind)
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "architectures": ["Gemma2ForCausalLM"],
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 4.0,
+        },
+    ),
     # Gemma 3: windows of 8 keys in three layers of four (the third global), two rope bases
     "gemma3": (
         "Gemma3TextConfig",

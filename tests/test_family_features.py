@@ -23,6 +23,7 @@ FAMILIES = {  # name -> (checkpoint arch, overrides)
     "smollm3": ("smollm3", {}),
     "olmo2": ("olmo2", {}),
     "phi3": ("phi3", {}),
+    "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "qwen3moe": ("qwen3moe", {}),
     "mixtral": ("mixtral", {}),

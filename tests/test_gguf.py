@@ -419,7 +419,7 @@ def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkey
             assert abs(logprob.logprob - expected[len(ids) - 1 + step, token].item()) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe"])
 def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, arch):
     """`weft bench throughput --gguf-type` files of Gemma 3 and Qwen3-MoE shapes (the first layer of
     two): weft reads their configuration back and runs them from their blocks."""

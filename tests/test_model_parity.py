@@ -24,6 +24,7 @@ ARCHS = [
     "granite",
     "smollm3",
     "olmo2",
+    "gemma2",
     "gemma3",
     "qwen3moe",
     "mixtral",
@@ -158,6 +159,7 @@ def test_phi3_partial_rotary_and_longrope_match_transformers(checkpoint_factory)
 
 WINDOWED = {  # sliding windows of 8 keys: Mistral's in every layer, Qwen2's from its second layer on,
     # Gemma 3's in three layers of four, gpt-oss's in every other layer (with attention sinks)
+    "gemma2": {},
     "gemma3": {},
     "gptoss": {},
     "mistral": {"sliding_window": 8},

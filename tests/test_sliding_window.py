@@ -3,7 +3,7 @@ keys p - W + 1 .. p (W keys, itself included, as transformers and llama.cpp coun
 CPU kernels (decode, token by token, prefill in place), the gather + SDPA path with masks, Triton's
 ragged and split-decode kernels (in its interpreter off CUDA) and the scoring tree's masks. Then
 attention sinks (gpt-oss: a logit per head in each softmax's sum, with no value) in the same paths,
-with and without windows."""
+with and without windows, and Gemma 2's soft-capped scores."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _step(query_lens, context_lens, heads, head_dim, block_size, seed=0):
     return q, kv, cache, tables
 
 
-def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale, sinks=None):  # [T, H * D]
+def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale, sinks=None, softcap=0.0):
     """Each token's attention over the keys in its window, one token at a time, in float64 (with
     each head's sink logit in the softmax's sum where given)."""
     cache = cache.clone().double()
@@ -61,6 +61,8 @@ def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale, si
             keys = rows[low : pos + 1, 0].repeat_interleave(group, dim=1)  # [n, H, D]
             values = rows[low : pos + 1, 1].repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,nhd->hn", q[token + i].double() * scale, keys)
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
                 scores = torch.cat([scores, sinks.double()[:, None]], dim=1)  # [H, n + 1]
             probs = scores.softmax(-1)[:, : keys.shape[0]]
@@ -162,4 +164,37 @@ def test_triton_attention_sinks_match_the_reference(window):
     TORCH_KERNELS.write_kv_(cache, kv, meta.slot_mapping)
     assert meta.ragged is not None
     split = split_decode_attention(q, cache, meta.windowed(window).ragged, 0.25, 4, sinks)
+    torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,kernels", [("sdpa", TORCH_KERNELS), ("native", NATIVE_CPU_KERNELS)])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("steps", STEPS)
+def test_soft_capped_scores_match_the_reference(name, kernels, window, steps):
+    """Scores as c * tanh(score / c) before the mask and softmax (c = 2: most scores are capped)."""
+    query_lens, context_lens = steps
+    q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 32, 16, seed=window + 2)
+    backend = PagedAttention(kernels, 32, 2, 4, window)
+    meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
+    out = backend(q * 3, kv, cache, meta.windowed(window), 32**-0.5, softcap=2.0)
+    expected = _reference(q * 3, kv, cache, tables, query_lens, context_lens, window, 32**-0.5, softcap=2.0)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
+    plain = _reference(q * 3, kv, cache, tables, query_lens, context_lens, window, 32**-0.5)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # (the cap does change them)
+
+
+def test_triton_soft_capped_scores_match_the_reference():
+    pytest.importorskip("triton")
+    from weft.cuda.attention import split_decode_attention
+    from weft.cuda.kernels import TRITON_KERNELS
+
+    for query_lens, context_lens in (STEPS[1], ([1], [100])):
+        q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=3)
+        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, q.device, 1, True)
+        out = paged_attention(q * 3, kv, cache.clone(), meta.windowed(6), 0.25, TRITON_KERNELS, softcap=2.0)
+        expected = _reference(q * 3, kv, cache, tables, query_lens, context_lens, 6, 0.25, softcap=2.0)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    TORCH_KERNELS.write_kv_(cache, kv, meta.slot_mapping)
+    assert meta.ragged is not None
+    split = split_decode_attention(q * 3, cache, meta.windowed(6).ragged, 0.25, 4, softcap=2.0)
     torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)

@@ -97,6 +97,7 @@ class ModelConfig:
     # the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)
     hidden_act: str = "silu"
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2's c = 30)
+    attn_logit_softcapping: float | None = None  # attention scores likewise (Gemma 2's c = 50)
     # A mixture of experts in place of the MLP (weft/model/moe.py): `num_experts` of
     # `moe_intermediate_size` columns each, `experts_per_token` of them per row, their weights divided
     # by their sum where `norm_topk_prob`; in the layers `moe_layers` names (empty: all); 0: no experts
@@ -124,6 +125,7 @@ class ModelConfig:
             and self.sliding_window is None
             and self.hidden_act == "silu"
             and self.final_logit_softcapping is None
+            and self.attn_logit_softcapping is None
             and self.num_experts == 0
             and not self.attention_sinks
         )
@@ -246,9 +248,9 @@ def _gemma_scales(raw: dict[str, Any], hidden_size: int) -> dict[str, Any]:
     `query_pre_attn_scalar ** -0.5` (as `ModelConfig`'s Granite scales); nothing for the others."""
     if not _is_gemma(raw):
         return {}
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
     scales: dict[str, Any] = {"embedding_multiplier": hidden_size**0.5}
+    if raw.get("attn_logit_softcapping") is not None:
+        scales["attn_logit_softcapping"] = float(raw["attn_logit_softcapping"])
     if raw.get("final_logit_softcapping") is not None:
         scales["final_logit_softcapping"] = float(raw["final_logit_softcapping"])
     if raw.get("query_pre_attn_scalar") is not None:

@@ -208,6 +208,7 @@ class TorchKernels:
         scale: float,
         window: int = 0,
         sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
+        softcap: float = 0.0,  # scores -> softcap * tanh(score / softcap) (Gemma 2); 0: none
     ) -> torch.Tensor:  # [B, H, D]
         """Attention of one query per sequence over its cached keys and values (the last `window`
         of them in a sliding-window layer; 0: all), with each head's sink logit in the softmax's
@@ -230,6 +231,7 @@ class TorchKernels:
         bf16_dot: bool = False,
         window: int = 0,
         sinks: torch.Tensor | None = None,  # [H] float32, as in `paged_decode_attention`
+        softcap: float = 0.0,  # as in `paged_decode_attention`
     ) -> torch.Tensor:  # [T, H, D]
         """Causal attention of several queries per sequence (the last ones of its context) over its
         cached keys and values (in a sliding-window layer, the last `window` up to each query's
@@ -254,6 +256,7 @@ class TorchKernels:
         batch: RaggedBatch,
         scale: float,
         sinks: torch.Tensor | None = None,  # [H] float32, as in `paged_decode_attention`
+        softcap: float = 0.0,  # as in `paged_decode_attention`
     ) -> torch.Tensor:  # [T, H, D]
         """Every new token of the step over its sequence's cache, causal within the step."""
         raise NotImplementedError(f"the {self.name} kernel set has no ragged_paged_attention")
@@ -536,9 +539,10 @@ class NativeCpuKernels(TorchKernels):
         scale: float,
         window: int = 0,
         sinks: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         attend = torch.ops.weft.paged_decode_attention
-        return attend(q, kv_cache, block_table, context_lens, scale, window, sinks)
+        return attend(q, kv_cache, block_table, context_lens, scale, window, sinks, softcap)
 
     def reads_cache_in_place(self, head_dim: int) -> bool:
         return head_dim <= 256  # larger heads take the gather + SDPA path
@@ -554,9 +558,12 @@ class NativeCpuKernels(TorchKernels):
         bf16_dot: bool = False,
         window: int = 0,
         sinks: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         attend = torch.ops.weft.paged_prefill_attention
-        return attend(q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window, sinks)
+        return attend(
+            q, kv_cache, block_table, context_lens, query_start, scale, bf16_dot, window, sinks, softcap
+        )
 
     def prefills_in_place(self, head_dim: int) -> bool:
         return head_dim in (16, 32, 64, 128, 256)  # the sizes weft/native/prefill_attention.cpp is built for

@@ -74,6 +74,7 @@ def random_blocks(
 GGUF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
@@ -123,6 +124,10 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2}[mix])
     if config.get("sliding_window") and config.get("layer_types"):
         writer.add_sliding_window(config["sliding_window"])
+    if config.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if _num_experts(config):
         writer.add_expert_count(_num_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -171,7 +176,7 @@ def _write_tensors(
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             ones(f"blk.{i}.attn_q_norm.weight", head_dim)
             ones(f"blk.{i}.attn_k_norm.weight", head_dim)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             ones(f"blk.{i}.post_attention_norm.weight", hidden)
             ones(f"blk.{i}.post_ffw_norm.weight", hidden)
         matrix(f"blk.{i}.attn_q.weight", "attn_q", i, heads * head_dim, hidden)

@@ -36,12 +36,16 @@ PROGRAMS_PER_SM = 2  # decode steps split contexts until about this many program
 
 
 @triton.jit
-def _online_softmax_step(q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32: tl.constexpr):
+def _online_softmax_step(q, keys, values, visible, scale, acc, row_max, row_sum, softcap,
+                         DOT_FP32: tl.constexpr, HAS_SOFTCAP: tl.constexpr):  # fmt: skip
     """One cache block of the flash-attention recurrence: q [M, Dp], keys and values [S, Dp] in the
-    cache's dtype, visible [M, S]; acc [M, Dp], row_max and row_sum [M] in float32."""
+    cache's dtype, visible [M, S]; acc [M, Dp], row_max and row_sum [M] in float32; the scores
+    soft-capped (softcap * tanh(score / softcap), Gemma 2) where HAS_SOFTCAP."""
     if DOT_FP32:  # Triton's interpreter multiplies half-precision operands wrongly
         q, keys, values = q.to(tl.float32), keys.to(tl.float32), values.to(tl.float32)
     scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [M, S]
+    if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1)
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))  # [M]
     # A row that has seen no key yet (a sliding window starts past this block) keeps max -inf:
@@ -70,10 +74,11 @@ def _load_block(cache_ptr, table_entry, slots, dims, dim_ok, kv_head, stride_blo
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr,  # [T, H, D], [T, H, D], [num_blocks, block_size, 2, KVH, D]
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1] int32
-    sinks_ptr, scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+    sinks_ptr, scale, softcap, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cache_block, stride_cache_slot, stride_cache_kv, stride_cache_head, stride_table,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, DOT_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -107,7 +112,7 @@ def _paged_attention_kernel(
             key = (j * BLOCK_SIZE + slots)[None, :]  # [1, S]
             visible = (key <= q_pos[:, None]) & (key >= low[:, None])  # [M, S] causal, in the window
             acc, row_max, row_sum = _online_softmax_step(
-                q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
+                q, keys, values, visible, scale, acc, row_max, row_sum, softcap, DOT_FP32, HAS_SOFTCAP
             )
         if HAS_SINKS:  # each head's sink joins the softmax's sum, with no value
             row_sum += tl.exp(tl.load(sinks_ptr + head, mask=row_ok, other=0.0) - row_max)
@@ -121,9 +126,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, part_ptr, lse_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,  # [B, H, SPLITS, Dp], [B, H, SPLITS]
-    scale, window, stride_qt, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_kv,
+    scale, softcap, window, stride_qt, stride_qh, stride_cache_block, stride_cache_slot, stride_cache_kv,
     stride_cache_head, stride_table, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One split of one decode row's context for one KV head: its share of the blocks, rounded up
     to whole blocks, with the online softmax; writes the split's normalised output and the log of
@@ -158,7 +164,7 @@ def _decode_split_kernel(
             key = j * BLOCK_SIZE + slots  # [S]
             visible = tl.broadcast_to(((key < end) & (key >= low))[None, :], (BLOCK_M, BLOCK_SIZE))
             acc, row_max, row_sum = _online_softmax_step(
-                q, keys, values, visible, scale, acc, row_max, row_sum, DOT_FP32
+                q, keys, values, visible, scale, acc, row_max, row_sum, softcap, DOT_FP32, HAS_SOFTCAP
             )
         tl.store(part_ptr + out_base[:, None] * HEAD_PAD + dims[None, :], acc / row_sum[:, None],
                  mask=row_ok[:, None])  # fmt: skip
@@ -211,6 +217,7 @@ def split_decode_attention(
     scale: float,
     splits: int,
     sinks: torch.Tensor | None = None,  # [H] float32
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [B, H, D]
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, _, num_kv_heads, _ = kv_cache.shape
@@ -219,11 +226,11 @@ def split_decode_attention(
     part = torch.empty(num_seqs, num_heads, splits, head_pad, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, part, lse, kv_cache, batch.block_table, batch.seq_lens, scale, batch.window, q.stride(0),
+        q, part, lse, kv_cache, batch.block_table, batch.seq_lens, scale, softcap, batch.window, q.stride(0),
         q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         batch.block_table.stride(0), GQA=gqa, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=max(MIN_DOT_ROWS, triton.next_power_of_2(gqa)), SPLITS=splits,
-        DOT_FP32=q.device.type == "cpu",
+        DOT_FP32=q.device.type == "cpu", HAS_SOFTCAP=softcap > 0,
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge_splits_kernel[(num_seqs, num_heads)](
@@ -246,6 +253,7 @@ def paged_attention(
     batch: RaggedBatch,
     scale: float,
     sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink
+    softcap: float = 0.0,  # scores -> softcap * tanh(score / softcap) (Gemma 2); 0: none
 ) -> torch.Tensor:  # [T, H, D]
     """Attention of every new token of the step over its sequence's cache (which already holds the
     step's keys and values), causal within the step."""
@@ -257,7 +265,7 @@ def paged_attention(
     if batch.max_query_len == 1 and q.shape[0] == batch.seq_lens.shape[0]:
         splits = decode_splits(q.shape[0], num_kv_heads, q.device)
         if splits > 1:
-            return split_decode_attention(q, kv_cache, batch, scale, splits, sinks)
+            return split_decode_attention(q, kv_cache, batch, scale, splits, sinks, softcap)
     block_q, block_m = tile_rows(gqa, batch.max_query_len)
     out = torch.empty_like(q)  # [T, H, D]
     num_seqs = batch.seq_lens.shape[0]
@@ -271,6 +279,7 @@ def paged_attention(
         batch.query_start,
         q if sinks is None else sinks,
         scale,
+        softcap,
         batch.window,
         q.stride(0),
         q.stride(1),
@@ -289,5 +298,6 @@ def paged_attention(
         BLOCK_M=block_m,
         DOT_FP32=q.device.type == "cpu",  # CPU tensors: Triton's interpreter
         HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap > 0,
     )
     return out

@@ -100,8 +100,9 @@ class TritonKernels(TorchKernels):
         batch: RaggedBatch,
         scale: float,
         sinks: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        return attention.paged_attention(q, kv_cache, batch, scale, sinks)
+        return attention.paged_attention(q, kv_cache, batch, scale, sinks, softcap)
 
 
 TRITON_KERNELS = TritonKernels()

@@ -374,6 +374,7 @@ def paged_attention(
     kernels: TorchKernels = TORCH_KERNELS,
     bf16_dot: bool = False,
     sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
+    softcap: float = 0.0,  # scores -> softcap * tanh(score / softcap) (Gemma 2); 0: none
 ) -> torch.Tensor:  # [T, H * D]
     """Write the step's keys and values into the cache (None: already there, `rope_write_kv_`),
     then attend. `bf16_dot`: multi-token rows attending in place round their products' inputs to
@@ -383,14 +384,15 @@ def paged_attention(
     if kv is not None:
         kernels.write_kv_(kv_cache, kv, meta.slot_mapping)
     if meta.ragged is not None:
-        out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale, sinks)  # [T, H, D]
+        out = kernels.ragged_paged_attention(q, kv_cache, meta.ragged, scale, sinks, softcap)  # [T, H, D]
         return out.view(num_tokens, num_heads * head_dim)
+    extra = (bf16_dot, sinks, softcap)
     if len(meta.groups) == 1:
-        return _attend(q, kv_cache, meta.groups[0], scale, kernels, bf16_dot, sinks)
+        return _attend(q, kv_cache, meta.groups[0], scale, kernels, *extra)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         assert group.token_idx is not None
-        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels, bf16_dot, sinks)
+        out[group.token_idx] = _attend(q[group.token_idx], kv_cache, group, scale, kernels, *extra)
     return out
 
 
@@ -402,19 +404,20 @@ def _attend(
     kernels: TorchKernels,
     bf16_dot: bool = False,
     sinks: torch.Tensor | None = None,  # [H] float32
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [Tg, H * D]
     _, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs, max_q = group.num_seqs, group.max_query_len
     if max_q == 1 and kernels.reads_cache_in_place(head_dim):  # decode rows: read the cache in place
         out = kernels.paged_decode_attention(
-            q, kv_cache, group.block_table, group.context_lens, scale, group.window, sinks
+            q, kv_cache, group.block_table, group.context_lens, scale, group.window, sinks, softcap
         )  # [Bg, H, D]
         return out.view(num_seqs, num_heads * head_dim)
     if group.query_start is not None:  # multi-token rows, read in place too
         out = kernels.paged_prefill_attention(
             q, kv_cache, group.block_table, group.context_lens, group.query_start, scale, bf16_dot,
-            group.window, sinks,
+            group.window, sinks, softcap,
         )  # fmt: skip
         return out.view(-1, num_heads * head_dim)  # [Tg, H * D]
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
@@ -427,7 +430,9 @@ def _attend(
         queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         queries.index_copy_(0, group.query_scatter_idx, q)
         queries = queries.view(num_seqs, max_q, num_heads, head_dim)
-    if sinks is None:
+    if softcap > 0:
+        out = _soft_capped_attention(queries.transpose(1, 2), keys, values, group, scale, softcap)
+    elif sinks is None:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [Bg, H, max_q, D]
             keys,
@@ -443,6 +448,28 @@ def _attend(
     if group.query_scatter_idx is not None:
         out = out.index_select(0, group.query_scatter_idx)
     return out  # [Tg, H * D]
+
+
+def _soft_capped_attention(
+    queries: torch.Tensor,  # [Bg, H, max_q, D]
+    keys: torch.Tensor,  # [Bg, KVH, L, D]
+    values: torch.Tensor,  # [Bg, KVH, L, D]
+    group: AttentionGroup,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [Bg, H, max_q, D]
+    """Attention whose scores are soft-capped before the mask and softmax (Gemma 2): SDPA has no
+    such step, so the scores are computed here."""
+    heads, max_q, length = queries.shape[1], queries.shape[2], keys.shape[2]
+    keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # [Bg, H, L, D]
+    values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    scores = (queries @ keys.transpose(2, 3) * scale).div_(softcap).tanh_().mul_(softcap)  # [Bg, H, max_q, L]
+    allowed = group.attn_mask
+    if allowed is None:
+        allowed = torch.ones(max_q, length, dtype=torch.bool, device=queries.device)
+        allowed = allowed.tril(length - max_q) if group.is_causal else allowed
+    scores = scores.masked_fill(~allowed, -torch.inf)
+    return torch.softmax(scores, dim=-1) @ values
 
 
 def _sdpa_with_sinks(
@@ -548,5 +575,6 @@ class PagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sinks: torch.Tensor | None = None,  # [H] float32, each head's attention sink (gpt-oss)
+        softcap: float = 0.0,  # scores -> softcap * tanh(score / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [T, H * D]
-        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels, self.bf16_dot, sinks)
+        return paged_attention(q, kv, kv_cache, meta, scale, self.kernels, self.bf16_dot, sinks, softcap)

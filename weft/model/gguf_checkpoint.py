@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -116,7 +117,7 @@ _GPT_OSS_NAMES = {
 # llama.cpp's gpt-oss: every other layer slides (`set_swa_pattern(2)`), its SwiGLU clamped at 7
 GPT_OSS_SLIDING_PATTERN = 2
 # llama.cpp's converter stores Gemma's norms as (1 + w), their scale; Hugging Face's as w
-NORMS_PLUS_ONE = ("gemma3",)
+NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's Gemma 3: every 6th layer global, the others slide (`set_swa_pattern(6)`, not in the file)
 GEMMA3_SLIDING_PATTERN = 6
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope factors (Llama 3.1 rope scaling)
@@ -140,7 +141,9 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = {"gemma3": _SANDWICH_NAMES, "gpt-oss": _GPT_OSS_NAMES}.get(arch, _LAYER_NAMES)
+    names = {"gemma2": _SANDWICH_NAMES, "gemma3": _SANDWICH_NAMES, "gpt-oss": _GPT_OSS_NAMES}.get(
+        arch, _LAYER_NAMES
+    )
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or match[2] not in names:
         return None
@@ -249,8 +252,8 @@ class GgufCheckpoint:
             raw["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
         if self._key("attention.sliding_window"):
             raw["sliding_window"] = self._key("attention.sliding_window")
-        if self.arch == "gemma3":
-            raw.update(self._gemma3_keys())
+        if self.arch in ("gemma2", "gemma3"):
+            raw.update(self._gemma_keys())
         if self._key("expert_count"):
             raw.update(self._expert_keys())
         return raw
@@ -276,19 +279,28 @@ class GgufCheckpoint:
             keys["attention_bias"] = True
         return keys
 
-    def _gemma3_keys(self) -> dict[str, Any]:
-        """Gemma 3 as llama.cpp runs it: the sliding layers' rope base (10,000 unless the file says),
-        every 6th layer global, GeGLU, and the scores scaled by head_dim ** -0.5 (the 27B model's by
-        (hidden / heads) ** -0.5, as its `query_pre_attn_scalar`)."""
+    def _gemma_keys(self) -> dict[str, Any]:
+        """Gemma 2 and 3 as llama.cpp runs them: GeGLU, the scores scaled by head_dim ** -0.5 (the
+        27B models' by (hidden / heads) ** -0.5, as their `query_pre_attn_scalar`), Gemma 2's soft
+        caps and every other layer sliding, Gemma 3's every 6th layer global and its sliding layers'
+        rope base (10,000 unless the file says)."""
         heads, layers = self._key("attention.head_count"), self._key("block_count")
         head_dim = self._key("attention.key_length") or self._key("embedding_length") // heads
-        return {
-            "rope_local_base_freq": self._key("rope.freq_base_swa", 10000.0),
-            "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+        big = layers == (46 if self.arch == "gemma2" else 62)
+        keys: dict[str, Any] = {
             "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": self._key("embedding_length") // heads if layers == 62 else head_dim,
+            "query_pre_attn_scalar": self._key("embedding_length") // heads if big else head_dim,
             "final_logit_softcapping": self._key("final_logit_softcapping"),
         }
+        if self.arch == "gemma2":
+            keys["attn_logit_softcapping"] = self._key("attn_logit_softcapping")
+            keys["layer_types"] = [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ]
+            return keys
+        keys["rope_local_base_freq"] = self._key("rope.freq_base_swa", 10000.0)
+        keys["sliding_window_pattern"] = GEMMA3_SLIDING_PATTERN
+        return keys
 
     def model_config(self) -> ModelConfig:
         config = ModelConfig.from_dict(self.config_dict(), source=str(self.path))

@@ -11,7 +11,8 @@ gathered in `DecoderSpec`, and in values of their configuration:
   layers rotate by the tables of a rotary embedding of no dimensions, cos 1 and sin 0);
 - OLMo 2 normalises q and k over all heads at once, and normalises each branch's output before the
   residual add instead of its input (`PostNormLayer`);
-- Gemma 3 normalises each branch's input and output (`SandwichLayer`), with norms that scale by
+- Gemma 2 soft-caps its attention scores and logits (`ModelConfig.attn_logit_softcapping`, ...);
+- Gemma 3 (and 2) normalises each branch's input and output (`SandwichLayer`), with norms that scale by
   (1 + w) (the loader adds the 1), q/k norms per head, GeGLU (tanh GELU) instead of SwiGLU, the
   embedding times sqrt(hidden), and sliding-window layers (`ModelConfig.layer_window`) with a rotary
   embedding of their own base (`ModelConfig.sliding_rope`); any family may slide its attention
@@ -96,6 +97,7 @@ class Attention(nn.Module):
         # gpt-oss's sink logit per head, in every softmax's sum with no value (None: no sinks)
         sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.sinks = sinks if config.attention_sinks else None
+        self.softcap = config.attn_logit_softcapping or 0.0  # Gemma 2's soft-capped scores; 0: none
         self.reduce: Reduce = _alone  # tensor parallel: the output projection's sum over the ranks
 
     def forward(
@@ -115,7 +117,7 @@ class Attention(nn.Module):
         self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
         q = qkv[:, :num_q]  # [T, H, D]
         sinks = None if self.sinks is None else self.sinks.float()
-        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale, sinks)
+        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale, sinks, self.softcap)
         return self.reduce(self.o(out, rows))
 
     def _norm_qk(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:

@@ -25,6 +25,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GraniteForCausalLM": _LLAMA,  # its scales are values of the configuration
     "SmolLM3ForCausalLM": _LLAMA,  # its layers without rotary embedding too
     "Phi3ForCausalLM": _LLAMA,  # fused q|k|v and gate|up as weft fuses them; partial rotary, LongRoPE
+    "Gemma2ForCausalLM": Architecture(
+        LlamaForCausalLM, DecoderSpec(sandwich_norms=True, norms_plus_one=True)
+    ),
     "Gemma3ForCausalLM": Architecture(
         LlamaForCausalLM, DecoderSpec(qk_norm=True, sandwich_norms=True, norms_plus_one=True)
     ),

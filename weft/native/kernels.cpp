@@ -217,6 +217,7 @@ struct DecodeShape {
   int64_t q_seq_stride, q_head_stride, num_splits;
   int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
   const float* sinks;  // [H] each head's attention sink (gpt-oss): a logit in the softmax with no value; or null
+  float softcap;       // scores become softcap * tanh(score / softcap) (Gemma 2); 0: as they are
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
@@ -412,6 +413,9 @@ void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t 
   }
   for (int64_t h = 0; h < sh.num_heads; ++h) {  // the running softmax, once per head
     float* p = scores + h * chunk;
+    if (sh.softcap > 0.f) {
+      for (int64_t i = 0; i < n; ++i) p[i] = sh.softcap * std::tanh(p[i] / sh.softcap);
+    }
     const float new_max = std::max(part.m[h], max_of(p, n));
     const float rescale = exp_approx(part.m[h] - new_max);
     const float sum = exp_shifted(p, n, new_max);
@@ -546,7 +550,7 @@ void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int6
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t window,
-                                  const std::optional<at::Tensor>& sinks) {
+                                  const std::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(on_cpu({q, kv_cache, block_table, context_lens}),
               "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
@@ -576,6 +580,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.q_head_stride = q.stride(1);
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0 (0: no window)");
   sh.window = window;
+  TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none)");
+  sh.softcap = static_cast<float>(softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                     sinks->numel() == sh.num_heads,
@@ -1408,7 +1414,7 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 }
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t window) {
-  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt);
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt, 0.0);
 }
 
 }  // namespace weft
@@ -1420,7 +1426,7 @@ TORCH_LIBRARY(weft, m) {
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale, "
-      "int window=0, Tensor? sinks=None) -> Tensor");
+      "int window=0, Tensor? sinks=None, float softcap=0.0) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("top_by_value_then_index(Tensor x, int num_top) -> (Tensor, Tensor)");
   m.def("rank_of(Tensor x, Tensor ids) -> Tensor");

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -60,6 +61,7 @@ struct PrefillShape {
   int64_t q_token_stride, q_head_stride;
   int64_t window;  // keys a query sees, itself included (a sliding-window layer); 0: all of them
   const float* sinks;  // [H] each head's attention sink (gpt-oss): a logit in the softmax with no value; or null
+  float softcap;       // scores become softcap * tanh(score / softcap) (Gemma 2); 0: as they are
   float scale;
 };
 
@@ -182,6 +184,13 @@ __attribute__((always_inline)) inline void score_tile_pairs(const uint32_t* q, c
   }
   for (int i = 0; i < kRows; ++i)
     for (int j = 0; j < kKeyVecs; ++j) out[i][j] = acc[i][j];
+}
+
+// A tile's scores as c * tanh(score / c) (Gemma 2's attention soft-capping).
+inline void soft_capped(vecf (&acc)[kRows][kKeyVecs], float cap) {
+  for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKeyVecs; ++j)
+      for (int c = 0; c < kLanes; ++c) acc[i][j][c] = cap * std::tanh(acc[i][j][c] / cap);
 }
 
 // The running softmax of a row after one block of scores, keys kb0 .. kb0 + kKeys - 1 of which
@@ -344,6 +353,7 @@ void attend_item(const Item& it, const float* q, const float* cache, const int64
       } else {
         score_tile<kD>(qs + t0 * kD, s.kt.data(), acc);
       }
+      if (sh.softcap > 0.f) soft_capped(acc, sh.softcap);
       for (int i = 0; i < kRows; ++i) {
         const int64_t r = t0 + i, limit = first_pos + r / sh.group;
         const int64_t low = sh.window > 0 ? limit - sh.window + 1 : 0;
@@ -461,7 +471,8 @@ void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, co
 // the CPU has AVX512_BF16), float32 accumulation and softmax, as the linear layers' bf16_dot.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& context_lens, const at::Tensor& query_start, double scale,
-                                   bool bf16_dot, int64_t window, const std::optional<at::Tensor>& sinks) {
+                                   bool bf16_dot, int64_t window, const std::optional<at::Tensor>& sinks,
+                                   double softcap) {
   check_prefill_inputs(q, kv_cache, block_table, context_lens, query_start);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start.data_ptr<int64_t>();
@@ -479,6 +490,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.scale = static_cast<float>(scale);
   TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0 (0: no window)");
   sh.window = window;
+  TORCH_CHECK(softcap >= 0, "paged_prefill_attention: softcap must be >= 0 (0: none)");
+  sh.softcap = static_cast<float>(softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                     sinks->numel() == sh.num_heads,
@@ -504,7 +517,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "
-      "Tensor query_start, float scale, bool bf16_dot=False, int window=0, Tensor? sinks=None) -> Tensor");
+      "Tensor query_start, float scale, bool bf16_dot=False, int window=0, Tensor? sinks=None, "
+      "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
