@@ -35,6 +35,7 @@ import torch
 
 from weft.config import ConfigError, ModelConfig
 from weft.model.gguf_file import GgufFile
+from weft.model.mxfp4 import mxfp4_as_q5_0
 from weft.model.quantized import QuantizedRows, Weight
 
 GGUF_MAGIC = b"GGUF"
@@ -63,7 +64,9 @@ _GRANITE_SCALES = {
 # the file's metadata), as transformers' default `no_rope_layer_interval` does.
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # What Q8_0, Q4_K_M, Q4_0 and float files of these architectures hold.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+)  # fmt: skip
 # The types whose matrices run from their blocks on CPU (an embedding table: all but Q4_K;
 # weft/model/quantized.py).
 KEPT_IN_BLOCKS = {
@@ -75,6 +78,7 @@ KEPT_IN_BLOCKS = {
     "Q5_0": "q5_0",
     "Q4_1": "q4_1",
     "Q5_1": "q5_1",
+    "MXFP4": "q5_0",  # gpt-oss's experts, rewritten exactly as Q5_0 blocks (weft/model/mxfp4.py)
 }
 
 _GLOBAL_NAMES = {
@@ -198,7 +202,7 @@ class GgufCheckpoint:
     @property
     def quantized(self) -> bool:
         """Whether any matrix is stored quantized (runs from quantized panels where weft packs them)."""
-        return any(len(t.shape) == 2 and t.tensor_type.name in KEPT_IN_BLOCKS for t in self.reader.tensors)
+        return any(len(t.shape) >= 2 and t.tensor_type.name in KEPT_IN_BLOCKS for t in self.reader.tensors)
 
     def _key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{name}", default)
@@ -353,7 +357,7 @@ class GgufCheckpoint:
         dequantized to float32."""
         kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
         if kind:
-            rows = torch.from_numpy(np.asarray(tensor.data, dtype=np.uint8).copy())  # [E, out, bytes]
+            rows = torch.from_numpy(_block_bytes(tensor))  # [E, out, bytes]
             weights: list[Weight] = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
         else:
             weights = list(self.dequantized(tensor))  # [out, in] each
@@ -370,9 +374,14 @@ class GgufCheckpoint:
         values = np.ascontiguousarray(values, dtype=np.float32)
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
-    def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:  # copied off the mapping
-        rows = np.asarray(tensor.data, dtype=np.uint8)  # [rows, bytes per row]
-        return QuantizedRows(kind, torch.from_numpy(rows.copy()))
+    def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:
+        return QuantizedRows(kind, torch.from_numpy(_block_bytes(tensor)))  # [rows, bytes per row]
+
+
+def _block_bytes(tensor: Any) -> np.ndarray:
+    """A quantized tensor's rows of blocks, copied off the mapping (MXFP4's as Q5_0's)."""
+    rows = np.asarray(tensor.data, dtype=np.uint8)
+    return mxfp4_as_q5_0(rows) if tensor.tensor_type.name == "MXFP4" else rows.copy()
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]
