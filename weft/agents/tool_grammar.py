@@ -62,18 +62,7 @@ def tool_call_lark(
         raise ValueError("tool calls need at least one tool")
     lit = lambda text: lark_literal(text, special_tokens)  # noqa: E731
     trigger = fmt.trigger
-    rules = [f"tc_args_{i}: {lark_json(t.arguments_schema(mode))}" for i, t in enumerate(tools)]
-    calls = " | ".join(f"tc_call_{i}" for i in range(len(tools)))
-    rules += [
-        f"tc_call_{i}: {lit(fmt.call_prefix(t.name))} tc_args_{i} {lit(fmt.call_suffix)}"
-        for i, t in enumerate(tools)
-    ]
-    rules.append(f"tc_call: {calls}")
-    more = (
-        f" ({lit(fmt.separator)} tc_call)*"
-        if parallel and fmt.separator
-        else (" tc_call*" if parallel else "")
-    )
+    rules, more = _call_rules(fmt, tools, special_tokens, parallel, mode)
     closer = f" {lit(fmt.closer)}" if fmt.closer else ""
     # the calls written after the trigger: the first call's prefix without the trigger's text
     firsts = []
@@ -115,6 +104,23 @@ def forced_call_lark(
     if not tools:
         raise ValueError("tool calls need at least one tool")
     lit = lambda text: lark_literal(text, special_tokens) if text else ""  # noqa: E731
+    rules, more = _call_rules(fmt, tools, special_tokens, parallel, mode)
+    # (a space may come first: SentencePiece tokenizers start a reply's first word with one)
+    body = ['" "?', lit(fmt.opener), f"tc_call{more}", lit(fmt.closer)]
+    rules.append(f"{start}: {' '.join(part for part in body if part)}")
+    return "\n".join(rules) + "\n"
+
+
+def _call_rules(
+    fmt: ToolCallFormat,
+    tools: Sequence[ToolSpec],
+    special_tokens: Mapping[str, int],
+    parallel: bool,
+    mode: JsonSchemaMode,
+) -> tuple[list[str], str]:
+    """The rules of one call (`tc_call`: one of the tools, its arguments under its schema) and what
+    may follow a call (more calls, where `parallel` allows)."""
+    lit = lambda text: lark_literal(text, special_tokens)  # noqa: E731
     rules = [f"tc_args_{i}: {lark_json(t.arguments_schema(mode))}" for i, t in enumerate(tools)]
     rules += [
         f"tc_call_{i}: {lit(fmt.call_prefix(t.name))} tc_args_{i} {lit(fmt.call_suffix)}"
@@ -126,10 +132,7 @@ def forced_call_lark(
         if parallel and fmt.separator
         else (" tc_call*" if parallel else "")
     )
-    # (a space may come first: SentencePiece tokenizers start a reply's first word with one)
-    body = ['" "?', lit(fmt.opener), f"tc_call{more}", lit(fmt.closer)]
-    rules.append(f"{start}: {' '.join(part for part in body if part)}")
-    return "\n".join(rules) + "\n"
+    return rules, more
 
 
 def grammar_text(rules: str) -> str:

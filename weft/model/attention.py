@@ -460,16 +460,21 @@ def _soft_capped_attention(
 ) -> torch.Tensor:  # [Bg, H, max_q, D]
     """Attention whose scores are soft-capped before the mask and softmax (Gemma 2): SDPA has no
     such step, so the scores are computed here."""
-    heads, max_q, length = queries.shape[1], queries.shape[2], keys.shape[2]
+    heads = queries.shape[1]
     keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # [Bg, H, L, D]
     values = values.repeat_interleave(heads // values.shape[1], dim=1)
     scores = (queries @ keys.transpose(2, 3) * scale).div_(softcap).tanh_().mul_(softcap)  # [Bg, H, max_q, L]
-    allowed = group.attn_mask
-    if allowed is None:
-        allowed = torch.ones(max_q, length, dtype=torch.bool, device=queries.device)
-        allowed = allowed.tril(length - max_q) if group.is_causal else allowed
-    scores = scores.masked_fill(~allowed, -torch.inf)
+    scores = scores.masked_fill(~_allowed(group, queries.shape[2], keys.shape[2], queries.device), -torch.inf)
     return torch.softmax(scores, dim=-1) @ values
+
+
+def _allowed(group: AttentionGroup, max_q: int, length: int, device: torch.device) -> torch.Tensor:
+    """Which keys each query sees ([Bg, 1, max_q, L] or [max_q, L] bool): the group's mask, or
+    causal (equal fresh prompts) or all."""
+    if group.attn_mask is not None:
+        return group.attn_mask
+    allowed = torch.ones(max_q, length, dtype=torch.bool, device=device)
+    return allowed.tril(length - max_q) if group.is_causal else allowed
 
 
 def _sdpa_with_sinks(
@@ -484,11 +489,7 @@ def _sdpa_with_sinks(
     sets to the sink's logit."""
     num_seqs, num_heads, max_q, _ = queries.shape
     length = keys.shape[2]
-    allowed = group.attn_mask  # [Bg, 1, max_q, L] bool, or None
-    if allowed is None:
-        allowed = torch.ones(max_q, length, dtype=torch.bool, device=queries.device)
-        allowed = allowed.tril(length - max_q) if group.is_causal else allowed
-        allowed = allowed.expand(num_seqs, 1, max_q, length)
+    allowed = _allowed(group, max_q, length, queries.device).expand(num_seqs, 1, max_q, length)
     bias = torch.zeros(allowed.shape, dtype=queries.dtype, device=queries.device)
     bias = bias.masked_fill(~allowed, -torch.inf).expand(num_seqs, num_heads, max_q, length)
     sink_column = sinks.to(queries.dtype).view(1, num_heads, 1, 1).expand(num_seqs, num_heads, max_q, 1)

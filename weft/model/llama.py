@@ -12,7 +12,8 @@ gathered in `DecoderSpec`, and in values of their configuration:
 - OLMo 2 normalises q and k over all heads at once, and normalises each branch's output before the
   residual add instead of its input (`PostNormLayer`);
 - Gemma 2 soft-caps its attention scores and logits (`ModelConfig.attn_logit_softcapping`, ...);
-- Gemma 3 (and 2) normalises each branch's input and output (`SandwichLayer`), with norms that scale by
+- Gemma 3 (and 2) normalises each branch's input and output (`PostNormLayer` with
+  `DecoderSpec.sandwich_norms`), with norms that scale by
   (1 + w) (the loader adds the 1), q/k norms per head, GeGLU (tanh GELU) instead of SwiGLU, the
   embedding times sqrt(hidden), and sliding-window layers (`ModelConfig.layer_window`) with a rotary
   embedding of their own base (`ModelConfig.sliding_rope`); any family may slide its attention
@@ -68,7 +69,7 @@ class DecoderSpec:
     qk_norm: bool = False
     qk_norm_all_heads: bool = False  # q and k normalised as one vector of all their heads (OLMo 2)
     post_norms: bool = False  # each branch's output normalised before the residual add (OLMo 2)
-    sandwich_norms: bool = False  # a norm before and after each branch (Gemma: `SandwichLayer`)
+    sandwich_norms: bool = False  # a norm before and after each branch (Gemma: `PostNormLayer`'s)
     norms_plus_one: bool = False  # checkpoints store each norm's scale less 1 (Gemma: x * (1 + w))
 
 
@@ -229,42 +230,16 @@ class DecoderLayer(nn.Module):
 
 class PostNormLayer(nn.Module):
     """OLMo 2's layer: attention and MLP read the residual stream as it is, and each one's output is
-    normalised before it is added back (no norm before either)."""
-
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, index: int) -> None:
-        super().__init__()
-        kernels = backend.kernels
-        self.attn = Attention(config, spec, backend, config.layer_window(index))
-        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = MLP(config, kernels)
-        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
-        rope: RopeTables,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        rows: StepRows | None = None,
-    ) -> None:
-        x.add_(self.attn_out_norm(self.attn(x, rope, kv_cache, meta, rows)))
-        x.add_(self.mlp_out_norm(self.mlp(x, rows)))
-
-    def takes_pairs(self, num_tokens: int) -> bool:
-        return False  # its products read the residual stream, not a norm's output
-
-
-class SandwichLayer(nn.Module):
-    """Gemma's layer: a norm before and a norm after each of attention and MLP, the residual added
-    after the second."""
+    normalised before it is added back; Gemma's (`DecoderSpec.sandwich_norms`) normalises each
+    branch's input too, a norm before and a norm after each branch."""
 
     def __init__(self, config: ModelConfig, spec: DecoderSpec, backend: PagedAttention, index: int) -> None:
         super().__init__()
         kernels, h, eps = backend.kernels, config.hidden_size, config.rms_norm_eps
-        self.input_norm = RMSNorm(h, eps, kernels)
+        self.input_norm = RMSNorm(h, eps, kernels) if spec.sandwich_norms else None
         self.attn = Attention(config, spec, backend, config.layer_window(index))
         self.attn_out_norm = RMSNorm(h, eps, kernels)
-        self.mlp_norm = RMSNorm(h, eps, kernels)
+        self.mlp_norm = RMSNorm(h, eps, kernels) if spec.sandwich_norms else None
         self.mlp = MLP(config, kernels)
         self.mlp_out_norm = RMSNorm(h, eps, kernels)
 
@@ -276,11 +251,13 @@ class SandwichLayer(nn.Module):
         meta: AttentionMetadata,
         rows: StepRows | None = None,
     ) -> None:
-        x.add_(self.attn_out_norm(self.attn(self.input_norm(x), rope, kv_cache, meta, rows)))
-        x.add_(self.mlp_out_norm(self.mlp(self.mlp_norm(x), rows)))
+        branch_in = x if self.input_norm is None else self.input_norm(x)
+        x.add_(self.attn_out_norm(self.attn(branch_in, rope, kv_cache, meta, rows)))
+        branch_in = x if self.mlp_norm is None else self.mlp_norm(x)
+        x.add_(self.mlp_out_norm(self.mlp(branch_in, rows)))
 
     def takes_pairs(self, num_tokens: int) -> bool:
-        return False  # (its products read float norms' outputs)
+        return False  # its products read the residual stream or a norm's float output
 
 
 class LlamaForCausalLM(nn.Module):
@@ -301,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         window = max(config.layer_window(i) for i in range(config.num_layers))
         self.attention = PagedAttention(kernels, config.head_dim, group, config.num_heads, window)
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        layer = SandwichLayer if spec.sandwich_norms else PostNormLayer if spec.post_norms else DecoderLayer
+        layer = PostNormLayer if spec.post_norms or spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(layer(config, spec, self.attention, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # the rotary embeddings of the layers: the model's, and where some layers rotate otherwise
@@ -351,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
                 self._shape,
             )
             return self.norm(x)
-        if not isinstance(self.layers[0], DecoderLayer):  # PostNormLayer, SandwichLayer
+        if isinstance(self.layers[0], PostNormLayer):
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 layer(x, rope if ropes is None else ropes[i], kv_cache, meta, rows)
             return self.norm(x)
@@ -390,7 +367,7 @@ class LlamaForCausalLM(nn.Module):
     def _norms_write_pairs(self, num_tokens: int) -> bool:
         """Whether this step's norms write bfloat16 pairs for the products after them (every layer
         `takes_pairs`, checked at load; the MLP's chunking, per step)."""
-        first = cast(DecoderLayer | PostNormLayer | SandwichLayer, self.layers[0])
+        first = cast(DecoderLayer | PostNormLayer, self.layers[0])
         return self.norm_pairs and self.tp is None and first.mlp.takes_pairs(num_tokens)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, hidden]
@@ -437,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bf16_dot = bf16_dot and module.weight.dtype == torch.bfloat16
-        layers = cast(list[DecoderLayer | PostNormLayer | SandwichLayer], list(self.layers))
+        layers = cast(list[DecoderLayer | PostNormLayer], list(self.layers))
         self.norm_pairs = bf16_dot and all(layer.takes_pairs(1) for layer in layers)
 
     def quantized_matrices(self) -> dict[str, int]:

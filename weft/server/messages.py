@@ -28,7 +28,7 @@ from weft.outputs import CompletionOutput, RequestOutput
 from weft.server.chat import Chat
 from weft.server.engine_loop import RequestHandle
 from weft.server.protocol import ChatCompletionRequest, RequestError, Tool
-from weft.server.service import GenerationFailed, Service
+from weft.server.service import GenerationFailed, Service, only_completion
 
 
 class AnthropicErrorDetail(BaseModel):
@@ -327,13 +327,7 @@ class Messages:
         return {"input_tokens": len(self.service.tokenizer.encode(text, add_special_tokens=False))}
 
     async def respond(self, run: MessageRun) -> dict[str, Any]:
-        final: RequestOutput | None = None
-        async for output in run.handle.outputs():
-            final = output
-        assert final is not None
-        (c,) = final.outputs
-        if c.error is not None:
-            raise GenerationFailed(c.error)
+        final, c = await only_completion(run.handle)
         message = run.plan.message(c.text, finished=c.finish_reason == "stop")
         reason, sequence = stop_reason(c, bool(message.tool_calls))
         self.service.count(len(final.prompt_token_ids), len(c.token_ids))

@@ -23,7 +23,7 @@ from weft.server.engine_loop import RequestHandle, now
 from weft.server.protocol import RequestError
 from weft.server.responses_output import OutputEvents, conversation_message, output_items, seal
 from weft.server.responses_request import ResponsesRequest, renamed
-from weft.server.service import GenerationFailed, Service
+from weft.server.service import GenerationFailed, Service, only_completion
 
 
 class UnknownResponse(Exception):
@@ -111,13 +111,7 @@ class Responses:
         return ResponseRun(request, handle, plan, response_id, conversation, events=OutputEvents(sealed))
 
     async def respond(self, run: ResponseRun) -> dict[str, Any]:
-        final: RequestOutput | None = None
-        async for output in run.handle.outputs():
-            final = output
-        assert final is not None
-        (c,) = final.outputs
-        if c.error is not None:
-            raise GenerationFailed(c.error)
+        final, c = await only_completion(run.handle)
         complete = c.finish_reason != "length"
         message = run.plan.message(c.text, finished=c.finish_reason == "stop")
         items = output_items(message, complete)

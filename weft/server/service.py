@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from weft.agents.chat_tools import AgentFormats
 from weft.engine.engine import ContextOverflow
+from weft.outputs import CompletionOutput, RequestOutput
 from weft.params import SamplingParams
 from weft.schema_objects import JsonSchemaMode
 from weft.server.engine_loop import EngineLoop, RequestHandle
@@ -31,6 +32,19 @@ class UnknownModel(Exception):
 
 class GenerationFailed(Exception):
     """A request's generation failed in the engine (the message says why)."""
+
+
+async def only_completion(handle: RequestHandle) -> tuple[RequestOutput, CompletionOutput]:
+    """The final output of a request of one completion, and that completion; GenerationFailed
+    where it failed."""
+    final: RequestOutput | None = None
+    async for output in handle.outputs():
+        final = output
+    assert final is not None
+    (completion,) = final.outputs
+    if completion.error is not None:
+        raise GenerationFailed(completion.error)
+    return final, completion
 
 
 class Service:
