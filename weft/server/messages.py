@@ -116,7 +116,7 @@ class MessagesRequest(BaseModel):
             tool_choice=_tool_choice(choice) if tools else None,
             parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
             chat_template_kwargs=self._template_kwargs(),
-            thinking_budget=(self.thinking or {}).get("budget_tokens"),
+            max_reasoning_tokens=(self.thinking or {}).get("budget_tokens"),
         )
 
     def _template_kwargs(self) -> dict[str, Any] | None:

@@ -263,12 +263,12 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     # the thinking section's budget in tokens (weft's), or OpenAI's effort for one (`EFFORT_BUDGETS`)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
-    thinking_budget: int | None = Field(default=None, ge=0)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
 
     def thinking_budget_tokens(self) -> int | None:
         """The most tokens the reply's thinking section may take (None: no limit)."""
-        if self.thinking_budget is not None:
-            return self.thinking_budget
+        if self.max_reasoning_tokens is not None:
+            return self.max_reasoning_tokens
         return None if self.reasoning_effort is None else EFFORT_BUDGETS[self.reasoning_effort]
 
     def sampling_params(
