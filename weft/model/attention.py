@@ -155,9 +155,11 @@ def build_attention_metadata(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
         decode_in_place,
     )  # fmt: skip
-    rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
-    short = _tokenwise_rows(q_lens, ctx_lens, *rules)  # (decode only: every row is one query already)
-    short[list(tokenwise_rows)] = True
+    short = None  # decode only: every row is one query already
+    if num_tokens > len(query_lens):
+        rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
+        short = _tokenwise_rows(q_lens, ctx_lens, *rules)
+        short[list(tokenwise_rows)] = True
     slots = put(slot_mapping)
     sliding = None
     if window > 0:
@@ -196,10 +198,11 @@ def _tokenwise_rows(
     return short
 
 
-def _split_groups(shape: _StepShape, short: np.ndarray, put: Upload) -> tuple[AttentionGroup, ...]:
+def _split_groups(shape: _StepShape, short: np.ndarray | None, put: Upload) -> tuple[AttentionGroup, ...]:
     """The groups of a step with multi-token rows: the `short` rows ([B] bool) token by token as
-    single queries, the others as they are; one group where all rows are of one kind."""
-    if len(shape.q_list) == len(shape.seq_idx):  # decode only: every row is one query already
+    single queries, the others as they are; one group where all rows are of one kind (or, with
+    `short` None, a decode-only step's rows)."""
+    if short is None:
         return (_group(shape, None, None, put),)
     short_rows = np.flatnonzero(short).tolist()
     if not short_rows:
