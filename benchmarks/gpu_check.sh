@@ -45,7 +45,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log it, note it i
 } >"$report" 2>&1
 
 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_triton_quant.py \
-    tests/test_graphs.py tests/test_step_uploads.py tests/test_model_parity.py \
+    tests/test_graphs.py tests/test_step_uploads.py tests/test_model_parity.py tests/test_sliding_window.py \
     tests/test_gguf.py::test_triton_kernels_multiply_the_blocks_as_the_file_stores_them
 step throughput-bf16 100 python3 -m weft bench throughput --device cuda --config "$CONFIG" --dtype bfloat16 \
     --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1

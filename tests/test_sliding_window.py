@@ -71,6 +71,15 @@ def _reference(q, kv, cache, tables, query_lens, context_lens, window, scale, si
     return torch.stack(out)
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Triton's: its interpreter off CUDA
+
+
+def _triton_step(query_lens, context_lens, seed):
+    """`_step` for the Triton kernels: the tensors on their device, the block tables as lists."""
+    q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=seed)
+    return q.to(DEVICE), kv.to(DEVICE), cache.to(DEVICE), tables
+
+
 STEPS = [  # (query_lens, context_lens): decode rows, short rows, prompt chunks and whole prompts
     ([1, 1, 1], [3, 17, 70]),
     ([1, 3, 8, 20, 1, 40], [9, 12, 8, 29, 70, 100]),
@@ -89,10 +98,14 @@ def test_windowed_attention_matches_the_reference(name, kernels, window, steps):
         backend = PagedAttention(kernels, head_dim, heads[0] // heads[1], heads[0], window)
         meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
         out = backend(q, kv, cache, meta.windowed(window), head_dim**-0.5)
-        expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, head_dim**-0.5)
+        expected = _reference(
+            q.cpu(), kv.cpu(), cache.cpu(), tables, query_lens, context_lens, window, head_dim**-0.5
+        )
         torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
         full = backend(q, kv, cache.clone(), meta, head_dim**-0.5)  # the same step's global layers
-        expected = _reference(q, kv, cache, tables, query_lens, context_lens, 0, head_dim**-0.5)
+        expected = _reference(
+            q.cpu(), kv.cpu(), cache.cpu(), tables, query_lens, context_lens, 0, head_dim**-0.5
+        )
         torch.testing.assert_close(full.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
 
 
@@ -111,16 +124,16 @@ def test_triton_ragged_and_split_decode_keep_to_the_window(window):
     from weft.cuda.kernels import TRITON_KERNELS
 
     for query_lens, context_lens in (STEPS[1], ([1], [100])):
-        q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=window)
-        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, q.device, 1, True)
+        q, kv, cache, tables = _triton_step(query_lens, context_lens, seed=window)
+        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, DEVICE, 1, True)
         out = paged_attention(q, kv, cache.clone(), meta.windowed(window), 0.25, TRITON_KERNELS)
-        expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, 0.25)
-        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        expected = _reference(q.cpu(), kv.cpu(), cache.cpu(), tables, query_lens, context_lens, window, 0.25)
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
     written = cache.clone()
     TORCH_KERNELS.write_kv_(written, kv, meta.slot_mapping)  # the step's keys and values
     assert meta.ragged is not None
     split = split_decode_attention(q, written, meta.windowed(window).ragged, 0.25, splits=4)
-    torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(split.flatten(1).double().cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_scoring_tree_keeps_sliding_layers_to_the_window():
@@ -144,7 +157,9 @@ def test_attention_sinks_match_the_reference(name, kernels, window, steps):
     backend = PagedAttention(kernels, 32, 2, 4, window)
     meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
     out = backend(q, kv, cache, meta.windowed(window), 32**-0.5, sinks)
-    expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, 32**-0.5, sinks)
+    expected = _reference(
+        q.cpu(), kv.cpu(), cache.cpu(), tables, query_lens, context_lens, window, 32**-0.5, sinks
+    )
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
 
 
@@ -154,17 +169,19 @@ def test_triton_attention_sinks_match_the_reference(window):
     from weft.cuda.attention import split_decode_attention
     from weft.cuda.kernels import TRITON_KERNELS
 
-    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], device=DEVICE)
     for query_lens, context_lens in (STEPS[1], ([1], [100])):
-        q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=window)
-        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, q.device, 1, True)
+        q, kv, cache, tables = _triton_step(query_lens, context_lens, seed=window)
+        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, DEVICE, 1, True)
         out = paged_attention(q, kv, cache.clone(), meta.windowed(window), 0.25, TRITON_KERNELS, sinks=sinks)
-        expected = _reference(q, kv, cache, tables, query_lens, context_lens, window, 0.25, sinks)
-        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        expected = _reference(
+            q.cpu(), kv.cpu(), cache.cpu(), tables, query_lens, context_lens, window, 0.25, sinks.cpu()
+        )
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
     TORCH_KERNELS.write_kv_(cache, kv, meta.slot_mapping)
     assert meta.ragged is not None
     split = split_decode_attention(q, cache, meta.windowed(window).ragged, 0.25, 4, sinks)
-    torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(split.flatten(1).double().cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name,kernels", [("sdpa", TORCH_KERNELS), ("native", NATIVE_CPU_KERNELS)])
@@ -177,7 +194,9 @@ def test_soft_capped_scores_match_the_reference(name, kernels, window, steps):
     backend = PagedAttention(kernels, 32, 2, 4, window)
     meta, _ = backend.build_metadata(query_lens, context_lens, tables, 16, q.device)
     out = backend(q * 3, kv, cache, meta.windowed(window), 32**-0.5, softcap=2.0)
-    expected = _reference(q * 3, kv, cache, tables, query_lens, context_lens, window, 32**-0.5, softcap=2.0)
+    expected = _reference(
+        q.cpu() * 3, kv.cpu(), cache.cpu(), tables, query_lens, context_lens, window, 32**-0.5, softcap=2.0
+    )
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5, msg=name)
     plain = _reference(q * 3, kv, cache, tables, query_lens, context_lens, window, 32**-0.5)
     assert not torch.allclose(plain, expected, atol=1e-3)  # (the cap does change them)
@@ -189,12 +208,14 @@ def test_triton_soft_capped_scores_match_the_reference():
     from weft.cuda.kernels import TRITON_KERNELS
 
     for query_lens, context_lens in (STEPS[1], ([1], [100])):
-        q, kv, cache, tables = _step(query_lens, context_lens, (4, 2), 16, 16, seed=3)
-        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, q.device, 1, True)
+        q, kv, cache, tables = _triton_step(query_lens, context_lens, seed=3)
+        meta, _ = build_attention_metadata(query_lens, context_lens, tables, 16, DEVICE, 1, True)
         out = paged_attention(q * 3, kv, cache.clone(), meta.windowed(6), 0.25, TRITON_KERNELS, softcap=2.0)
-        expected = _reference(q * 3, kv, cache, tables, query_lens, context_lens, 6, 0.25, softcap=2.0)
-        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        expected = _reference(
+            q.cpu() * 3, kv.cpu(), cache.cpu(), tables, query_lens, context_lens, 6, 0.25, softcap=2.0
+        )
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
     TORCH_KERNELS.write_kv_(cache, kv, meta.slot_mapping)
     assert meta.ragged is not None
     split = split_decode_attention(q * 3, cache, meta.windowed(6).ragged, 0.25, 4, softcap=2.0)
-    torch.testing.assert_close(split.flatten(1).double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(split.flatten(1).double().cpu(), expected, rtol=1e-4, atol=1e-4)
