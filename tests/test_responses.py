@@ -478,6 +478,21 @@ def test_reasoning_is_an_item_before_the_answer_whole_and_streamed(thinking, spe
     assert added == ["reasoning", "message"]
 
 
+def test_chat_usage_counts_the_reasoning_tokens(thinking):
+    """Chat completions report the thinking section's tokens in usage, as OpenAI's
+    `completion_tokens_details.reasoning_tokens` (the reasoning text, tokenized again)."""
+    reply = thinking.client().chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Is it ok?"}],
+        max_tokens=60,
+        seed=0,
+        extra_body={"logit_bias": {"522": 100, "26865": 100, "29": 100}},  # the section ends soon
+    )
+    reasoning = reply.choices[0].message.model_extra["reasoning_content"]
+    details = reply.usage.completion_tokens_details
+    assert reasoning and details is not None and 0 < details.reasoning_tokens <= reply.usage.completion_tokens
+
+
 def test_sealed_reasoning_comes_back_on_the_next_turn(thinking, spec):
     """`include: ["reasoning.encrypted_content"]` with `store: false` (Codex CLI's way): reasoning
     items carry the thinking as opaque `encrypted_content`, whole and streamed; handed back with

@@ -36,7 +36,7 @@ class ChunkWriter:
         return f'{self._head}], "usage": {json.dumps(usage(prompt_tokens, completion_tokens))}}}\n\n'
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -98,11 +98,15 @@ class Chat:
         async for output in handle.outputs():
             final = output
         assert final is not None
-        choices = []
+        choices, reasoning_tokens = [], 0
         for c in final.outputs:
             if c.error is not None:
                 raise GenerationFailed(c.error)
             message = plan.message(c.text, finished=c.finish_reason == "stop")
+            if message.reasoning_content:  # (the reasoning's text, tokenized again, as Responses counts it)
+                reasoning_tokens += len(
+                    self.service.tokenizer.encode(message.reasoning_content, add_special_tokens=False)
+                )
             reason = "tool_calls" if message.tool_calls else finish_reason(c)
             choice = {
                 "index": c.index,
@@ -115,13 +119,16 @@ class Chat:
             choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         self.service.count(len(final.prompt_token_ids), completion_tokens)
+        counts = usage(len(final.prompt_token_ids), completion_tokens)
+        if plan.reasoning is not None:
+            counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         body_out = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
             "model": self.service.model_name,
             "choices": choices,
-            "usage": usage(len(final.prompt_token_ids), completion_tokens),
+            "usage": counts,
         }
         if final.smc is not None:
             body_out["smc"] = smc_runs(final)

@@ -17,6 +17,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # where the reply has a thinking section: {"reasoning_tokens": n} (chat completions)
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class CompletionLogprobs(BaseModel):
