@@ -64,6 +64,16 @@ def weft_logprobs(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     return result
 
 
+def assert_generated_positions_match(reference, prompt: list[int], completion, vocab: int) -> None:
+    """Every generated position's distribution (all `vocab` logprobs) is the reference's after the
+    prompt and the tokens generated before it."""
+    for i, position in enumerate(completion.logprobs):
+        actual = torch.full((vocab,), float("nan"))
+        for token_id, lp in position.items():
+            actual[token_id] = lp.logprob
+        assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     # Relative tolerance 1e-4 on values of order 1-10, plus a small absolute floor.
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
@@ -120,12 +130,7 @@ def test_logits_match_in_mixed_decode_and_prefill_steps(checkpoint_factory):
         PROMPTS, SamplingParams(max_tokens=4, temperature=0, logprobs=vocab), use_tqdm=False
     )
     for prompt, out in zip(PROMPTS, outputs, strict=True):
-        completion = out.outputs[0]
-        for i, position in enumerate(completion.logprobs):
-            actual = torch.full((vocab,), float("nan"))
-            for token_id, lp in position.items():
-                actual[token_id] = lp.logprob
-            assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))
+        assert_generated_positions_match(reference, prompt, out.outputs[0], vocab)
 
 
 def test_logits_match_for_equal_length_fresh_prompts(checkpoint_factory):
@@ -180,12 +185,7 @@ def test_sliding_windows_match_transformers_past_the_window(checkpoint_factory, 
     vocab = llm.config.model.vocab_size
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=vocab, ignore_eos=True)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False), strict=True):
-        completion = out.outputs[0]
-        for i, position in enumerate(completion.logprobs):
-            actual = torch.full((vocab,), float("nan"))
-            for token_id, lp in position.items():
-                actual[token_id] = lp.logprob
-            assert_close(actual, reference_logprobs(reference, prompt + completion.token_ids[:i]))
+        assert_generated_positions_match(reference, prompt, out.outputs[0], vocab)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     (out,) = parity_llm(path).generate([PROMPTS[0]], greedy, use_tqdm=False)
     with torch.no_grad():
