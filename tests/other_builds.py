@@ -40,6 +40,7 @@ CHILD_TESTS = [
     ),
     ("q8_0", "test_quant.py"),
     ("", "test_qdot.py"),
+    ("native", "test_sliding_window.py"),  # windows, sinks and soft caps in the attention kernels
 ]
 
 

@@ -114,6 +114,9 @@ def test_windowed_metadata_is_refused_where_it_was_not_built():
     assert meta.windowed(0) is meta
     with pytest.raises(ValueError, match="without the window 4"):
         meta.windowed(4)
+    ragged, _ = build_attention_metadata([1], [5], [[1]], 16, torch.device("cpu"), 1, True, window=4)
+    assert ragged.windowed(4) is ragged.sliding and ragged.sliding.ragged.window == 4  # built once a step
+    assert ragged.windowed(2).ragged.window == 2  # (a CUDA graph's metadata: derived)
 
 
 @pytest.mark.parametrize("window", [1, 6, 40])

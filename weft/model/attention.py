@@ -67,18 +67,22 @@ class AttentionMetadata:
     groups: tuple[AttentionGroup, ...]  # one or two; none when `ragged` is set
     ragged: RaggedBatch | None = None  # the whole step for `ragged_paged_attention`
     # the same step for the model's sliding-window layers (groups whose masks and kernels keep to
-    # the window); None where the model has none, or the step is `ragged` (the window is a number)
+    # the window, or the ragged batch with its window); None where the model has none
     sliding: AttentionMetadata | None = None
 
     def windowed(self, window: int) -> AttentionMetadata:
         """The metadata a layer attending over the last `window` keys uses (0: this one)."""
         if window == 0:
             return self
-        if self.ragged is not None:
+        if self.sliding is not None and self._window_of(self.sliding) == window:
+            return self.sliding
+        if self.ragged is not None:  # (a CUDA graph's metadata, built without it: the window is a number)
             return AttentionMetadata(self.slot_mapping, (), replace(self.ragged, window=window))
-        if self.sliding is None or self.sliding.groups[0].window != window:
-            raise ValueError(f"this step's attention metadata was built without the window {window}")
-        return self.sliding
+        raise ValueError(f"this step's attention metadata was built without the window {window}")
+
+    @staticmethod
+    def _window_of(meta: AttentionMetadata) -> int:
+        return meta.ragged.window if meta.ragged is not None else meta.groups[0].window
 
     @property
     def decode_group(self) -> AttentionGroup | None:
@@ -149,8 +153,9 @@ def build_attention_metadata(
     seq_idx, positions = _token_positions(q_lens, ctx_lens, num_tokens)  # [T] each
     slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
     if ragged:
-        batch = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put)
-        return AttentionMetadata(put(slot_mapping), (), batch), put(positions)
+        batch, slots = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put), put(slot_mapping)
+        sliding = AttentionMetadata(slots, (), replace(batch, window=window)) if window > 0 else None
+        return AttentionMetadata(slots, (), batch, sliding), put(positions)
     shape = _StepShape(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
         decode_in_place,
@@ -433,9 +438,9 @@ def _attend(
         queries = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         queries.index_copy_(0, group.query_scatter_idx, q)
         queries = queries.view(num_seqs, max_q, num_heads, head_dim)
-    if softcap > 0:
-        out = _soft_capped_attention(queries.transpose(1, 2), keys, values, group, scale, softcap)
-    elif sinks is None:
+    if softcap > 0 or sinks is not None:
+        out = _attention_in_torch(queries.transpose(1, 2), keys, values, group, scale, sinks, softcap)
+    else:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [Bg, H, max_q, D]
             keys,
@@ -445,30 +450,35 @@ def _attend(
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )  # [Bg, H, max_q, D]
-    else:
-        out = _sdpa_with_sinks(queries.transpose(1, 2), keys, values, group, scale, sinks)
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads * head_dim)
     if group.query_scatter_idx is not None:
         out = out.index_select(0, group.query_scatter_idx)
     return out  # [Tg, H * D]
 
 
-def _soft_capped_attention(
+def _attention_in_torch(
     queries: torch.Tensor,  # [Bg, H, max_q, D]
     keys: torch.Tensor,  # [Bg, KVH, L, D]
     values: torch.Tensor,  # [Bg, KVH, L, D]
     group: AttentionGroup,
     scale: float,
+    sinks: torch.Tensor | None,  # [H] float32
     softcap: float,
 ) -> torch.Tensor:  # [Bg, H, max_q, D]
-    """Attention whose scores are soft-capped before the mask and softmax (Gemma 2): SDPA has no
-    such step, so the scores are computed here."""
-    heads = queries.shape[1]
+    """Attention with the steps SDPA has not: scores soft-capped before the mask (Gemma 2), each
+    head's sink logit in the softmax's sum with no value (gpt-oss)."""
+    num_seqs, heads, max_q, _ = queries.shape
     keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # [Bg, H, L, D]
     values = values.repeat_interleave(heads // values.shape[1], dim=1)
-    scores = (queries @ keys.transpose(2, 3) * scale).div_(softcap).tanh_().mul_(softcap)  # [Bg, H, max_q, L]
-    scores = scores.masked_fill(~_allowed(group, queries.shape[2], keys.shape[2], queries.device), -torch.inf)
-    return torch.softmax(scores, dim=-1) @ values
+    scores = queries @ keys.transpose(2, 3) * scale  # [Bg, H, max_q, L]
+    if softcap > 0:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill(~_allowed(group, max_q, keys.shape[2], queries.device), -torch.inf)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ values
+    sink_column = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(num_seqs, heads, max_q, 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]  # (the sink's dropped)
+    return probs @ values
 
 
 def _allowed(group: AttentionGroup, max_q: int, length: int, device: torch.device) -> torch.Tensor:
@@ -478,34 +488,6 @@ def _allowed(group: AttentionGroup, max_q: int, length: int, device: torch.devic
         return group.attn_mask
     allowed = torch.ones(max_q, length, dtype=torch.bool, device=device)
     return allowed.tril(length - max_q) if group.is_causal else allowed
-
-
-def _sdpa_with_sinks(
-    queries: torch.Tensor,  # [Bg, H, max_q, D]
-    keys: torch.Tensor,  # [Bg, KVH, L, D]
-    values: torch.Tensor,  # [Bg, KVH, L, D]
-    group: AttentionGroup,
-    scale: float,
-    sinks: torch.Tensor,  # [H] float32
-) -> torch.Tensor:  # [Bg, H, max_q, D]
-    """SDPA with each head's sink as one more key: a key and value of zeros whose score the mask
-    sets to the sink's logit."""
-    num_seqs, num_heads, max_q, _ = queries.shape
-    length = keys.shape[2]
-    allowed = _allowed(group, max_q, length, queries.device).expand(num_seqs, 1, max_q, length)
-    bias = torch.zeros(allowed.shape, dtype=queries.dtype, device=queries.device)
-    bias = bias.masked_fill(~allowed, -torch.inf).expand(num_seqs, num_heads, max_q, length)
-    sink_column = sinks.to(queries.dtype).view(1, num_heads, 1, 1).expand(num_seqs, num_heads, max_q, 1)
-    bias = torch.cat([bias, sink_column], dim=-1)  # [Bg, H, max_q, L + 1]
-    zeros = keys.new_zeros(num_seqs, keys.shape[1], 1, keys.shape[3])
-    return F.scaled_dot_product_attention(
-        queries,
-        torch.cat([keys, zeros], dim=2),
-        torch.cat([values, zeros], dim=2),
-        attn_mask=bias,
-        scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
 
 
 class PagedAttention:
