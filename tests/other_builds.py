@@ -40,6 +40,7 @@ CHILD_TESTS = [
     ),
     ("q8_0", "test_quant.py"),
     ("", "test_qdot.py"),
+    ("", "test_quant_types.py"),  # Q2_K's products, Q3_K / IQ4 rewrites
     ("native", "test_sliding_window.py"),  # windows, sinks and soft caps in the attention kernels
 ]
 

@@ -28,6 +28,7 @@ RANDOM = {
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
+BLOCK_BYTES |= {("q2_k", True): 7296}
 SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1")  # blocks of 32 features: activations too
 
 

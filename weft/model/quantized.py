@@ -1,4 +1,5 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K and Q6_K) on their way
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K and Q6_K;
+Q3_K, IQ4_NL and IQ4_XS come rewritten as Q6_K and Q8_0 by weft/model/gguf_checkpoint.py) on their way
 from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in `qdot.cpp`
 with int8 activations, or exactly in `linear.cpp`).
 
@@ -26,9 +27,10 @@ from weft.kernels import GGUF_BLOCKS, BlockPart
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
-# Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits): dot panels
-# of their own (Q5_K: the Q6_K layout with mins), and for float32 products the exact dequantization.
-NO_EXACT_PANELS = ("q4_1", "q5_1", "q5_k")
+# Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits, Q2_K's mins
+# per 16): dot panels of their own (Q2_K, Q5_K: the Q6_K layout with mins), and for float32 products
+# the exact dequantization.
+NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +55,9 @@ class QuantizedRows:
     def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
         """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
         (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
-        exact panels of their own: they go into Q8_0's, exactly. Q4_1, Q5_1 and Q5_K have none at
+        exact panels of their own: they go into Q8_0's, exactly. Q4_1, Q5_1, Q2_K and Q5_K have none at
         all (`exact_panels`): for float32 products the loader dequantizes them. Q5_K's dot panels
-        are always the Q6_K layout with mins."""
+        and Q2_K's are always the Q6_K layout with mins."""
         if not dot and self.kind in LEGACY:
             return as_q8_0(self).pack()
         if not dot and not self.exact_panels:
@@ -79,7 +81,7 @@ class QuantizedRows:
 
 @dataclass(frozen=True, slots=True)
 class MixedRows:
-    """A fused matrix whose parts are Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
+    """A fused matrix whose parts are Q2_K, Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
 
     parts: tuple[QuantizedRows, ...]
 
@@ -169,7 +171,7 @@ def cat_rows(parts: list[Weight]) -> Weight:
     return torch.cat([dequantized(p) for p in parts])
 
 
-MIXABLE = ("q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
+MIXABLE = ("q2_k", "q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
 PANEL = 32  # output columns per panel (weft/native/panels.h)
 
 __all__ = [

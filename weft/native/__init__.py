@@ -37,7 +37,7 @@ from weft.config import NativeConfig
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp", "prefill_attention.cpp")
+    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp", "prefill_attention.cpp", "rewrite.cpp")
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h", "vmath.h")]
 _NAME = "weft_kernels"

@@ -46,6 +46,11 @@ constexpr int64_t kQ6KFileBlockBytes = 210;
 // mins (below), which holds it exactly at 7.1 bits a weight (the file: 5.5); no exact panels.
 constexpr int64_t kQ5KFileBlockBytes = 176;
 
+// Q2_K (GGUF's 2-bit k-quant): super-blocks of 256 with d and dmin, a 4-bit scale and min per
+// sub-block of 16 and q 0..3. Its dot panels are the Q6_K layout with mins, which holds it exactly
+// (7.1 bits a weight; the file: 2.6); no exact panels.
+constexpr int64_t kQ2KFileBlockBytes = 84;
+
 // Dot panels (int8 tensors; qdot.cpp multiplies them by activations quantized to int8): the same
 // blocks laid out for byte dot products (vpdpbusd, or vpmaddubsw + vpmaddwd), each 32-bit lane one
 // column and its 4 consecutive input features. Features go in groups of 4; a group's quants are

@@ -91,6 +91,26 @@ KBlock decode_q5_k(const uint8_t* file_block) {
   return b;
 }
 
+// A Q2_K super-block (file layout: scales[16], qs[64], d, dmin): per sub-block of 16 a 4-bit scale
+// (low nibble) and min (high), q 0..3 at bits 2 j of qs[32 n + l] for feature 128 n + 32 j + l:
+// each weight d * sc * q - dmin * m, which the Q6_K dot layout with mins holds exactly.
+KBlock decode_q2_k(const uint8_t* file_block) {
+  KBlock b{};
+  const uint8_t *scales = file_block, *qs = file_block + 16;
+  std::memcpy(&b.d, file_block + 80, 2);
+  std::memcpy(&b.dmin, file_block + 82, 2);
+  for (int64_t s = 0; s < kQ6KSubBlocks; ++s) {
+    b.sc[s] = static_cast<int8_t>(scales[s] & 0xF);
+    b.m[s] = static_cast<int8_t>(scales[s] >> 4);
+  }
+  for (int64_t n = 0; n < 2; ++n) {
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int64_t l = 0; l < 32; ++l) b.q[128 * n + 32 * j + l] = (qs[32 * n + l] >> (2 * j)) & 3;
+    }
+  }
+  return b;
+}
+
 // A Q6_K super-block (file layout: ql[128], qh[64], scales[16], d): q + 32 (0..63), int8 sc, and
 // dmin = 32 d, m = sc, so that d * sc * (q + 32) - dmin * m = d * sc * q.
 KBlock decode_q6_k(const uint8_t* file_block) {
@@ -491,9 +511,9 @@ void pack_q6_k_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
-// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q4_k", "q5_k", "q6_k") into dot panels (int8;
-// panels.h); with `mins` (Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion that mixes
-// them); Q5_K always goes into that layout.
+// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q2_k", "q4_k", "q5_k", "q6_k") into dot panels
+// (int8; panels.h); with `mins` (Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion that mixes
+// them); Q2_K and Q5_K always go into that layout.
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
   if (kind == "q8_0" && !mins) {
@@ -522,11 +542,15 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q5_k>,
                              message, at::kChar);
   }
+  if (kind == "q2_k") {  // likewise
+    return pack_panel_blocks(rows, kQ2KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q2_k>,
+                             message, at::kChar);
+  }
   if (kind == "q4_k") {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q4_k>,
                              message, at::kChar);
   }
-  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k, q5_k or q6_k (mins: q4_k, q5_k or q6_k), not ", kind);
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q4_k, q5_k or q6_k (mins: q2_k, q4_k, q5_k or q6_k), not ", kind);
   if (mins) {
     return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q6_k>,
                              message, at::kChar);

@@ -1,0 +1,137 @@
+// GGUF types that weft multiplies as another type's blocks, rewritten once at load (quant.cpp then
+// packs the rewritten rows like any other of that type):
+//
+//   Q3_K   -> Q6_K, exactly: a Q3_K weight is d * (sc - 32) * q with q in -4..3 and a 6-bit sc per
+//             sub-block of 16, which is Q6_K's d * sc' * q' (q' in -32..31, int8 sc') for the same d
+//             (6.6 bits a weight instead of 3.4; the dequantization is bit-identical).
+//   IQ4_NL -> Q8_0, exactly: d * kvalues[q] per block of 32, kvalues int8 (8.5 bits instead of 4.5).
+//   IQ4_XS -> Q8_0 with each sub-block's scale d * (ls - 32) rounded to float16 (at most 2^-11 of it
+//             where it is a normal float16, against the 2^-8 of the int8 activations of a dot product;
+//             8.5 bits instead of 4.25). Exact float32 products dequantize the file's blocks instead.
+//
+// The layouts are llama.cpp's (ggml-common.h): block_q3_K {hmask[32], qs[64], scales[12], d},
+// block_q6_K {ql[128], qh[64], scales[16], d}, block_iq4_nl {d, qs[16]}, block_iq4_xs {d,
+// scales_h, scales_l[4], qs[128]}.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace weft {
+
+namespace {
+
+constexpr int64_t kSuper = 256;  // features per k-quant super-block
+constexpr int64_t kQ3KBytes = 110, kQ6KBytes = 210, kIq4NlBytes = 18, kIq4XsBytes = 136, kQ8Bytes = 34;
+
+// llama.cpp's kvalues_iq4nl: the 16 levels of a 4-bit IQ4 quant
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Q6_K's block from its 256 quants q (-32..31), 16 int8 scales and float16 d (bits): feature
+// 128 h + 32 r + l (r 0..3, l < 32) in the low (r 0, 1) or high (r 2, 3) nibble of ql[64 h + l + 32 (r % 2)]
+// and its top two bits at bits 2 r of qh[32 h + l] (llama.cpp's dequantize_row_q6_K, reversed).
+void encode_q6_k(const int8_t* q, const int8_t* scales, uint16_t d, uint8_t* out) {
+  uint8_t *ql = out, *qh = out + 128;
+  std::memset(out, 0, kQ6KBytes);
+  for (int64_t f = 0; f < kSuper; ++f) {
+    const int64_t h = f / 128, r = (f % 128) / 32, l = f % 32;
+    const auto v = static_cast<uint8_t>(q[f] + 32);  // 0..63
+    ql[64 * h + l + 32 * (r % 2)] |= static_cast<uint8_t>((v & 0xF) << (4 * (r / 2)));
+    qh[32 * h + l] |= static_cast<uint8_t>((v >> 4) << (2 * r));
+  }
+  std::memcpy(out + 192, scales, 16);
+  std::memcpy(out + 208, &d, 2);
+}
+
+// A Q3_K block as Q6_K: scale j's low 4 bits in scales[j] (j < 8) or scales[j - 8] >> 4, its high 2
+// at bits 2 (j / 4) of scales[8 + j % 4]; feature 128 n + 32 j + l (l < 32): bits 2 j of
+// qs[32 n + l], less 4 unless bit 4 n + j of hmask[l] (llama.cpp's dequantize_row_q3_K).
+void q3_k_as_q6_k(const uint8_t* in, uint8_t* out) {
+  const uint8_t *hmask = in, *qs = in + 32, *sc = in + 96;
+  int8_t scales[16], q[kSuper];
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    scales[j] = static_cast<int8_t>((low | high << 4) - 32);
+  }
+  for (int64_t n = 0; n < 2; ++n) {
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int64_t l = 0; l < 32; ++l) {
+        const int v = (qs[32 * n + l] >> (2 * j)) & 3, present = (hmask[l] >> (4 * n + j)) & 1;
+        q[128 * n + 32 * j + l] = static_cast<int8_t>(v - (present ? 0 : 4));
+      }
+    }
+  }
+  uint16_t d;
+  std::memcpy(&d, in + 108, 2);
+  encode_q6_k(q, scales, d, out);
+}
+
+// Q8_0's block: float16 d (bits) and the 32 levels of 16 bytes of IQ4 nibbles (feature j < 16 in the
+// low nibble of qs[j], j >= 16 in the high one of qs[j - 16]).
+void iq4_as_q8_0(uint16_t d, const uint8_t* qs, uint8_t* out) {
+  std::memcpy(out, &d, 2);
+  for (int j = 0; j < 16; ++j) {
+    out[2 + j] = static_cast<uint8_t>(kIq4Levels[qs[j] & 0xF]);
+    out[18 + j] = static_cast<uint8_t>(kIq4Levels[qs[j] >> 4]);
+  }
+}
+
+void iq4_nl_as_q8_0(const uint8_t* in, uint8_t* out) {
+  uint16_t d;
+  std::memcpy(&d, in, 2);
+  iq4_as_q8_0(d, in + 2, out);
+}
+
+// An IQ4_XS super-block as 8 Q8_0 blocks: sub-block b's scale ls is 4 bits of scales_l[b / 2] (low
+// for even b) and bits 2 b of scales_h above them; its float16 d is d * (ls - 32), rounded.
+void iq4_xs_as_q8_0(const uint8_t* in, uint8_t* out) {
+  uint16_t d_bits, high;
+  std::memcpy(&d_bits, in, 2);
+  std::memcpy(&high, in + 2, 2);
+  const float d = static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()));
+  for (int b = 0; b < 8; ++b) {
+    const int ls = ((in[4 + b / 2] >> (4 * (b % 2))) & 0xF) | (((high >> (2 * b)) & 3) << 4);
+    const c10::Half scale(d * static_cast<float>(ls - 32));
+    TORCH_CHECK(std::isfinite(static_cast<float>(scale)), "rewrite_blocks: an IQ4_XS scale overflows float16");
+    iq4_as_q8_0(scale.x, in + 8 + 16 * b, out + kQ8Bytes * b);
+  }
+}
+
+using Rewrite = void (*)(const uint8_t*, uint8_t*);
+
+at::Tensor rewrite_rows(const at::Tensor& rows_in, int64_t in_bytes, int64_t out_bytes, Rewrite rewrite) {
+  TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 2 && rows_in.scalar_type() == at::kByte &&
+                  rows_in.size(1) % in_bytes == 0,
+              "rewrite_blocks: expected a GGUF tensor's rows as uint8 [N, K / block * ", in_bytes, "]");
+  const at::Tensor rows = rows_in.contiguous();
+  const int64_t blocks = rows.numel() / in_bytes;
+  auto out = at::empty({rows.size(0), rows.size(1) / in_bytes * out_bytes}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rewrite(src + b * in_bytes, dst + b * out_bytes);
+  });
+  return out;
+}
+
+// The rows of a GGUF tensor of `kind` ("q3_k", "iq4_nl", "iq4_xs") as rows of the type weft packs
+// it as (Q6_K, Q8_0, Q8_0).
+at::Tensor rewrite_blocks(const at::Tensor& rows, c10::string_view kind) {
+  if (kind == "q3_k") return rewrite_rows(rows, kQ3KBytes, kQ6KBytes, q3_k_as_q6_k);
+  if (kind == "iq4_nl") return rewrite_rows(rows, kIq4NlBytes, kQ8Bytes, iq4_nl_as_q8_0);
+  TORCH_CHECK(kind == "iq4_xs", "rewrite_blocks: kind must be q3_k, iq4_nl or iq4_xs, not ", kind);
+  return rewrite_rows(rows, kIq4XsBytes, 8 * kQ8Bytes, iq4_xs_as_q8_0);
+}
+
+}  // namespace
+
+}  // namespace weft
+
+TORCH_LIBRARY_FRAGMENT(weft, m) { m.def("rewrite_blocks(Tensor rows, str kind) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(weft, CPU, m) { m.impl("rewrite_blocks", &weft::rewrite_blocks); }
