@@ -7,11 +7,21 @@ vpdpbusd, vpmaddubsw on AVX-512BW and AVX2, and the scalar loop."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from conftest import require_native_kernels
-from test_quant import random_legacy, random_q4_k, random_q5_k, random_q6_k, random_q8_0, reference_dequantize
+from test_quant import (
+    random_legacy,
+    random_low_bit,
+    random_q4_k,
+    random_q5_k,
+    random_q6_k,
+    random_q8_0,
+    reference_dequantize,
+)
 
 from weft.model.quantized import MixedRows, QuantizedRows, cat_rows
 
@@ -24,12 +34,14 @@ RANDOM = {
     "q4_k": random_q4_k,
     "q5_k": random_q5_k,
     "q6_k": random_q6_k,
+    **{kind: functools.partial(random_low_bit, kind) for kind in ("q2_k", "q3_k", "iq4_nl", "iq4_xs")},
 }
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
-BLOCK_BYTES |= {("q2_k", True): 7296}
-SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1")  # blocks of 32 features: activations too
+BLOCK_BYTES |= {("q2_k", True): 7296, ("q3_k", False): 6720, ("q3_k", True): 7296, ("iq4_nl", False): 1088}
+BLOCK_BYTES |= {("iq4_xs", False): 8704}
+SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "iq4_nl")  # blocks of 32 features: activations too
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -217,6 +229,8 @@ def test_embedding_rows_from_dot_panels(kind, mins):
     k = 96 if kind in SMALL_BLOCKS else 512
     raw = RANDOM[kind](70, k, seed=5)
     weight = reference_dequantize(raw, kind.upper())
+    if kind == "iq4_xs":  # its scales rounded to float16 (test_quant_types.py)
+        weight = QuantizedRows(kind, raw).rewritten().dequantize()
     ids = torch.tensor([0, 31, 32, 69, 5])
     panels = QuantizedRows(kind, raw).pack(dot=True, mins=mins)
     assert torch.equal(torch.ops.weft.embedding_from_panels(ids, panels, 70, k), weight[ids])
@@ -257,8 +271,10 @@ def test_bad_dot_panels_are_clear_errors():
     panels = QuantizedRows("q8_0", random_q8_0(32, 64, seed=0)).pack(dot=True)
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
-    with pytest.raises(RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q4_k, q5_k or q6_k"):
-        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q2_k", False)
+    with pytest.raises(
+        RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q4_k, q5_k or q6_k"
+    ):  # noqa: E501
+        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q3_k", False)
     with pytest.raises(ValueError, match="q5_k has no exact quantized panels"):
         QuantizedRows("q5_k", random_q5_k(32, 256, seed=0)).pack(dot=False)
     with pytest.raises(RuntimeError, match="kind must be"):

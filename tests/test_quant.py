@@ -73,6 +73,28 @@ def random_q4_k(rows: int, in_features: int, seed: int, extreme: bool = False) -
     return torch.from_numpy(raw.reshape(rows, blocks * 144).copy())
 
 
+LOW_BIT_SIZES = {"q2_k": 84, "q3_k": 110, "iq4_nl": 18, "iq4_xs": 136}
+LOW_BIT_BLOCK = {"q2_k": 256, "q3_k": 256, "iq4_nl": 32, "iq4_xs": 256}
+LOW_BIT_SCALES_AT = {
+    "q2_k": (80, 82),
+    "q3_k": (108,),
+    "iq4_nl": (0,),
+    "iq4_xs": (0,),
+}  # float16 scales' offsets
+
+
+def random_low_bit(kind: str, rows: int, in_features: int, seed: int, scale: float = 0.01) -> torch.Tensor:
+    """Random rows of `kind`'s blocks, uint8 [rows, in / block * size]: random bytes (every byte
+    string is a valid block) with float16 scales drawn normal(0, `scale`)."""
+    gen = np.random.default_rng(seed)
+    blocks, size = in_features // LOW_BIT_BLOCK[kind], LOW_BIT_SIZES[kind]
+    raw = gen.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in LOW_BIT_SCALES_AT[kind]:
+        d = gen.normal(0, scale, (rows, blocks, 1)).astype(np.float16)
+        raw[..., at : at + 2] = d.view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
 def reference_dequantize(raw: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

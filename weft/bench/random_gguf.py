@@ -3,14 +3,14 @@
 are those of a real file).
 
 `q4_k_m` follows llama.cpp's Q4_K_M choice of types (`q5_k_m` its Q5_K_M, with Q5_K and the Q5_1
-fallback): Q4_K everywhere, but Q6_K for the output
-matrix (the token embedding where it is tied) and for attn_v and ffn_down in the layers its
-`use_more_bits` picks (the first and last eighth of the layers, and every third between); rows
-that are not whole 256-feature super-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q6_K to
-Q8_0). `q8_0`,
-`q4_0`: every matrix in that type. Each block's float16 scales are drawn small and finite, its
-quants uniformly; norms are 1. The file carries the configuration but no tokenizer: the benchmark
-feeds token ids and names a word-level tokenizer of the vocabulary's size (`tokenizer=`).
+fallback): Q4_K everywhere, but Q6_K for the output matrix (the token embedding where it is tied)
+and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last eighth of
+the layers, and every third between); rows that are not whole 256-feature super-blocks fall back as
+llama.cpp's do (Q4_K to Q5_0, Q6_K to Q8_0). `q8_0`, `q4_0`: every matrix in that type. Each
+block's float16 scales are drawn small and finite, its quants uniformly; norms are 1. `f16`:
+float16 weights drawn normal (`stds`), the source from which llama.cpp's quantizer makes a file of
+any type (benchmarks/make_quant_files.py). The file carries the configuration but no tokenizer: the
+benchmark feeds token ids and names a word-level tokenizer of the vocabulary's size (`tokenizer=`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SCALES = {
     "q5_k": (0, 2),
     "q6_k": (208,),
 }
-MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0")
+MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "f16")
 # llama.cpp's fallbacks where a matrix's rows are not whole 256-feature super-blocks
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
@@ -81,11 +81,17 @@ GGUF_ARCHS = {
 
 
 def write_random_gguf(
-    config_path: Path, mix: str, out: Path, seed: int = 0, num_layers: int | None = None
+    config_path: Path,
+    mix: str,
+    out: Path,
+    seed: int = 0,
+    num_layers: int | None = None,
+    stds: tuple[float, float] = (0.02, 0.02),
 ) -> Path:
     """Write `out`: the shape of `config_path` (a config.json of a family in `GGUF_ARCHS`; its
-    first `num_layers` layers where given) in `mix` blocks, with a vocabulary of placeholder tokens
-    so that llama.cpp loads it too."""
+    first `num_layers` layers where given) in `mix` blocks (`f16`: float16 matrices drawn
+    normal(0, stds[0]), the token embedding normal(0, stds[1])), with a vocabulary of placeholder
+    tokens so that llama.cpp loads it too."""
     import gguf
 
     if mix not in MIXES:
@@ -99,7 +105,7 @@ def write_random_gguf(
     writer = gguf.GGUFWriter(str(out), arch)
     _write_config(writer, config, mix)
     _write_vocabulary(writer, config["vocab_size"])
-    _write_tensors(writer, config, mix, arch, np.random.default_rng(seed))
+    _write_tensors(writer, config, mix, arch, np.random.default_rng(seed), stds)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,7 +127,7 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2}[mix])
+    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2, "f16": 1}[mix])
     if config.get("sliding_window") and config.get("layer_types"):
         writer.add_sliding_window(config["sliding_window"])
     if config.get("attn_logit_softcapping"):
@@ -150,7 +156,12 @@ def _write_vocabulary(writer: Any, vocab_size: int) -> None:
 
 
 def _write_tensors(
-    writer: Any, config: dict[str, Any], mix: str, arch: str, rng: np.random.Generator
+    writer: Any,
+    config: dict[str, Any],
+    mix: str,
+    arch: str,
+    rng: np.random.Generator,
+    stds: tuple[float, float],
 ) -> None:
     import gguf
 
@@ -161,6 +172,11 @@ def _write_tensors(
     tied = bool(config.get("tie_word_embeddings", False))
 
     def matrix(name: str, kind_name: str, layer: int, rows: int, features: int, experts: int = 0) -> None:
+        if mix == "f16":
+            std = stds[1] if name == "token_embd.weight" else stds[0]
+            values = rng.normal(0.0, std, size=(max(experts, 1) * rows, features)).astype(np.float16)
+            writer.add_tensor(name, values.reshape(experts, rows, -1) if experts else values)
+            return
         kind = tensor_kind(mix, kind_name, layer, layers, features)
         blocks = random_blocks(kind, rows * max(experts, 1), features, rng)
         data = blocks.reshape(experts, rows, -1) if experts else blocks

@@ -36,7 +36,6 @@ from weft.config import ConfigError, ModelConfig
 from weft.model.gguf_file import GgufFile
 from weft.model.mxfp4 import mxfp4_as_q5_0
 from weft.model.quantized import QuantizedRows, Weight
-from weft.native import kernels_available
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {
@@ -80,15 +79,11 @@ KEPT_IN_BLOCKS = {
     "Q4_1": "q4_1",
     "Q5_1": "q5_1",
     "Q2_K": "q2_k",
-    # rewritten at load as blocks of another type (`REWRITTEN`)
-    "MXFP4": "q5_0",  # gpt-oss's experts, exactly as Q5_0 blocks (weft/model/mxfp4.py)
-    "Q3_K": "q6_k",  # exactly (weft/native/rewrite.cpp)
-    "IQ4_NL": "q8_0",  # exactly
-    "IQ4_XS": "q8_0",  # each sub-block's scale rounded to float16
+    "Q3_K": "q3_k",
+    "IQ4_NL": "iq4_nl",
+    "IQ4_XS": "iq4_xs",
+    "MXFP4": "q5_0",  # gpt-oss's experts, rewritten exactly as Q5_0 blocks (weft/model/mxfp4.py)
 }
-# The types whose blocks weft rewrites as another type's with its native kernels (without them, the
-# matrices are dequantized)
-REWRITTEN = ("Q3_K", "IQ4_NL", "IQ4_XS")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -343,7 +338,11 @@ class GgufCheckpoint:
             name = hf_name(tensor.name, self.arch)
             if name is None:
                 raise GgufError(f"{self.path}: tensor {tensor.name!r} is not one weft knows for {self.arch}")
-            kind = _kept_kind(tensor) if keep_blocks and len(tensor.shape) == 2 else None
+            kind = (
+                KEPT_IN_BLOCKS.get(tensor.tensor_type.name)
+                if keep_blocks and len(tensor.shape) == 2
+                else None
+            )
             if kind == "q4_k" and tensor.name == "token_embd.weight":
                 kind = None
             weight = self._blocks(tensor, kind) if kind else self.dequantized(tensor)
@@ -361,7 +360,7 @@ class GgufCheckpoint:
         """Each expert's matrix of an [experts, out, in] tensor (or bias of an [experts, out] one),
         under Qwen3-MoE's names: in its blocks where asked and the type is kept so, else
         dequantized to float32."""
-        kind = _kept_kind(tensor) if keep_blocks else None
+        kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
         if kind:
             rows = torch.from_numpy(_block_bytes(tensor))  # [E, out, bytes]
             weights: list[Weight] = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
@@ -384,26 +383,10 @@ class GgufCheckpoint:
         return QuantizedRows(kind, torch.from_numpy(_block_bytes(tensor)))  # [rows, bytes per row]
 
 
-def _kept_kind(tensor: Any) -> str | None:
-    """The kind of blocks a quantized tensor is kept in (None: dequantized)."""
-    name = tensor.tensor_type.name
-    if name in REWRITTEN and not kernels_available():
-        return None
-    return KEPT_IN_BLOCKS.get(name)
-
-
 def _block_bytes(tensor: Any) -> np.ndarray:
-    """A quantized tensor's rows of blocks, copied off the mapping (MXFP4's as Q5_0's, Q3_K's as
-    Q6_K's, IQ4_NL's and IQ4_XS's as Q8_0's)."""
+    """A quantized tensor's rows of blocks, copied off the mapping (MXFP4's as Q5_0's)."""
     rows = np.asarray(tensor.data, dtype=np.uint8)
-    name = tensor.tensor_type.name
-    if name == "MXFP4":
-        return mxfp4_as_q5_0(rows)
-    if name in REWRITTEN:
-        flat = torch.from_numpy(rows.reshape(-1, rows.shape[-1]).copy())  # [rows, bytes]
-        rewritten = torch.ops.weft.rewrite_blocks(flat, name.lower()).numpy()
-        return rewritten.reshape(*rows.shape[:-1], rewritten.shape[-1])
-    return rows.copy()
+    return mxfp4_as_q5_0(rows) if tensor.tensor_type.name == "MXFP4" else rows.copy()
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]

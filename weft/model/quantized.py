@@ -1,7 +1,6 @@
-"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K and Q6_K;
-Q3_K, IQ4_NL and IQ4_XS come rewritten as Q6_K and Q8_0 by weft/model/gguf_checkpoint.py) on their way
-from the file to the panels of weft's CPU kernels (`weft/native/quant.cpp`; products in `qdot.cpp`
-with int8 activations, or exactly in `linear.cpp`).
+"""Quantized matrices kept in their blocks (GGUF's Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_NL and IQ4_XS) on their way from the file to the panels of weft's CPU kernels
+(`weft/native/quant.cpp`; products in `qdot.cpp` with int8 activations, or exactly in `linear.cpp`).
 
 A matrix arrives as `QuantizedRows`: its kind and its rows of blocks, uint8 [N, K / block *
 block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by concatenating rows
@@ -9,6 +8,9 @@ block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by
 weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
 float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0;
 Q4_1 and Q5_1 have dot panels of their own, and for exact products are dequantized to float32).
+Three kinds are packed as another's blocks (`REWRITTEN`, weft/native/rewrite.cpp): Q3_K as Q6_K and
+IQ4_NL as Q8_0, exactly; IQ4_XS as Q8_0 with float16 sub-block scales, for int8 products only (with
+k-quant activations, as llama.cpp multiplies it), and dequantized for exact ones.
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
@@ -30,7 +32,10 @@ LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact produ
 # Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits, Q2_K's mins
 # per 16): dot panels of their own (Q2_K, Q5_K: the Q6_K layout with mins), and for float32 products
 # the exact dequantization.
-NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k")
+NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k", "iq4_xs")
+# Kinds packed as another kind's blocks (weft/native/rewrite.cpp): exactly, but IQ4_XS's scales
+REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
+Q8_K_DOT_BLOCK = 8 * 1088  # IQ4_XS's Q8_0 dot blocks, 8 to a super-block (panels.h: kQ8KDotBlockBytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +67,18 @@ class QuantizedRows:
             return as_q8_0(self).pack()
         if not dot and not self.exact_panels:
             raise ValueError(f"{self.kind} has no exact quantized panels; dequantize it for float32 products")
+        if self.kind in REWRITTEN:
+            panels = self.rewritten().pack(dot, mins)
+            if self.kind == "iq4_xs":  # the same bytes as super-blocks: multiplied with k-quant activations
+                panels = panels.view(panels.shape[0], -1, Q8_K_DOT_BLOCK)
+            return panels
         if dot:
             return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
         return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
+
+    def rewritten(self) -> QuantizedRows:
+        """Q3_K, IQ4_NL or IQ4_XS rows as the rows of the kind they are packed as (`REWRITTEN`)."""
+        return QuantizedRows(REWRITTEN[self.kind], torch.ops.weft.rewrite_blocks(self.rows, self.kind))
 
     @property
     def exact_panels(self) -> bool:  # whether float32 products have panels of this kind (or Q8_0's)
@@ -81,7 +95,8 @@ class QuantizedRows:
 
 @dataclass(frozen=True, slots=True)
 class MixedRows:
-    """A fused matrix whose parts are Q2_K, Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple of 32 rows."""
+    """A fused matrix whose parts are Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple
+    of 32 rows."""
 
     parts: tuple[QuantizedRows, ...]
 
@@ -112,11 +127,14 @@ Weight = torch.Tensor | QuantizedRows | MixedRows
 
 
 def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
-    """Q4_0 or Q5_0 rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's weights
-    are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d (8.5 bits
-    a weight instead of 4.5 or 5.5). Q8_0 rows come back as they are."""
+    """Q4_0, Q5_0 or IQ4_NL rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's
+    weights are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d
+    (8.5 bits a weight instead of 4.5 or 5.5); IQ4_NL's d * level, its levels int8. Q8_0 rows come
+    back as they are."""
     if matrix.kind == "q8_0":
         return matrix
+    if matrix.kind == "iq4_nl":
+        return matrix.rewritten()
     size = BLOCKS[matrix.kind][1]
     rows = matrix.rows.numpy()
     blocks = rows.reshape(rows.shape[0], -1, size)  # [N, K / 32, size]
@@ -162,7 +180,7 @@ def cat_rows(parts: list[Weight]) -> Weight:
     meet Q8_0 ones, else float32."""
     blocks = [p for p in parts if isinstance(p, QuantizedRows)]
     kinds = {p.kind for p in blocks}
-    if len(blocks) == len(parts) and len(kinds) > 1 and kinds <= {"q8_0", *LEGACY}:
+    if len(blocks) == len(parts) and len(kinds) > 1 and kinds <= {"q8_0", "iq4_nl", *LEGACY}:
         blocks = [as_q8_0(p) for p in blocks]  # one kind, exactly
     if len(blocks) == len(parts) and len({p.kind for p in blocks}) == 1:
         return QuantizedRows(blocks[0].kind, torch.cat([p.rows for p in blocks]))
@@ -171,13 +189,14 @@ def cat_rows(parts: list[Weight]) -> Weight:
     return torch.cat([dequantized(p) for p in parts])
 
 
-MIXABLE = ("q2_k", "q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
+MIXABLE = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
 PANEL = 32  # output columns per panel (weft/native/panels.h)
 
 __all__ = [
     "BLOCKS",
     "LEGACY",
     "NO_EXACT_PANELS",
+    "REWRITTEN",
     "MixedRows",
     "QuantizedRows",
     "Weight",

@@ -1,7 +1,8 @@
 """weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16,
 float16 and exact quantized panels, `quant.cpp` packing quantized weights, `qdot.cpp` their int8
 products; `decoder.cpp`, a whole decoder stack for single-token rows; `prefill_attention.cpp`,
-attention of multi-token rows over the paged cache), compiled on first use and cached.
+attention of multi-token rows over the paged cache; `rewrite.cpp`, the GGUF types packed as another
+type's blocks), compiled on first use and cached.
 
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
@@ -37,7 +38,15 @@ from weft.config import NativeConfig
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "linear.cpp", "quant.cpp", "qdot.cpp", "decoder.cpp", "prefill_attention.cpp", "rewrite.cpp")
+    for name in (
+        "kernels.cpp",
+        "linear.cpp",
+        "quant.cpp",
+        "qdot.cpp",
+        "decoder.cpp",
+        "prefill_attention.cpp",
+        "rewrite.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h", "vmath.h")]
 _NAME = "weft_kernels"

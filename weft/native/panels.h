@@ -64,6 +64,9 @@ constexpr int64_t kDotGroup = 4;  // input features per byte dot product
 // Q8_0: per block of 32 features, the 32 columns' float16 d, then 8 groups of [32][4] int8.
 constexpr int64_t kQ8DotBlockBytes = 2 * kPanel + kQ8Block * kPanel;  // 1,088
 constexpr int64_t kQ8DotQuantsOffset = 2 * kPanel;
+// The same blocks 8 to a super-block of 256 (IQ4_XS rewritten as Q8_0, rewrite.cpp): the same bytes,
+// multiplied with activations rounded as for k-quants, as llama.cpp multiplies IQ4_XS.
+constexpr int64_t kQ8KDotBlockBytes = 8 * kQ8DotBlockBytes;  // 8,704
 
 // Q4_0, Q5_0, Q4_1 and Q5_1 (GGUF's legacy 4- and 5-bit types): per block of 32 features, the 32
 // columns' float16 d (and for Q4_1 / Q5_1, `min`, their float16 m), then 4 chunks of two groups:
@@ -132,7 +135,7 @@ void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const
 constexpr int64_t dot_block_features(int64_t block_bytes) {
   return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes)) ? kQ8Block
          : (block_bytes == kQ4KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
-            block_bytes == kQ6KDotBlockBytes(true))
+            block_bytes == kQ6KDotBlockBytes(true) || block_bytes == kQ8KDotBlockBytes)
              ? kQ4KBlock
              : 0;
 }

@@ -1,6 +1,6 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
 // is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
-// fusion mixing Q4_K and Q6_K) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
+// fusion mixing Q4_K and Q6_K, for Q2_K and Q5_K; Q3_K, IQ4_NL and IQ4_XS as Q6_K and Q8_0 blocks) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
 // (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
 // products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
@@ -584,6 +584,10 @@ struct Q8DotTiles {
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
 };
+// Q8_0 blocks 8 to a super-block (IQ4_XS's): the same tiles, the activations rounded as for k-quants.
+struct Q8KDotTiles : Q8DotTiles {
+  static constexpr ActBlocks kActivations = ActBlocks::kQ8_K;
+};
 // The legacy types: with 16 registers whole panels of up to 3 rows (a group's nibbles unpacked once
 // for 3 rows), half panels of 4 from 4 rows (Q4_0, Q5_0: 1.0-1.1x the whole ones at 8-256 rows on a
 // Zen 3).
@@ -628,6 +632,7 @@ bool is_dot_panels(const at::Tensor& panels, int64_t k) {
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
   switch (panels.size(2)) {
     case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
+    case kQ8KDotBlockBytes: run_dot<Q8KDotTiles>(x, panels, bias, out); break;
     case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false, false>>(x, panels, bias, out); break;
     case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true, false>>(x, panels, bias, out); break;
     case kQ4_1DotBlockBytes: run_dot<LegacyDotTiles<false, true>>(x, panels, bias, out); break;

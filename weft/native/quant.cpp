@@ -631,7 +631,8 @@ float legacy_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
 void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, const int64_t* ids, int64_t tokens,
                      float* out) {
   const auto* panels = reinterpret_cast<const uint8_t*>(panels_in);
-  if (block_bytes == kQ8DotBlockBytes) {
+  if (block_bytes == kQ8DotBlockBytes || block_bytes == kQ8KDotBlockBytes) {  // the same bytes
+    block_bytes = kQ8DotBlockBytes;
     gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
       const auto q = static_cast<int8_t>(block[kQ8DotQuantsOffset + kDotGroup * kPanel * (kk / kDotGroup) + kDotGroup * c + kk % kDotGroup]);
       return half_at(block + 2 * c) * static_cast<float>(q);

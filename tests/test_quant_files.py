@@ -1,0 +1,90 @@
+"""Files of the low-bit types as llama.cpp's quantizer makes them (tests/data/quant_types, made by
+benchmarks/make_quant_files.py: a tiny random Llama quantized by `llama_model_quantize` into Q2_K,
+Q3_K_M, Q5_K_M, IQ4_NL and IQ4_XS, with llama.cpp's outputs on each): weft loads every mix of types
+they hold, and its logprobs are as close to llama.cpp's as an exact float32 dequantization of the
+same file gets, or closer (llama.cpp rounds the activations to 8 bits in its products, as weft's
+int8 products do)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import require_native_kernels
+
+from weft import LLM, SamplingParams
+from weft.bench.random_gguf import word_level_tokenizer
+
+DATA = Path(__file__).parent / "data" / "quant_types"
+REFERENCE = json.loads((DATA / "llama_cpp.json").read_text())
+# What each file's matrices run as (llm.kernels["linear"], int8 products): the file's own types
+KINDS = {
+    "q2_k": "Q2_K for 2 matrices, Q2_K+Q3_K for 2 matrices, Q3_K for 4 matrices",
+    "q3_k_m": "Q3_K for 2 matrices, Q3_K+Q5_K for 2 matrices, Q4_K for 4 matrices",
+    "q5_k_m": "Q5_K for 6 matrices, Q5_K+Q6_K for 1 matrices",
+    "iq4_nl": "IQ4_NL for 8 matrices",
+    "iq4_xs": "IQ4_XS for 8 matrices",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    require_native_kernels()
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    """Each file's LLM by (name, matmul precision), loaded once; the files carry placeholder tokens,
+    so a word-level tokenizer of their 1,024 ids stands in (the tests feed token ids)."""
+    tokenizer = str(word_level_tokenizer(1024, tmp_path_factory.mktemp("tokenizer")))
+
+    @functools.cache
+    def llm(name: str, precision: str) -> LLM:
+        path = str(DATA / f"{name}.gguf")
+        return LLM(path, tokenizer=tokenizer, show_progress=False, max_logprobs=5, matmul_precision=precision)
+
+    return llm
+
+
+def teacher_forced_gap(llm: LLM, name: str) -> tuple[float, int]:
+    """Mean |logprob - llama.cpp's| of llama.cpp's greedy tokens, and how often the argmax agrees."""
+    gaps, agree = [], 0
+    for prompt, run in zip(REFERENCE["prompts"], REFERENCE["files"][name], strict=True):
+        ids = list(prompt) + list(run["tokens"])
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        positions = out.prompt_logprobs[len(prompt) :]
+        for token, entry, expected, argmax in zip(
+            run["tokens"], positions, run["tf_logprobs"], run["tf_argmax"], strict=True
+        ):
+            gaps.append(abs(entry[token].logprob - expected))
+            agree += max(entry, key=lambda t: entry[t].logprob) == argmax
+    return float(np.mean(gaps)), agree
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(name, load):
+    """int8 products (the CPU default for quantized files) against float32 products of the exactly
+    dequantized weights: at most 5% further from llama.cpp's teacher-forced logprobs, and the argmax
+    agreeing as often, less one. Measured (int8 / exact): Q2_K 0.061 / 0.090, Q3_K_M 0.061 / 0.075,
+    Q5_K_M 0.070 / 0.097, IQ4_NL 0.038 / 0.057, IQ4_XS 0.059 / 0.068."""
+    int8, exact = load(name, "int8"), load(name, "float32")
+    assert KINDS[name] in int8.kernels["linear"] and "int8 dot panels" in int8.kernels["linear"]
+    gap, agree = teacher_forced_gap(int8, name)
+    exact_gap, exact_agree = teacher_forced_gap(exact, name)
+    print(f"{name}: int8 {gap:.4f} ({agree}/128), exact {exact_gap:.4f} ({exact_agree}/128)")
+    assert gap <= 1.05 * exact_gap and agree >= exact_agree - 1, (gap, agree, exact_gap, exact_agree)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_low_bit_files_greedy_tokens_follow_llama_cpp(name, load):
+    """Greedy generation from each prompt: llama.cpp's first token every time."""
+    llm = load(name, "int8")
+    outs = llm.generate(
+        [list(p) for p in REFERENCE["prompts"]],
+        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids[0] for o in outs] == [run["tokens"][0] for run in REFERENCE["files"][name]]
