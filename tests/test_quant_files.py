@@ -16,7 +16,6 @@ import pytest
 from conftest import require_native_kernels
 
 from weft import LLM, SamplingParams
-from weft.bench.random_gguf import word_level_tokenizer
 
 DATA = Path(__file__).parent / "data" / "quant_types"
 REFERENCE = json.loads((DATA / "llama_cpp.json").read_text())
@@ -35,18 +34,10 @@ def kernels():
     require_native_kernels()
 
 
-@pytest.fixture(scope="module")
-def load(tmp_path_factory):
-    """Each file's LLM by (name, matmul precision), loaded once; the files carry placeholder tokens,
-    so a word-level tokenizer of their 1,024 ids stands in (the tests feed token ids)."""
-    tokenizer = str(word_level_tokenizer(1024, tmp_path_factory.mktemp("tokenizer")))
-
-    @functools.cache
-    def llm(name: str, precision: str) -> LLM:
-        path = str(DATA / f"{name}.gguf")
-        return LLM(path, tokenizer=tokenizer, show_progress=False, max_logprobs=5, matmul_precision=precision)
-
-    return llm
+@functools.cache
+def load(name: str, precision: str) -> LLM:
+    path = str(DATA / f"{name}.gguf")  # placeholder tokens: the tests feed token ids
+    return LLM(path, show_progress=False, max_logprobs=5, matmul_precision=precision)
 
 
 def teacher_forced_gap(llm: LLM, name: str) -> tuple[float, int]:
@@ -65,7 +56,7 @@ def teacher_forced_gap(llm: LLM, name: str) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("name", list(KINDS))
-def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(name, load):
+def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(name):
     """int8 products (the CPU default for quantized files) against float32 products of the exactly
     dequantized weights: at most 5% further from llama.cpp's teacher-forced logprobs, and the argmax
     agreeing as often, less one. Measured (int8 / exact): Q2_K 0.061 / 0.090, Q3_K_M 0.061 / 0.075,
@@ -79,7 +70,7 @@ def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(n
 
 
 @pytest.mark.parametrize("name", list(KINDS))
-def test_low_bit_files_greedy_tokens_follow_llama_cpp(name, load):
+def test_low_bit_files_greedy_tokens_follow_llama_cpp(name):
     """Greedy generation from each prompt: llama.cpp's first token every time."""
     llm = load(name, "int8")
     outs = llm.generate(

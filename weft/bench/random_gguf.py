@@ -145,10 +145,12 @@ def _num_experts(config: dict[str, Any]) -> int:
 
 
 def _write_vocabulary(writer: Any, vocab_size: int) -> None:
-    """Placeholder tokens `<t{i}>` as a byte-level BPE vocabulary (the benchmark feeds token ids)."""
+    """Placeholder tokens `<t{i}>` as a byte-level BPE vocabulary (the benchmark feeds token ids),
+    the first three `<`, `t` and `<t` so that its one merge is of tokens it has (llama.cpp and weft
+    both load it)."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"<t{i}>" for i in range(vocab_size)])
+    writer.add_token_list(["<", "t", "<t", *(f"<t{i}>" for i in range(3, vocab_size))])
     writer.add_token_types([1] * vocab_size)
     writer.add_token_merges(["< t"])
     writer.add_bos_token_id(0)
