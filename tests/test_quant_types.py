@@ -1,7 +1,8 @@
 """The low-bit types of the files users download (Q2_K, Q3_K, IQ4_NL, IQ4_XS): each against
 `gguf.quants.dequantize` of the same blocks. Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0 blocks
-whose dequantization is bit-identical to the file's; IQ4_XS as Q8_0 blocks whose scales are rounded
-to float16; Q2_K goes into the Q6_K dot layout with mins, exactly. Run on every ISA build
+whose dequantization is bit-identical to the file's; IQ4_XS as IQ4_NL blocks whose scales are
+rounded to float16; IQ4_NL and IQ4_XS have dot panels of their own (nibbles looked up as the IQ4
+levels); Q2_K goes into the Q6_K dot layout with mins, exactly. Run on every ISA build
 (tests/other_builds.py)."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def test_q3_k_and_iq4_nl_are_rewritten_exactly(kind):
 
 
 def test_iq4_xs_is_rewritten_with_its_scales_rounded_to_float16():
-    """IQ4_XS as Q8_0: each weight within 2^-11 of itself (its sub-block scale d * (ls - 32) rounded
+    """IQ4_XS as IQ4_NL: each weight within 2^-11 of itself (its sub-block scale d * (ls - 32) rounded
     to a normal float16), and exactly where d * (ls - 32) is a float16 (here: d a power of two)."""
     raw = random_low_bit("iq4_xs", 37, 512, seed=3)
     expected = reference_dequantize(raw, "IQ4_XS")
@@ -59,24 +60,36 @@ def test_q2_k_dot_panels_compute_the_product_of_rounded_activations(rows):
 
 
 @pytest.mark.parametrize("kind", ["q3_k", "iq4_nl"])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13])
 def test_q3_k_and_iq4_nl_multiply_as_the_files_weights(kind, rows):
-    """Q3_K in Q6_K dot panels, IQ4_NL in Q8_0's (exact panels too): the product of the file's own
-    weights with the activations rounded as llama.cpp rounds them for each type."""
+    """Q3_K in Q6_K dot panels, IQ4_NL in its own (and in Q8_0's where the input features are not
+    whole blocks of 128; exact panels as Q6_K's and Q8_0's): the product of the file's own weights
+    with the activations rounded as llama.cpp rounds them for each type, on every tile height."""
     raw = random_low_bit(kind, 45, 512, seed=rows)
     check_product(raw, kind, False, rows, bias=True)
+    if kind == "iq4_nl":  # 96 features: Q8_0's dot panels
+        odd = random_low_bit(kind, 45, 96, seed=rows)
+        panels = QuantizedRows(kind, odd).pack(dot=True)
+        assert panels.shape == (2, 3, 1088)
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        weight = reference_dequantize(odd, "IQ4_NL").double()
+        xq = rounded_activations(x, kind)
+        scale = (xq.abs() @ weight.abs().T).max().item()
+        out = torch.ops.weft.packed_linear(x, panels, None, 45).double()
+        assert (out - xq @ weight.T).abs().max().item() <= 2e-6 * scale
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     exact = torch.ops.weft.packed_linear(x, QuantizedRows(kind, raw).pack(), None, 45)
     torch.testing.assert_close(exact, x @ reference_dequantize(raw, kind.upper()).T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
 def test_iq4_xs_multiplies_with_k_quant_activations(rows):
-    """IQ4_XS as Q8_0 blocks 8 to a super-block: the activations rounded in blocks of 256 (llama.cpp
-    multiplies IQ4_XS with Q8_K activations), times the weights with their scales in float16."""
+    """IQ4_XS in IQ4_NL's dot blocks 8 to a super-block: the activations rounded in blocks of 256
+    (llama.cpp multiplies IQ4_XS with Q8_K activations), times the weights with their scales in
+    float16."""
     raw = random_low_bit("iq4_xs", 45, 512, seed=rows)
     panels = QuantizedRows("iq4_xs", raw).pack(dot=True)
-    assert panels.shape == (2, 2, 8704)
+    assert panels.shape == (2, 2, 4608)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     out = torch.ops.weft.packed_linear(x, panels, None, 45).double()
     weight = rewritten("iq4_xs", raw).dequantize().double()

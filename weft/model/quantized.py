@@ -8,9 +8,10 @@ block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by
 weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
 float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0;
 Q4_1 and Q5_1 have dot panels of their own, and for exact products are dequantized to float32).
-Three kinds are packed as another's blocks (`REWRITTEN`, weft/native/rewrite.cpp): Q3_K as Q6_K and
-IQ4_NL as Q8_0, exactly; IQ4_XS as Q8_0 with float16 sub-block scales, for int8 products only (with
-k-quant activations, as llama.cpp multiplies it), and dequantized for exact ones.
+IQ4_NL and IQ4_XS have dot panels of their own (Q4_0's blocks whose nibbles index the IQ4 levels; the
+IQ4_XS sub-block scales rounded to float16 on the way, `REWRITTEN`), and for exact products go into
+Q8_0's exact panels (IQ4_NL, exactly) or are dequantized (IQ4_XS). Q3_K is packed as Q6_K blocks of
+exactly the same weights (weft/native/rewrite.cpp).
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
@@ -34,8 +35,11 @@ LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact produ
 # the exact dequantization.
 NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k", "iq4_xs")
 # Kinds packed as another kind's blocks (weft/native/rewrite.cpp): exactly, but IQ4_XS's scales
-REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "q8_0"}
-Q8_K_DOT_BLOCK = 8 * 1088  # IQ4_XS's Q8_0 dot blocks, 8 to a super-block (panels.h: kQ8KDotBlockBytes)
+REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_nl"}
+# IQ4 dot panels: Q4_0's blocks (the same file layout), 4 to a block of 128 features (IQ4_NL) or 8 to
+# a super-block of 256 (IQ4_XS), panels.h
+IQ4_DOT_BLOCKS = {"iq4_nl": 4, "iq4_xs": 8}
+Q4_0_DOT_BLOCK = 576
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +66,25 @@ class QuantizedRows:
         (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
         exact panels of their own: they go into Q8_0's, exactly. Q4_1, Q5_1, Q2_K and Q5_K have none at
         all (`exact_panels`): for float32 products the loader dequantizes them. Q5_K's dot panels
-        and Q2_K's are always the Q6_K layout with mins."""
+        and Q2_K's are always the Q6_K layout with mins. IQ4_NL and IQ4_XS have dot panels of their
+        own where the input features are whole blocks of them (128, 256), else IQ4_NL goes into Q8_0's;
+        Q3_K goes into Q6_K's, IQ4_NL into Q8_0's exact panels, exactly."""
         if not dot and self.kind in LEGACY:
             return as_q8_0(self).pack()
         if not dot and not self.exact_panels:
             raise ValueError(f"{self.kind} has no exact quantized panels; dequantize it for float32 products")
+        if dot and self.kind in IQ4_DOT_BLOCKS and self.shape[1] % (32 * IQ4_DOT_BLOCKS[self.kind]) == 0:
+            return self._iq4_dot_panels()
         if self.kind in REWRITTEN:
-            panels = self.rewritten().pack(dot, mins)
-            if self.kind == "iq4_xs":  # the same bytes as super-blocks: multiplied with k-quant activations
-                panels = panels.view(panels.shape[0], -1, Q8_K_DOT_BLOCK)
-            return panels
+            return self.rewritten().pack(dot, mins)
         if dot:
             return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
         return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
+
+    def _iq4_dot_panels(self) -> torch.Tensor:  # int8 [P, K / (32 * blocks), blocks * 576]
+        nl = self.rewritten() if self.kind == "iq4_xs" else self
+        panels = torch.ops.weft.pack_dot(nl.rows, "q4_0", False)  # IQ4_NL's blocks are Q4_0's layout
+        return panels.view(panels.shape[0], -1, IQ4_DOT_BLOCKS[self.kind] * Q4_0_DOT_BLOCK)
 
     def rewritten(self) -> QuantizedRows:
         """Q3_K, IQ4_NL or IQ4_XS rows as the rows of the kind they are packed as (`REWRITTEN`)."""

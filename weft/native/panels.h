@@ -64,9 +64,7 @@ constexpr int64_t kDotGroup = 4;  // input features per byte dot product
 // Q8_0: per block of 32 features, the 32 columns' float16 d, then 8 groups of [32][4] int8.
 constexpr int64_t kQ8DotBlockBytes = 2 * kPanel + kQ8Block * kPanel;  // 1,088
 constexpr int64_t kQ8DotQuantsOffset = 2 * kPanel;
-// The same blocks 8 to a super-block of 256 (IQ4_XS rewritten as Q8_0, rewrite.cpp): the same bytes,
-// multiplied with activations rounded as for k-quants, as llama.cpp multiplies IQ4_XS.
-constexpr int64_t kQ8KDotBlockBytes = 8 * kQ8DotBlockBytes;  // 8,704
+
 
 // Q4_0, Q5_0, Q4_1 and Q5_1 (GGUF's legacy 4- and 5-bit types): per block of 32 features, the 32
 // columns' float16 d (and for Q4_1 / Q5_1, `min`, their float16 m), then 4 chunks of two groups:
@@ -92,6 +90,14 @@ constexpr int64_t kQ4_0FileBlockBytes = 18;  // d, qs[16]
 constexpr int64_t kQ5_0FileBlockBytes = 22;  // d, qh[4], qs[16]
 constexpr int64_t kQ4_1FileBlockBytes = 20;  // d, m, qs[16]
 constexpr int64_t kQ5_1FileBlockBytes = 24;  // d, m, qh[4], qs[16]
+// IQ4_NL and IQ4_XS: Q4_0's dot blocks whose nibbles index llama.cpp's 16 int8 levels (kvalues_iq4nl)
+// instead of standing for q - 8: IQ4_NL's 4 to a block of 128 features (4.5 bits a weight, as in the
+// file; multiplied with Q8_0's activations), IQ4_XS's 8 to a super-block of 256 (each sub-block's
+// scale d * (ls - 32) as its float16 d: 4.5 bits, the file 4.25; with k-quant activations), as
+// llama.cpp multiplies each.
+constexpr int64_t kIq4NlDotBlockBytes = 4 * kQ4_0DotBlockBytes;  // 2,304
+constexpr int64_t kIq4XsDotBlockBytes = 8 * kQ4_0DotBlockBytes;  // 4,608
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr bool is_legacy_dot_block(int64_t block_bytes) {
   return block_bytes == kQ4_0DotBlockBytes || block_bytes == kQ5_0DotBlockBytes || block_bytes == kQ4_1DotBlockBytes ||
          block_bytes == kQ5_1DotBlockBytes;
@@ -134,8 +140,9 @@ void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const
 // Whether `block_bytes` is a dot panel block's size, and the input features of its blocks (0: not one).
 constexpr int64_t dot_block_features(int64_t block_bytes) {
   return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes)) ? kQ8Block
-         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
-            block_bytes == kQ6KDotBlockBytes(true) || block_bytes == kQ8KDotBlockBytes)
+         : block_bytes == kIq4NlDotBlockBytes                                     ? 4 * kQ8Block
+         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
+            block_bytes == kQ6KDotBlockBytes(true))
              ? kQ4KBlock
              : 0;
 }

@@ -1,6 +1,6 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
 // is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
-// fusion mixing Q4_K and Q6_K, for Q2_K and Q5_K; Q3_K, IQ4_NL and IQ4_XS as Q6_K and Q8_0 blocks) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
+// fusion mixing Q4_K and Q6_K, for Q2_K and Q5_K; IQ4_NL and IQ4_XS; Q3_K as Q6_K blocks) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
 // (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
 // products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
@@ -340,13 +340,30 @@ void dot_tile_q8_0(const Tile& t) {
   finish_tile<kRows, kV>(t, a.acc);
 }
 
+// IQ4's nibbles as its signed levels (panels.h: kIq4Levels), by vpshufb within each 128-bit lane.
+inline vecb iq4_levels(vecb nibbles) {
+#if defined(__AVX512BW__)
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weft::kIq4Levels)));
+  return reinterpret_cast<vecb>(_mm512_shuffle_epi8(table, reinterpret_cast<__m512i>(nibbles)));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weft::kIq4Levels)));
+  return reinterpret_cast<vecb>(_mm256_shuffle_epi8(table, reinterpret_cast<__m256i>(nibbles)));
+#else
+  vecb levels;
+  for (int b = 0; b < 4 * kLanes; ++b) levels[b] = weft::kIq4Levels[nibbles[b] & 0xF];
+  return levels;
+#endif
+}
+
 // The legacy types, Q4_0 and Q5_0 (kHigh) and with kMin Q4_1 and Q5_1: a block's sum(q * x8) of its
 // unsigned quants (0..15, or 0..31) in int32, scaled by d * d_x, less 8 or 16 times x8's block sum
 // (in int32), or plus m * s (Q4_1, Q5_1: s the activations' float16 d_x * sum(x8), llama.cpp's
 // q8_1 `s`, `block_s`). Without VNNI the byte pair sums add up in 16 bits over
 // all 8 groups (4 bits: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (5 bits: 4 * 2 * 31 * 127 =
-// 31,496) before one vpmaddwd widens them.
-template <int kRows, int kV, bool kHigh, bool kMin>
+// 31,496) before one vpmaddwd widens them. With kTable (IQ4_NL, IQ4_XS) each nibble is looked up as
+// its signed level and multiplied as Q8_0's signed quants are (dot_signed: with VNNI less 128 times
+// the block sum).
+template <int kRows, int kV, bool kHigh, bool kMin, bool kTable = false>
 void dot_tile_legacy(const Tile& t) {
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
@@ -355,7 +372,8 @@ void dot_tile_legacy(const Tile& t) {
   const auto* panel = static_cast<const int8_t*>(t.panel);
   constexpr int64_t kBlockBytes = weft::legacy_dot_block_bytes(kHigh, kMin);
   constexpr int kChunks = weft::kQ8Block / (2 * kDotGroup), kRun = kHigh ? 2 : kChunks;  // chunks summed in 16 bits
-  constexpr int32_t kBias = kMin ? 0 : kHigh ? 16 : 8;
+  constexpr int32_t kBias = kTable ? (kVnni ? 128 : 0) : kMin ? 0 : kHigh ? 16 : 8;
+  constexpr bool kPairs = !kVnni && !kTable;  // summed in 16 bits before widening
   vecw shift[kV];
   for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
@@ -380,16 +398,17 @@ void dot_tile_legacy(const Tile& t) {
           for (int j = 0; j < kV; ++j) {
             w[j] = nibbles(block + weft::legacy_dot_nibbles(kHigh, kMin, 2 * h + g), v0 + j);
             if constexpr (kHigh) w[j] |= reinterpret_cast<vecb>((g == 0 ? high << (4 - shift[j]) : high >> shift[j]) & 0x10101010u);
+            if constexpr (kTable) w[j] = iq4_levels(w[j]);
           }
           const int64_t offset = b * weft::kQ8Block + kDotGroup * (2 * h + g);
-          if constexpr (kVnni) {
-            a.dot(x, offset, w);
-          } else {
+          if constexpr (kPairs) {
             add_pair_sums(x, offset, w, pairs);
+          } else {
+            a.template dot<kTable>(x, offset, w);
           }
         }
       }
-      if constexpr (!kVnni) {
+      if constexpr (kPairs) {
         for (int i = 0; i < kRows; ++i)
           for (int j = 0; j < kV; ++j) a.sub[i][j] += widen_pairs(pairs[i][j]);
       }
@@ -584,10 +603,6 @@ struct Q8DotTiles {
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q8_0<kRows, kV>(t); }
 };
-// Q8_0 blocks 8 to a super-block (IQ4_XS's): the same tiles, the activations rounded as for k-quants.
-struct Q8KDotTiles : Q8DotTiles {
-  static constexpr ActBlocks kActivations = ActBlocks::kQ8_K;
-};
 // The legacy types: with 16 registers whole panels of up to 3 rows (a group's nibbles unpacked once
 // for 3 rows), half panels of 4 from 4 rows (Q4_0, Q5_0: 1.0-1.1x the whole ones at 8-256 rows on a
 // Zen 3).
@@ -597,6 +612,12 @@ struct LegacyDotTiles {
   static constexpr int kHalfRows = kLanes == 16 ? 0 : 4;
   static constexpr ActBlocks kActivations = kMin ? ActBlocks::kQ8_1 : ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh, kMin>(t); }
+};
+// IQ4_NL and IQ4_XS: the legacy tiles with their nibbles looked up, with Q8_0 or k-quant activations.
+template <ActBlocks kBlocks>
+struct Iq4DotTiles : LegacyDotTiles<false, false> {
+  static constexpr ActBlocks kActivations = kBlocks;
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, false, false, true>(t); }
 };
 struct KQuantTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
@@ -632,7 +653,8 @@ bool is_dot_panels(const at::Tensor& panels, int64_t k) {
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
   switch (panels.size(2)) {
     case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
-    case kQ8KDotBlockBytes: run_dot<Q8KDotTiles>(x, panels, bias, out); break;
+    case kIq4NlDotBlockBytes: run_dot<Iq4DotTiles<ActBlocks::kQ8_0>>(x, panels, bias, out); break;
+    case kIq4XsDotBlockBytes: run_dot<Iq4DotTiles<ActBlocks::kQ8_K>>(x, panels, bias, out); break;
     case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false, false>>(x, panels, bias, out); break;
     case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true, false>>(x, panels, bias, out); break;
     case kQ4_1DotBlockBytes: run_dot<LegacyDotTiles<false, true>>(x, panels, bias, out); break;

@@ -631,8 +631,13 @@ float legacy_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
 void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, const int64_t* ids, int64_t tokens,
                      float* out) {
   const auto* panels = reinterpret_cast<const uint8_t*>(panels_in);
-  if (block_bytes == kQ8DotBlockBytes || block_bytes == kQ8KDotBlockBytes) {  // the same bytes
-    block_bytes = kQ8DotBlockBytes;
+  if (block_bytes == kIq4NlDotBlockBytes || block_bytes == kIq4XsDotBlockBytes) {  // Q4_0's blocks, looked up
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, kQ4_0DotBlockBytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+      const LegacySpot at = legacy_dot_spot(false, false, kk, c);
+      const int q = c < 16 ? block[at.nibble] & 0xF : block[at.nibble] >> 4;
+      return half_at(block + 2 * c) * static_cast<float>(kIq4Levels[q]);
+    });
+  } else if (block_bytes == kQ8DotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
       const auto q = static_cast<int8_t>(block[kQ8DotQuantsOffset + kDotGroup * kPanel * (kk / kDotGroup) + kDotGroup * c + kk % kDotGroup]);
       return half_at(block + 2 * c) * static_cast<float>(q);

@@ -4,10 +4,12 @@
 //   Q3_K   -> Q6_K, exactly: a Q3_K weight is d * (sc - 32) * q with q in -4..3 and a 6-bit sc per
 //             sub-block of 16, which is Q6_K's d * sc' * q' (q' in -32..31, int8 sc') for the same d
 //             (6.6 bits a weight instead of 3.4; the dequantization is bit-identical).
-//   IQ4_NL -> Q8_0, exactly: d * kvalues[q] per block of 32, kvalues int8 (8.5 bits instead of 4.5).
-//   IQ4_XS -> Q8_0 with each sub-block's scale d * (ls - 32) rounded to float16 (at most 2^-11 of it
+//   IQ4_NL -> Q8_0, exactly: d * kvalues[q] per block of 32, kvalues int8 (8.5 bits instead of 4.5):
+//             the exact panels, and dot panels where the input features are not a multiple of 128
+//             (elsewhere IQ4_NL has dot panels of its own, panels.h).
+//   IQ4_XS -> IQ4_NL with each sub-block's scale d * (ls - 32) rounded to float16 (at most 2^-11 of it
 //             where it is a normal float16, against the 2^-8 of the int8 activations of a dot product;
-//             8.5 bits instead of 4.25). Exact float32 products dequantize the file's blocks instead.
+//             4.5 bits instead of 4.25), for its dot panels. Exact products dequantize the file's blocks.
 //
 // The layouts are llama.cpp's (ggml-common.h): block_q3_K {hmask[32], qs[64], scales[12], d},
 // block_q6_K {ql[128], qh[64], scales[16], d}, block_iq4_nl {d, qs[16]}, block_iq4_xs {d,
@@ -22,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "panels.h"
+
 namespace weft {
 
 namespace {
@@ -29,8 +33,6 @@ namespace {
 constexpr int64_t kSuper = 256;  // features per k-quant super-block
 constexpr int64_t kQ3KBytes = 110, kQ6KBytes = 210, kIq4NlBytes = 18, kIq4XsBytes = 136, kQ8Bytes = 34;
 
-// llama.cpp's kvalues_iq4nl: the 16 levels of a 4-bit IQ4 quant
-constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Q6_K's block from its 256 quants q (-32..31), 16 int8 scales and float16 d (bits): feature
 // 128 h + 32 r + l (r 0..3, l < 32) in the low (r 0, 1) or high (r 2, 3) nibble of ql[64 h + l + 32 (r % 2)]
@@ -73,23 +75,18 @@ void q3_k_as_q6_k(const uint8_t* in, uint8_t* out) {
 
 // Q8_0's block: float16 d (bits) and the 32 levels of 16 bytes of IQ4 nibbles (feature j < 16 in the
 // low nibble of qs[j], j >= 16 in the high one of qs[j - 16]).
-void iq4_as_q8_0(uint16_t d, const uint8_t* qs, uint8_t* out) {
-  std::memcpy(out, &d, 2);
+void iq4_nl_as_q8_0(const uint8_t* in, uint8_t* out) {
+  std::memcpy(out, in, 2);
+  const uint8_t* qs = in + 2;
   for (int j = 0; j < 16; ++j) {
     out[2 + j] = static_cast<uint8_t>(kIq4Levels[qs[j] & 0xF]);
     out[18 + j] = static_cast<uint8_t>(kIq4Levels[qs[j] >> 4]);
   }
 }
 
-void iq4_nl_as_q8_0(const uint8_t* in, uint8_t* out) {
-  uint16_t d;
-  std::memcpy(&d, in, 2);
-  iq4_as_q8_0(d, in + 2, out);
-}
-
-// An IQ4_XS super-block as 8 Q8_0 blocks: sub-block b's scale ls is 4 bits of scales_l[b / 2] (low
+// An IQ4_XS super-block as 8 IQ4_NL blocks: sub-block b's scale ls is 4 bits of scales_l[b / 2] (low
 // for even b) and bits 2 b of scales_h above them; its float16 d is d * (ls - 32), rounded.
-void iq4_xs_as_q8_0(const uint8_t* in, uint8_t* out) {
+void iq4_xs_as_iq4_nl(const uint8_t* in, uint8_t* out) {
   uint16_t d_bits, high;
   std::memcpy(&d_bits, in, 2);
   std::memcpy(&high, in + 2, 2);
@@ -98,7 +95,8 @@ void iq4_xs_as_q8_0(const uint8_t* in, uint8_t* out) {
     const int ls = ((in[4 + b / 2] >> (4 * (b % 2))) & 0xF) | (((high >> (2 * b)) & 3) << 4);
     const c10::Half scale(d * static_cast<float>(ls - 32));
     TORCH_CHECK(std::isfinite(static_cast<float>(scale)), "rewrite_blocks: an IQ4_XS scale overflows float16");
-    iq4_as_q8_0(scale.x, in + 8 + 16 * b, out + kQ8Bytes * b);
+    std::memcpy(out + kIq4NlBytes * b, &scale.x, 2);
+    std::memcpy(out + kIq4NlBytes * b + 2, in + 8 + 16 * b, 16);
   }
 }
 
@@ -120,12 +118,12 @@ at::Tensor rewrite_rows(const at::Tensor& rows_in, int64_t in_bytes, int64_t out
 }
 
 // The rows of a GGUF tensor of `kind` ("q3_k", "iq4_nl", "iq4_xs") as rows of the type weft packs
-// it as (Q6_K, Q8_0, Q8_0).
+// it as (Q6_K, Q8_0, IQ4_NL).
 at::Tensor rewrite_blocks(const at::Tensor& rows, c10::string_view kind) {
   if (kind == "q3_k") return rewrite_rows(rows, kQ3KBytes, kQ6KBytes, q3_k_as_q6_k);
   if (kind == "iq4_nl") return rewrite_rows(rows, kIq4NlBytes, kQ8Bytes, iq4_nl_as_q8_0);
   TORCH_CHECK(kind == "iq4_xs", "rewrite_blocks: kind must be q3_k, iq4_nl or iq4_xs, not ", kind);
-  return rewrite_rows(rows, kIq4XsBytes, 8 * kQ8Bytes, iq4_xs_as_q8_0);
+  return rewrite_rows(rows, kIq4XsBytes, 8 * kIq4NlBytes, iq4_xs_as_iq4_nl);
 }
 
 }  // namespace
