@@ -40,7 +40,7 @@ BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
 BLOCK_BYTES |= {("q2_k", True): 7296, ("q3_k", False): 6720, ("q3_k", True): 7296, ("iq4_nl", False): 2304}
-BLOCK_BYTES |= {("iq4_xs", False): 4608}
+BLOCK_BYTES |= {("iq4_xs", False): 4608, ("q2_k", False): 3200, ("q3_k", False): 3648}
 PANEL_BLOCK = {"iq4_nl": 128}  # input features per dot panel block, where not the activations' block
 SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "iq4_nl")  # blocks of 32 features: activations too
 
@@ -273,9 +273,9 @@ def test_bad_dot_panels_are_clear_errors():
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
     with pytest.raises(
-        RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q4_k, q5_k or q6_k"
+        RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k"
     ):
-        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "q3_k", False)
+        torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "iq4_nl", False)
     with pytest.raises(ValueError, match="q5_k has no exact quantized panels"):
         QuantizedRows("q5_k", random_q5_k(32, 256, seed=0)).pack(dot=False)
     with pytest.raises(RuntimeError, match="kind must be"):

@@ -1,8 +1,9 @@
 """The low-bit types of the files users download (Q2_K, Q3_K, IQ4_NL, IQ4_XS): each against
-`gguf.quants.dequantize` of the same blocks. Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0 blocks
-whose dequantization is bit-identical to the file's; IQ4_XS as IQ4_NL blocks whose scales are
-rounded to float16; IQ4_NL and IQ4_XS have dot panels of their own (nibbles looked up as the IQ4
-levels); Q2_K goes into the Q6_K dot layout with mins, exactly. Run on every ISA build
+`gguf.quants.dequantize` of the same blocks. Each has dot panels of its own (Q2_K and Q3_K in the
+Q6_K layout's order with 2-bit planes and a plane of third bits; IQ4_NL and IQ4_XS as Q4_0's blocks
+whose nibbles are looked up as the IQ4 levels, IQ4_XS's scales rounded to float16); Q2_K and Q3_K
+also go into the Q6_K layout with mins for fusions; Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0
+blocks for exact products, bit-identical to the file's. Run on every ISA build
 (tests/other_builds.py)."""
 
 from __future__ import annotations
@@ -50,19 +51,23 @@ def test_iq4_xs_is_rewritten_with_its_scales_rounded_to_float16():
     assert torch.equal(rewritten("iq4_xs", powers).dequantize(), reference_dequantize(powers, "IQ4_XS"))
 
 
+@pytest.mark.parametrize("mins", [False, True])
+@pytest.mark.parametrize("kind", ["q2_k", "q3_k"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
-def test_q2_k_dot_panels_compute_the_product_of_rounded_activations(rows):
-    """Q2_K in the Q6_K dot layout with mins: the product of the dequantized weights with the
-    activations rounded as llama.cpp rounds them for k-quants, on every tile height and a last panel
-    of 13 columns."""
-    check_product(random_low_bit("q2_k", 77, 512, seed=rows), "q2_k", True, rows, bias=rows % 2 == 0)
-    check_product(random_low_bit("q2_k", 40, 256, seed=rows, scale=1000.0), "q2_k", True, rows, bias=False)
+def test_q2_k_and_q3_k_dot_panels_compute_the_product_of_rounded_activations(kind, mins, rows):
+    """Q2_K and Q3_K in dot panels of their own (3.1 and 3.6 bits a weight) and, as in a fusion with
+    other k-quants, in the Q6_K layout with mins: the product of the dequantized weights with the
+    activations rounded as llama.cpp rounds them for k-quants, on every tile height, a last panel of
+    13 columns and large scales."""
+    check_product(random_low_bit(kind, 77, 512, seed=rows), kind, mins, rows, bias=rows % 2 == 0)
+    large = 1000.0 if not mins or kind == "q2_k" else 60.0  # Q3_K's 32 d is a float16 dmin there
+    check_product(random_low_bit(kind, 40, 256, seed=rows, scale=large), kind, mins, rows, bias=False)
 
 
 @pytest.mark.parametrize("kind", ["q3_k", "iq4_nl"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13])
 def test_q3_k_and_iq4_nl_multiply_as_the_files_weights(kind, rows):
-    """Q3_K in Q6_K dot panels, IQ4_NL in its own (and in Q8_0's where the input features are not
+    """Q3_K and IQ4_NL in dot panels of their own (IQ4_NL in Q8_0's where the input features are not
     whole blocks of 128; exact panels as Q6_K's and Q8_0's): the product of the file's own weights
     with the activations rounded as llama.cpp rounds them for each type, on every tile height."""
     raw = random_low_bit(kind, 45, 512, seed=rows)

@@ -8,10 +8,10 @@ block bytes], under its Hugging Face name. The loader fuses q/k/v and gate/up by
 weights are assigned: dot panels (int8 tensors) for int8 products, or the exact panels (uint8) for
 float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and exact ones as Q8_0;
 Q4_1 and Q5_1 have dot panels of their own, and for exact products are dequantized to float32).
-IQ4_NL and IQ4_XS have dot panels of their own (Q4_0's blocks whose nibbles index the IQ4 levels; the
-IQ4_XS sub-block scales rounded to float16 on the way, `REWRITTEN`), and for exact products go into
-Q8_0's exact panels (IQ4_NL, exactly) or are dequantized (IQ4_XS). Q3_K is packed as Q6_K blocks of
-exactly the same weights (weft/native/rewrite.cpp).
+Q2_K and Q3_K have dot panels of their own (3.1 and 3.6 bits a weight); IQ4_NL and IQ4_XS too (Q4_0's
+blocks whose nibbles index the IQ4 levels; the IQ4_XS sub-block scales rounded to float16 on the
+way, `REWRITTEN`). For exact products Q3_K goes into Q6_K's exact panels and IQ4_NL into Q8_0's,
+rewritten exactly (weft/native/rewrite.cpp); Q2_K and IQ4_XS are dequantized.
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
@@ -22,6 +22,7 @@ above `weft/model` sees the formats.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -63,23 +64,31 @@ class QuantizedRows:
 
     def pack(self, dot: bool = False, mins: bool = False) -> torch.Tensor:
         """The kind's panels (weft/native/panels.h): exact ones (uint8), or with `dot` dot panels
-        (int8; with `mins`, a Q4_K or Q6_K matrix in the Q6_K layout with mins). Q4_0 and Q5_0 have no
-        exact panels of their own: they go into Q8_0's, exactly. Q4_1, Q5_1, Q2_K and Q5_K have none at
-        all (`exact_panels`): for float32 products the loader dequantizes them. Q5_K's dot panels
-        and Q2_K's are always the Q6_K layout with mins. IQ4_NL and IQ4_XS have dot panels of their
-        own where the input features are whole blocks of them (128, 256), else IQ4_NL goes into Q8_0's;
-        Q3_K goes into Q6_K's, IQ4_NL into Q8_0's exact panels, exactly."""
-        if not dot and self.kind in LEGACY:
+        (int8; with `mins`, a k-quant matrix in the Q6_K layout with mins, which holds them all)."""
+        return self._dot_panels(mins) if dot else self._exact_panels()
+
+    def _exact_panels(self) -> torch.Tensor:
+        """Q4_0 and Q5_0 go into Q8_0's exact panels, Q3_K into Q6_K's and IQ4_NL into Q8_0's, exactly;
+        Q4_1, Q5_1, Q2_K, Q5_K and IQ4_XS have none (`exact_panels`): the loader dequantizes them."""
+        if self.kind in LEGACY:
             return as_q8_0(self).pack()
-        if not dot and not self.exact_panels:
+        if not self.exact_panels:
             raise ValueError(f"{self.kind} has no exact quantized panels; dequantize it for float32 products")
-        if dot and self.kind in IQ4_DOT_BLOCKS and self.shape[1] % (32 * IQ4_DOT_BLOCKS[self.kind]) == 0:
-            return self._iq4_dot_panels()
         if self.kind in REWRITTEN:
-            return self.rewritten().pack(dot, mins)
-        if dot:
-            return torch.ops.weft.pack_dot(self.rows, self.kind, mins)
-        return getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows)
+            return self.rewritten().pack()
+        return cast(torch.Tensor, getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows))
+
+    def _dot_panels(self, mins: bool) -> torch.Tensor:
+        """Every kind has dot panels of its own, but Q5_K's are always the Q6_K layout with mins (and
+        with `mins` Q3_K goes into them as Q6_K blocks); IQ4_NL's where its input features are not
+        whole blocks of 128 are Q8_0's."""
+        if self.kind in IQ4_DOT_BLOCKS:
+            if self.shape[1] % (32 * IQ4_DOT_BLOCKS[self.kind]):
+                return self.rewritten().pack(dot=True)
+            return self._iq4_dot_panels()
+        if self.kind == "q3_k" and mins:
+            return self.rewritten().pack(dot=True, mins=True)
+        return cast(torch.Tensor, torch.ops.weft.pack_dot(self.rows, self.kind, mins))
 
     def _iq4_dot_panels(self) -> torch.Tensor:  # int8 [P, K / (32 * blocks), blocks * 576]
         nl = self.rewritten() if self.kind == "iq4_xs" else self

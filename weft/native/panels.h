@@ -47,9 +47,10 @@ constexpr int64_t kQ6KFileBlockBytes = 210;
 constexpr int64_t kQ5KFileBlockBytes = 176;
 
 // Q2_K (GGUF's 2-bit k-quant): super-blocks of 256 with d and dmin, a 4-bit scale and min per
-// sub-block of 16 and q 0..3. Its dot panels are the Q6_K layout with mins, which holds it exactly
-// (7.1 bits a weight; the file: 2.6); no exact panels.
+// sub-block of 16 and q 0..3. Dot panels of its own (below), and in a fusion with other k-quants the
+// Q6_K layout with mins, which holds it exactly (7.1 bits a weight; the file: 2.6); no exact panels.
 constexpr int64_t kQ2KFileBlockBytes = 84;
+constexpr int64_t kQ3KFileBlockBytes = 110;  // Q3_K: hmask[32], qs[64], scales[12], d
 
 // Dot panels (int8 tensors; qdot.cpp multiplies them by activations quantized to int8): the same
 // blocks laid out for byte dot products (vpdpbusd, or vpmaddubsw + vpmaddwd), each 32-bit lane one
@@ -129,6 +130,19 @@ constexpr int64_t q6k_dot_high(int64_t g) { return 192 * (g / 2) + 128 + 32 * (g
 constexpr int64_t kQ6KDotBlockBytes(bool mins) { return q6k_dot_pair(mins, kQ6KSubBlocks / 2); }
 static_assert(kQ6KDotBlockBytes(false) == 6720 && kQ6KDotBlockBytes(true) == 7296);
 
+// Q3_K and Q2_K, in the Q6_K layout's order with fewer bits: per super-block of 256, d (Q2_K: and
+// dmin), then per pair of sub-blocks of 16 their int8 scales [2][32] (Q2_K: and mins [2][32]) and
+// the quants in 4 chunks of two groups: the two groups' low 2 bits (2 x 32 bytes, byte 4 (c % 8) + f
+// holding column c's at bit 2 (c / 8), as Q6_K's high pairs) and, for Q3_K, their third bits (32
+// bytes, as Q5_0's fifth bits). Q3_K's quants biased to q + 4 (0..7), a weight d * sc * (q' - 4):
+// 3.6 bits a weight (the file: 3.4); Q2_K's d * sc * q - dmin * m: 3.1 bits (the file: 2.6).
+constexpr int64_t low_k_chunk(bool third) { return 2 * 32 + (third ? 32 : 0); }  // two groups' quants
+constexpr int64_t low_k_pair_bytes(bool third, bool mins) { return q6k_dot_pair_scales(mins) + 4 * low_k_chunk(third); }
+constexpr int64_t low_k_pair(bool third, bool mins, int64_t p) { return q6k_dot_header(mins) + p * low_k_pair_bytes(third, mins); }
+constexpr int64_t kQ3KDotBlockBytes = low_k_pair(true, false, kQ6KSubBlocks / 2);  // 3,648
+constexpr int64_t kQ2KDotBlockBytes = low_k_pair(false, true, kQ6KSubBlocks / 2);  // 3,200
+static_assert(kQ3KDotBlockBytes == 3648 && kQ2KDotBlockBytes == 3200);
+
 // Rows `ids` of a Q8_0 matrix, dequantized to float32 [T, K], from its panels [P, K / 32, 1,088].
 void gather_q8_0_rows(const uint8_t* panels, int64_t k, const int64_t* ids, int64_t tokens, float* out);
 // The same for a Q6_K matrix's panels [P, K / 256, 8,768].
@@ -141,7 +155,8 @@ void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const
 constexpr int64_t dot_block_features(int64_t block_bytes) {
   return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes)) ? kQ8Block
          : block_bytes == kIq4NlDotBlockBytes                                     ? 4 * kQ8Block
-         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
+         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes || block_bytes == kQ3KDotBlockBytes ||
+            block_bytes == kQ2KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
             block_bytes == kQ6KDotBlockBytes(true))
              ? kQ4KBlock
              : 0;

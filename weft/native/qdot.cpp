@@ -1,6 +1,6 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
 // is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
-// fusion mixing Q4_K and Q6_K, for Q2_K and Q5_K; IQ4_NL and IQ4_XS; Q3_K as Q6_K blocks) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
+// fusion mixing Q4_K and Q6_K, and for Q5_K; Q2_K, Q3_K, IQ4_NL and IQ4_XS) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
 // (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
 // products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
@@ -537,8 +537,37 @@ void dot_tile_q4_k(const Tile& t) {
   }
 }
 
-template <int kRows, int kV, bool kMins>
-void dot_tile_q6_k(const Tile& t) {
+// The k-quants of sub-blocks of 16 (panels.h), by bits a quant: Q6_K (6: nibbles and a plane of
+// high pairs, q' - 32, or with mins any fused k-quant), Q3_K (3: a plane of low pairs and one of
+// third bits, q' - 4) and Q2_K (2: a plane of pairs, with its mins).
+template <int kBits, bool kMins>
+struct SmallKLayout {
+  static constexpr bool kThird = kBits == 3;
+  static constexpr int32_t kBias = kBits == 6 ? 32 : 4;  // without mins: q' - kBias
+  static constexpr int64_t block_bytes() {
+    return kBits == 6 ? weft::kQ6KDotBlockBytes(kMins) : weft::low_k_pair(kThird, kMins, weft::kQ6KSubBlocks / 2);
+  }
+  static constexpr int64_t pair(int64_t p) { return kBits == 6 ? weft::q6k_dot_pair(kMins, p) : weft::low_k_pair(kThird, kMins, p); }
+  static constexpr int64_t prefetch_at(int64_t group) {
+    return kBits == 6 ? weft::q6k_dot_low(group) : weft::low_k_chunk(kThird) * (group / 2);
+  }
+  // Column vector v of group `group` of a pair's quants, unsigned (0..63, 0..7 or 0..3); shift:
+  // high_shift(v) (2 (c / 8) per lane), third: fifth_shift(v) (c / 8).
+  static vecb quants(const int8_t* q, int64_t group, int v, vecw shift, vecw third) {
+    if constexpr (kBits == 6) {
+      return nibbles(q + weft::q6k_dot_low(group), v) | high_bits(q + weft::q6k_dot_high(group), shift);
+    } else {
+      const int8_t* chunk = q + weft::low_k_chunk(kThird) * (group / 2);
+      vecw w = (load_high(chunk + 32 * (group % 2)) >> shift) & 0x03030303u;
+      if constexpr (kThird) w |= ((load_high(chunk + 64) >> (third + static_cast<uint32_t>(4 * (group % 2)))) & 0x01010101u) << 2;
+      return reinterpret_cast<vecb>(w);
+    }
+  }
+};
+
+template <int kRows, int kV, int kBits, bool kMins>
+void dot_tile_small_k(const Tile& t) {
+  using Layout = SmallKLayout<kBits, kMins>;
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
@@ -546,17 +575,18 @@ void dot_tile_q6_k(const Tile& t) {
   const auto* panel = static_cast<const int8_t*>(t.panel);
   constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
   for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
-    const int8_t* block = panel + sb * weft::kQ6KDotBlockBytes(kMins);
+    const int8_t* block = panel + sb * Layout::block_bytes();
     vecf d[kV], dmin[kV];
-    vecw shift[kV];
+    vecw shift[kV], third[kV];
     for (int j = 0; j < kV; ++j) {
       shift[j] = high_shift(v0 + j);
+      third[j] = fifth_shift(v0 + j);
       d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
       dmin[j] = kMins ? widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j)) : vecf{};
     }
     for (int64_t s = 0; s < weft::kQ6KSubBlocks; ++s) {
       prefetch_out_line<kRows, kV>(t, sb * weft::kQ6KSubBlocks + s);
-      const int8_t* pair = block + weft::q6k_dot_pair(kMins, s / 2);  // scales (mins), then quants
+      const int8_t* pair = block + Layout::pair(s / 2);  // scales (mins), then quants
       const int8_t* quants = pair + weft::q6k_dot_pair_scales(kMins);
       vecf scale[kV], min[kV];
       for (int j = 0; j < kV; ++j) {
@@ -567,12 +597,9 @@ void dot_tile_q6_k(const Tile& t) {
       a.clear_sub();
       for (int64_t g = 0; g < kGroups; ++g) {
         const int64_t group = (s % 2) * kGroups + g;  // of the pair
-        prefetch_weights<kRows>(quants + weft::q6k_dot_low(group) + kPrefetchBytes);
+        prefetch_weights<kRows>(quants + Layout::prefetch_at(group) + kPrefetchBytes);
         vecb w[kV];
-        for (int j = 0; j < kV; ++j) {
-          w[j] = nibbles(quants + weft::q6k_dot_low(group), v0 + j) |
-                 high_bits(quants + weft::q6k_dot_high(group), shift[j]);
-        }
+        for (int j = 0; j < kV; ++j) w[j] = Layout::quants(quants, group, v0 + j, shift[j], third[j]);
         a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
       }
       const int64_t xb = (sb * weft::kQ6KBlock + s * kSub) / kActBlock, xs = (sb * weft::kQ6KBlock + s * kSub) / kSumGroup;
@@ -582,8 +609,8 @@ void dot_tile_q6_k(const Tile& t) {
         for (int j = 0; j < kV; ++j) {
           if constexpr (kMins) {
             a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * (dx * static_cast<float>(sum));
-          } else {  // q' - 32: the bias comes off in int32
-            a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - 32 * sum, vecf) * (scale[j] * dx);
+          } else {  // q' - 32 or q' - 4: the bias comes off in int32
+            a.acc[i][j] += __builtin_convertvector(a.sub[i][j] - Layout::kBias * sum, vecf) * (scale[j] * dx);
           }
         }
       }
@@ -627,9 +654,9 @@ struct KQuantTiles {
 struct Q4KDotTiles : KQuantTiles {
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q4_k<kRows, kV>(t); }
 };
-template <bool kMins>
-struct Q6KDotTiles : KQuantTiles {
-  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q6_k<kRows, kV, kMins>(t); }
+template <int kBits, bool kMins>
+struct SmallKDotTiles : KQuantTiles {
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_small_k<kRows, kV, kBits, kMins>(t); }
 };
 
 template <typename Tiles>
@@ -660,8 +687,10 @@ void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias
     case kQ4_1DotBlockBytes: run_dot<LegacyDotTiles<false, true>>(x, panels, bias, out); break;
     case kQ5_1DotBlockBytes: run_dot<LegacyDotTiles<true, true>>(x, panels, bias, out); break;
     case kQ4KDotBlockBytes: run_dot<Q4KDotTiles>(x, panels, bias, out); break;
-    case kQ6KDotBlockBytes(false): run_dot<Q6KDotTiles<false>>(x, panels, bias, out); break;
-    default: run_dot<Q6KDotTiles<true>>(x, panels, bias, out); break;
+    case kQ3KDotBlockBytes: run_dot<SmallKDotTiles<3, false>>(x, panels, bias, out); break;
+    case kQ2KDotBlockBytes: run_dot<SmallKDotTiles<2, true>>(x, panels, bias, out); break;
+    case kQ6KDotBlockBytes(false): run_dot<SmallKDotTiles<6, false>>(x, panels, bias, out); break;
+    default: run_dot<SmallKDotTiles<6, true>>(x, panels, bias, out); break;
   }
 }
 

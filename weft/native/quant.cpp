@@ -111,6 +111,29 @@ KBlock decode_q2_k(const uint8_t* file_block) {
   return b;
 }
 
+// A Q3_K super-block (file layout: hmask[32], qs[64], scales[12], d) for its own dot panels: q + 4
+// (0..7) and int8 sc - 32 (llama.cpp's dequantize_row_q3_K: scale j's low 4 bits in scales[j] (j < 8)
+// or scales[j - 8] >> 4, its high 2 at bits 2 (j / 4) of scales[8 + j % 4]; feature 128 n + 32 j + l:
+// bits 2 j of qs[32 n + l], less 4 unless bit 4 n + j of hmask[l]).
+KBlock decode_q3_k(const uint8_t* file_block) {
+  KBlock b{};
+  const uint8_t *hmask = file_block, *qs = file_block + 32, *sc = file_block + 96;
+  std::memcpy(&b.d, file_block + 108, 2);
+  for (int j = 0; j < kQ6KSubBlocks; ++j) {
+    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    b.sc[j] = static_cast<int8_t>((low | high << 4) - 32);
+  }
+  for (int64_t n = 0; n < 2; ++n) {
+    for (int64_t j = 0; j < 4; ++j) {
+      for (int64_t l = 0; l < 32; ++l) {
+        const int v = (qs[32 * n + l] >> (2 * j)) & 3, present = (hmask[l] >> (4 * n + j)) & 1;
+        b.q[128 * n + 32 * j + l] = static_cast<uint8_t>(v + (present ? 4 : 0));
+      }
+    }
+  }
+  return b;
+}
+
 // A Q6_K super-block (file layout: ql[128], qh[64], scales[16], d): q + 32 (0..63), int8 sc, and
 // dmin = 32 d, m = sc, so that d * sc * (q + 32) - dmin * m = d * sc * q.
 KBlock decode_q6_k(const uint8_t* file_block) {
@@ -511,9 +534,35 @@ void pack_q6_k_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
+// A Q3_K or (kMins) Q2_K dot panel block (panels.h: the Q6_K layout's order, 2-bit planes and, with
+// kThird, a plane of third bits).
+template <bool kThird, bool kMins, KBlock (*kDecode)(const uint8_t*)>
+void pack_low_k_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ6KBlock] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    const KBlock b = kDecode(columns[c]);
+    std::memcpy(block + 2 * c, &b.d, 2);
+    if (kMins) std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+    for (int64_t s = 0; s < kQ6KSubBlocks; ++s) {
+      const int64_t at = low_k_pair(kThird, kMins, s / 2) + (s % 2) * kPanel + c;
+      block[at] = static_cast<uint8_t>(b.sc[s]);
+      if (kMins) block[at + 2 * kPanel] = static_cast<uint8_t>(b.m[s]);
+    }
+    std::memcpy(q + c * kQ6KBlock, b.q, kQ6KBlock);
+  }
+  for (int64_t p = 0; p < kQ6KSubBlocks / 2; ++p) {
+    uint8_t* quants = block + low_k_pair(kThird, kMins, p) + q6k_dot_pair_scales(kMins);
+    for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
+      uint8_t* chunk = quants + low_k_chunk(kThird) * (g / 2);
+      put_bits(q, kQ6KBlock, 32 * p + kDotGroup * g, 0, 2, 0, chunk + 32 * (g % 2));
+      if (kThird) put_bits(q, kQ6KBlock, 32 * p + kDotGroup * g, 2, 1, 4 * (g % 2), chunk + 64);
+    }
+  }
+}
+
 // GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q2_k", "q4_k", "q5_k", "q6_k") into dot panels
-// (int8; panels.h); with `mins` (Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion that mixes
-// them); Q2_K and Q5_K always go into that layout.
+// (int8; panels.h); with `mins` (Q2_K, Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion
+// that mixes them); Q5_K always goes into that layout. Q3_K (without mins) and Q2_K have layouts of their own.
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
   if (kind == "q8_0" && !mins) {
@@ -542,15 +591,23 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q5_k>,
                              message, at::kChar);
   }
-  if (kind == "q2_k") {  // likewise
+  if (kind == "q2_k" && !mins) {
+    return pack_panel_blocks(rows, kQ2KFileBlockBytes, kQ2KDotBlockBytes, pack_low_k_dot_block<false, true, decode_q2_k>,
+                             message, at::kChar);
+  }
+  if (kind == "q2_k") {
     return pack_panel_blocks(rows, kQ2KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q2_k>,
+                             message, at::kChar);
+  }
+  if (kind == "q3_k" && !mins) {
+    return pack_panel_blocks(rows, kQ3KFileBlockBytes, kQ3KDotBlockBytes, pack_low_k_dot_block<true, false, decode_q3_k>,
                              message, at::kChar);
   }
   if (kind == "q4_k") {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q4_k>,
                              message, at::kChar);
   }
-  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q4_k, q5_k or q6_k (mins: q2_k, q4_k, q5_k or q6_k), not ", kind);
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k (mins: q2_k, q4_k, q5_k or q6_k), not ", kind);
   if (mins) {
     return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q6_k>,
                              message, at::kChar);
@@ -616,6 +673,19 @@ float k_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
   return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * m;
 }
 
+// One weight of a Q3_K (kThird) or Q2_K (kMins) dot panel block: (d * sc) * (q - 4) or (d * sc) * q - dmin * m.
+template <bool kThird, bool kMins>
+float low_k_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
+  const int64_t pair = low_k_pair(kThird, kMins, kk / 32), g = (kk % 32) / kDotGroup, at = kDotGroup * (c % 8) + kk % kDotGroup;
+  const uint8_t* chunk = block + pair + q6k_dot_pair_scales(kMins) + low_k_chunk(kThird) * (g / 2);
+  int q = (chunk[32 * (g % 2) + at] >> (2 * (c / 8))) & 3;
+  if (kThird) q |= ((chunk[64 + at] >> (4 * (g % 2) + c / 8)) & 1) << 2;
+  const int64_t scale = pair + ((kk % 32) / kQ6KSubBlock) * kPanel + c;
+  const float d = half_at(block + 2 * c), sc = static_cast<float>(static_cast<int8_t>(block[scale]));
+  if (!kMins) return d * sc * static_cast<float>(q - 4);
+  return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * static_cast<float>(static_cast<int8_t>(block[scale + 2 * kPanel]));
+}
+
 // One weight of a legacy dot panel block: d * (q - 8), d * (q - 16) or (kMin) d * q + m.
 template <bool kHigh, bool kMin>
 float legacy_dot_weight(const uint8_t* block, int64_t c, int64_t kk) {
@@ -652,6 +722,10 @@ void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, co
     gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<true, true>);
   } else if (block_bytes == kQ4KDotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<true, false>);
+  } else if (block_bytes == kQ3KDotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, low_k_dot_weight<true, false>);
+  } else if (block_bytes == kQ2KDotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, low_k_dot_weight<false, true>);
   } else if (block_bytes == kQ6KDotBlockBytes(false)) {
     gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<false, false>);
   } else {
