@@ -32,15 +32,15 @@ from weft.kernels import GGUF_BLOCKS, BlockPart
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
 # Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits, Q2_K's mins
-# per 16): dot panels of their own (Q2_K, Q5_K: the Q6_K layout with mins), and for float32 products
-# the exact dequantization.
+# per 16, IQ4_XS's scales per 32): dot panels only (Q5_K's: the Q6_K layout with mins), and for
+# float32 products the exact dequantization.
 NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k", "iq4_xs")
 # Kinds packed as another kind's blocks (weft/native/rewrite.cpp): exactly, but IQ4_XS's scales
 REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_nl"}
 # IQ4 dot panels: Q4_0's blocks (the same file layout), 4 to a block of 128 features (IQ4_NL) or 8 to
 # a super-block of 256 (IQ4_XS), panels.h
 IQ4_DOT_BLOCKS = {"iq4_nl": 4, "iq4_xs": 8}
-Q4_0_DOT_BLOCK = 576
+Q4_0_DOT_BLOCK = 576  # bytes of a Q4_0 dot panel block (panels.h: kQ4_0DotBlockBytes)
 
 
 @dataclass(frozen=True, slots=True)
