@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import require_native_kernels
 from test_qdot import check_product, rounded_activations
-from test_quant import random_low_bit, random_q6_k, random_q8_0, reference_dequantize
+from test_quant import random_low_bit, random_q5_k, random_q6_k, random_q8_0, reference_dequantize
 
 from weft.model.quantized import MixedRows, QuantizedRows, cat_rows
 
@@ -143,3 +143,35 @@ def test_bad_rows_are_refused_with_the_layout_they_need():
         torch.ops.weft.rewrite_blocks(torch.zeros(2, 144, dtype=torch.uint8), "q4_k")
     with pytest.raises(ValueError, match="q2_k has no exact quantized panels"):
         QuantizedRows("q2_k", random_low_bit("q2_k", 32, 256, seed=0)).pack(dot=False)
+
+
+def test_a_fusion_no_one_layout_holds_runs_in_parts():
+    """IQ4_XS q and k with a Q5_K v (llama.cpp's attn_v where 4 or more query heads share a KV
+    head): one Linear whose panels are in two layouts, each part's product in its columns (not a
+    float32 copy of the whole matrix); exact products dequantize it."""
+    from weft.model.layers import Linear
+    from weft.model.quantized import PartedRows
+
+    q, k = random_low_bit("iq4_xs", 64, 512, seed=9), random_low_bit("iq4_xs", 32, 512, seed=10)
+    v = random_q5_k(32, 512, seed=11)
+    fused = cat_rows([QuantizedRows("iq4_xs", q), QuantizedRows("iq4_xs", k), QuantizedRows("q5_k", v)])
+    assert isinstance(fused, PartedRows) and fused.label == "iq4_xs+q5_k" and fused.shape == (128, 512)
+    assert [p.shape[0] for p in fused.parts] == [96, 32]  # q and k as one IQ4_XS matrix
+    flat, parts = fused.pack()
+    linear = Linear(512, 128, bias=True)
+    linear.expect_parts(parts, flat.numel(), fused.label)
+    linear.weight.data = flat
+    linear.bias.data = torch.randn(128, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    expected = torch.cat(
+        [torch.ops.weft.packed_linear(x, p.pack(dot=True), None, p.shape[0]) for p in fused.parts], dim=1
+    )
+    torch.testing.assert_close(linear(x), expected + linear.bias, rtol=0, atol=1e-6)
+    reference = torch.cat(
+        [
+            reference_dequantize(q, "IQ4_XS"),
+            reference_dequantize(k, "IQ4_XS"),
+            reference_dequantize(v, "Q5_K"),
+        ]
+    )
+    assert torch.equal(fused.dequantize(), reference)

@@ -83,6 +83,17 @@ class BlockPart:
 
 
 @dataclass(frozen=True, slots=True)
+class PanelPart:
+    """Rows `out_start` .. `out_start + rows` of a matrix in dot panels of `shape` [P, blocks, block
+    bytes], at `start` of its flat int8 weight (weft/model/quantized.py: `PartedRows`)."""
+
+    out_start: int
+    rows: int
+    start: int
+    shape: tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
 class StackShape:
     """What `decoder_stack_` needs to know of a model besides its weights."""
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.config import ConfigError, RopeConfig, RopeType
-from weft.kernels import TORCH_KERNELS, BlockPart, RopeTables, TorchKernels
+from weft.kernels import TORCH_KERNELS, BlockPart, PanelPart, RopeTables, TorchKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +88,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layout = WeightLayout.OUT_IN
         self.blocks: BlockWeight | None = None  # BLOCKS: the parts and the kernel set that multiplies them
+        self.parts: tuple[PanelPart, ...] | None = None  # PANELS in parts of several dot layouts
 
     def set_layout(self, layout: WeightLayout) -> None:
         """Store the weight in `layout` (from [out, in]; a tied weight is no longer shared)."""
@@ -109,6 +110,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         self.layout = WeightLayout.PANELS
         self.quantized = quantized
+
+    def expect_parts(self, parts: tuple[PanelPart, ...], numel: int, label: str) -> None:
+        """Built on the meta device, to be assigned a fused matrix in dot panels of several layouts
+        (`PartedRows`: flat int8 [numel]), each part multiplied into its columns of the output."""
+        self.weight = nn.Parameter(torch.empty(numel, dtype=torch.int8), requires_grad=False)
+        self.layout = WeightLayout.PANELS
+        self.parts = parts
+        self.quantized = label
 
     def expect_blocks(self, blocks: BlockWeight, num_bytes: int, label: str) -> None:
         """Built on the meta device, to be assigned a matrix in GGUF blocks (flat uint8 [num_bytes])."""
@@ -148,7 +157,18 @@ class Linear(nn.Module):
         return self.layout is WeightLayout.PANELS and not (self.bf16_dot or self.quantized)
 
     def panel_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], PANELS only
+        if self.parts is not None:
+            return self._parted_forward(x)
         return torch.ops.weft.packed_linear(x, self.weight, self.bias, self.out_features, self.bf16_dot)
+
+    def _parted_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        out = x.new_empty(x.shape[0], self.out_features)
+        for part in self.parts or ():
+            panels = self.weight[part.start : part.start + math.prod(part.shape)].view(part.shape)
+            columns = slice(part.out_start, part.out_start + part.rows)
+            bias = None if self.bias is None else self.bias[columns]
+            out[:, columns] = torch.ops.weft.packed_linear(x, panels, bias, part.rows, False)
+        return out
 
     def dense_forward(
         self, x: torch.Tensor, generated: torch.Tensor | None = None

@@ -456,7 +456,8 @@ def _stackable(layer: DecoderLayer) -> bool:
     attn, mlp = layer.attn, layer.mlp
     if not isinstance(mlp, MLP):
         return False  # (a mixture of experts)
-    packed = all(lin.layout is WeightLayout.PANELS for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down))
+    matrices = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+    packed = all(lin.layout is WeightLayout.PANELS and lin.parts is None for lin in matrices)
     return attn.q_norm is None and attn.head_dim <= 256 and packed
 
 

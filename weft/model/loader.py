@@ -54,6 +54,7 @@ from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import (
     MixedRows,
+    PartedRows,
     QuantizedRows,
     Weight,
     cat_rows,
@@ -304,8 +305,9 @@ def _expect_quantized(
     model: LlamaForCausalLM, state: dict[str, Weight], dot: bool
 ) -> dict[str, torch.Tensor]:
     """Pack every matrix that came in blocks into panels (`dot`: dot panels, for int8 products), its
-    Linear (still on the meta device) taking their shape; an untied embedding table in blocks, and
-    for exact products a fusion of mixed kinds or a Q4_1 / Q5_1 matrix, are dequantized."""
+    Linear (still on the meta device) taking their shape (a fusion of parts no one layout holds: in
+    parts, `PartedRows`); an untied embedding table in blocks, and for exact products a fusion of
+    mixed kinds or a matrix with no exact panels, are dequantized."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state.items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -316,6 +318,9 @@ def _expect_quantized(
             assert isinstance(weight, (QuantizedRows, MixedRows))
             tensors[name] = weight.pack(dot)
             module.expect_panels(tensors[name].shape, quantized=weight.label)
+        elif dot and isinstance(weight, PartedRows) and isinstance(module, Linear):
+            tensors[name], parts = weight.pack()
+            module.expect_parts(parts, tensors[name].numel(), weight.label)
         else:
             tensors[name] = dequantized(weight)
     return tensors

@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from weft.kernels import GGUF_BLOCKS, BlockPart
+from weft.kernels import GGUF_BLOCKS, BlockPart, PanelPart
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
@@ -142,7 +142,42 @@ class MixedRows:
         return "+".join(self.kinds)
 
 
-Weight = torch.Tensor | QuantizedRows | MixedRows
+@dataclass(frozen=True, slots=True)
+class PartedRows:
+    """A fused matrix whose parts no one dot layout holds (an IQ4_XS q/k with a Q5_K v, as llama.cpp
+    quantizes attn_v where many query heads share a KV head), each of a multiple of 32 rows: each
+    part in its own dot panels, one flat int8 tensor, each part's product into its columns of the
+    output (`Linear.parts`). Exact products dequantize it."""
+
+    parts: tuple[QuantizedRows | MixedRows, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def pack(self) -> tuple[torch.Tensor, tuple[PanelPart, ...]]:
+        """The parts' dot panels, flat int8, and where each lies."""
+        panels = [p.pack(dot=True) for p in self.parts]
+        layout, out_start, start = [], 0, 0
+        for part, packed in zip(self.parts, panels, strict=True):
+            shape = cast(tuple[int, int, int], tuple(packed.shape))
+            layout.append(PanelPart(out_start, part.shape[0], start, shape))
+            out_start, start = out_start + part.shape[0], start + packed.numel()
+        return torch.cat([p.reshape(-1) for p in panels]), tuple(layout)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(k for p in self.parts for k in p.kinds))
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.kinds)
+
+
+Weight = torch.Tensor | QuantizedRows | MixedRows | PartedRows
 
 
 def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
@@ -185,27 +220,41 @@ def flat_blocks(weight: QuantizedRows | MixedRows) -> tuple[torch.Tensor, tuple[
 
 
 def logical_shape(weight: Weight) -> tuple[int, ...]:
-    return weight.shape if isinstance(weight, (QuantizedRows, MixedRows)) else tuple(weight.shape)
+    return weight.shape if isinstance(weight, (QuantizedRows, MixedRows, PartedRows)) else tuple(weight.shape)
 
 
 def dequantized(weight: Weight) -> torch.Tensor:
     """A weight as float32 where it came in blocks (an untied embedding table, an odd fusion)."""
-    return weight.dequantize() if isinstance(weight, (QuantizedRows, MixedRows)) else weight
+    return weight.dequantize() if isinstance(weight, (QuantizedRows, MixedRows, PartedRows)) else weight
 
 
 def cat_rows(parts: list[Weight]) -> Weight:
     """Matrices stacked by rows (a fused q/k/v or gate/up): in blocks when every part is of one kind,
-    `MixedRows` when they are Q4_K and Q6_K parts of whole panels, Q8_0 where Q4_0 or Q5_0 parts
-    meet Q8_0 ones, else float32."""
+    `MixedRows` when they are k-quant parts of whole panels, Q8_0 where Q4_0, Q5_0 or IQ4_NL parts
+    meet Q8_0 ones, `PartedRows` for other kinds in whole panels, else float32."""
     blocks = [p for p in parts if isinstance(p, QuantizedRows)]
     kinds = {p.kind for p in blocks}
     if len(blocks) == len(parts) and len(kinds) > 1 and kinds <= {"q8_0", "iq4_nl", *LEGACY}:
         blocks = [as_q8_0(p) for p in blocks]  # one kind, exactly
     if len(blocks) == len(parts) and len({p.kind for p in blocks}) == 1:
         return QuantizedRows(blocks[0].kind, torch.cat([p.rows for p in blocks]))
-    if len(blocks) == len(parts) and all(p.kind in MIXABLE and p.shape[0] % PANEL == 0 for p in blocks):
-        return MixedRows(tuple(blocks))
+    if len(blocks) == len(parts) and all(p.shape[0] % PANEL == 0 for p in blocks):
+        if all(p.kind in MIXABLE for p in blocks):
+            return MixedRows(tuple(blocks))
+        return PartedRows(tuple(_runs(blocks)))
     return torch.cat([dequantized(p) for p in parts])
+
+
+def _runs(blocks: list[QuantizedRows]) -> list[QuantizedRows | MixedRows]:
+    """Neighbouring parts of one kind as one matrix (an IQ4_XS q and k), of k-quants as a `MixedRows`."""
+    runs: list[list[QuantizedRows]] = []
+    for block in blocks:
+        last = runs[-1][-1] if runs else None
+        if last is not None and (last.kind == block.kind or {last.kind, block.kind} <= set(MIXABLE)):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return [cast(QuantizedRows | MixedRows, cat_rows(list(run))) for run in runs]
 
 
 MIXABLE = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # the kinds the Q6_K dot layout with mins holds
@@ -217,6 +266,7 @@ __all__ = [
     "NO_EXACT_PANELS",
     "REWRITTEN",
     "MixedRows",
+    "PartedRows",
     "QuantizedRows",
     "Weight",
     "as_q8_0",
