@@ -15,8 +15,10 @@ rewritten exactly (weft/native/rewrite.cpp); Q2_K and IQ4_XS are dequantized.
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
-fallbacks where the input features are not a multiple of 256) become Q8_0 blocks, exactly. Nothing
-above `weft/model` sees the formats.
+fallbacks where the input features are not a multiple of 256) become Q8_0 blocks, exactly. Parts no
+one layout holds (IQ4_XS files' q and k with a Q5_K v) are `PartedRows`: each part in its own dot
+panels, one flat tensor that `Linear.parts` multiplies part by part. Nothing above `weft/model` sees
+the formats.
 """
 
 from __future__ import annotations
