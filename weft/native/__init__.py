@@ -48,7 +48,7 @@ SOURCES = [
         "rewrite.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "panels.h", "tiles.h", "vmath.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "ops.h", "panels.h", "tiles.h", "vmath.h")]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):

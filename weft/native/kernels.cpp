@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vmath.h"
 
 namespace {
@@ -582,12 +583,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.window = window;
   TORCH_CHECK(softcap >= 0, "paged_decode_attention: softcap must be >= 0 (0: none)");
   sh.softcap = static_cast<float>(softcap);
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
-                    sinks->numel() == sh.num_heads,
-                "paged_decode_attention: sinks must be float32 [H] on the CPU");
-    sh.sinks = sinks->data_ptr<float>();
-  }
+  sh.sinks = weft::attention_sinks(sinks, sh.num_heads, "paged_decode_attention");
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {

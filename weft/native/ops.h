@@ -19,6 +19,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 // qdot.cpp: whether `panels` are dot panels (int8, panels.h) of K input features, and out = x @ W.T
 // (+ bias) through them, x quantized to int8.
 bool is_dot_panels(const at::Tensor& panels, int64_t k);
+// An attention's sinks (gpt-oss): float32 [heads] on the CPU, or nullptr where there are none; `op`
+// names the caller in the error.
+inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, int64_t heads, const char* op) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                  sinks->numel() == heads,
+              op, ": sinks must be float32 [H] on the CPU");
+  return sinks->data_ptr<float>();
+}
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool bf16_dot);

@@ -30,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "tiles.h"
 #include "vmath.h"
 
@@ -492,12 +493,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.window = window;
   TORCH_CHECK(softcap >= 0, "paged_prefill_attention: softcap must be >= 0 (0: none)");
   sh.softcap = static_cast<float>(softcap);
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
-                    sinks->numel() == sh.num_heads,
-                "paged_prefill_attention: sinks must be float32 [H] on the CPU");
-    sh.sinks = sinks->data_ptr<float>();
-  }
+  sh.sinks = weft::attention_sinks(sinks, sh.num_heads, "paged_prefill_attention");
   auto out = at::empty({q.size(0), sh.num_heads, q.size(2)}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* cache = kv_cache.data_ptr<float>();

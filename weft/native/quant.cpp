@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "blocks.h"
 #include "panels.h"
 
 namespace weft {
@@ -111,26 +112,13 @@ KBlock decode_q2_k(const uint8_t* file_block) {
   return b;
 }
 
-// A Q3_K super-block (file layout: hmask[32], qs[64], scales[12], d) for its own dot panels: q + 4
-// (0..7) and int8 sc - 32 (llama.cpp's dequantize_row_q3_K: scale j's low 4 bits in scales[j] (j < 8)
-// or scales[j - 8] >> 4, its high 2 at bits 2 (j / 4) of scales[8 + j % 4]; feature 128 n + 32 j + l:
-// bits 2 j of qs[32 n + l], less 4 unless bit 4 n + j of hmask[l]).
+// A Q3_K super-block (blocks.h) for its own dot panels: q + 4 (0..7) and int8 sc - 32.
 KBlock decode_q3_k(const uint8_t* file_block) {
   KBlock b{};
-  const uint8_t *hmask = file_block, *qs = file_block + 32, *sc = file_block + 96;
   std::memcpy(&b.d, file_block + 108, 2);
-  for (int j = 0; j < kQ6KSubBlocks; ++j) {
-    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-    b.sc[j] = static_cast<int8_t>((low | high << 4) - 32);
-  }
-  for (int64_t n = 0; n < 2; ++n) {
-    for (int64_t j = 0; j < 4; ++j) {
-      for (int64_t l = 0; l < 32; ++l) {
-        const int v = (qs[32 * n + l] >> (2 * j)) & 3, present = (hmask[l] >> (4 * n + j)) & 1;
-        b.q[128 * n + 32 * j + l] = static_cast<uint8_t>(v + (present ? 4 : 0));
-      }
-    }
-  }
+  int8_t q[kQ6KBlock];
+  decode_q3_k_block(file_block, b.sc, q);
+  for (int64_t k = 0; k < kQ6KBlock; ++k) b.q[k] = static_cast<uint8_t>(q[k] + 4);
   return b;
 }
 

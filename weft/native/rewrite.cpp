@@ -3,7 +3,8 @@
 //
 //   Q3_K   -> Q6_K, exactly: a Q3_K weight is d * (sc - 32) * q with q in -4..3 and a 6-bit sc per
 //             sub-block of 16, which is Q6_K's d * sc' * q' (q' in -32..31, int8 sc') for the same d
-//             (6.6 bits a weight instead of 3.4; the dequantization is bit-identical).
+//             (the dequantization is bit-identical): its exact panels, and in a fusion with other
+//             k-quants the Q6_K dot layout with mins (alone, Q3_K has dot panels of its own).
 //   IQ4_NL -> Q8_0, exactly: d * kvalues[q] per block of 32, kvalues int8 (8.5 bits instead of 4.5):
 //             the exact panels, and dot panels where the input features are not a multiple of 128
 //             (elsewhere IQ4_NL has dot panels of its own, panels.h).
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "blocks.h"
 #include "panels.h"
 
 namespace weft {
@@ -50,24 +52,10 @@ void encode_q6_k(const int8_t* q, const int8_t* scales, uint16_t d, uint8_t* out
   std::memcpy(out + 208, &d, 2);
 }
 
-// A Q3_K block as Q6_K: scale j's low 4 bits in scales[j] (j < 8) or scales[j - 8] >> 4, its high 2
-// at bits 2 (j / 4) of scales[8 + j % 4]; feature 128 n + 32 j + l (l < 32): bits 2 j of
-// qs[32 n + l], less 4 unless bit 4 n + j of hmask[l] (llama.cpp's dequantize_row_q3_K).
+// A Q3_K block as Q6_K: its scales and quants as they are, under the same d.
 void q3_k_as_q6_k(const uint8_t* in, uint8_t* out) {
-  const uint8_t *hmask = in, *qs = in + 32, *sc = in + 96;
   int8_t scales[16], q[kSuper];
-  for (int j = 0; j < 16; ++j) {
-    const int low = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4, high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-    scales[j] = static_cast<int8_t>((low | high << 4) - 32);
-  }
-  for (int64_t n = 0; n < 2; ++n) {
-    for (int64_t j = 0; j < 4; ++j) {
-      for (int64_t l = 0; l < 32; ++l) {
-        const int v = (qs[32 * n + l] >> (2 * j)) & 3, present = (hmask[l] >> (4 * n + j)) & 1;
-        q[128 * n + 32 * j + l] = static_cast<int8_t>(v - (present ? 0 : 4));
-      }
-    }
-  }
+  decode_q3_k_block(in, scales, q);
   uint16_t d;
   std::memcpy(&d, in + 108, 2);
   encode_q6_k(q, scales, d, out);
