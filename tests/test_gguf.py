@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHARED_DATA
+from llama_cpp_records import teacher_forced_gap
 
 from weft import LLM, SamplingParams
 from weft.config import ConfigError
@@ -103,21 +104,12 @@ def test_gguf_logprobs_are_as_close_to_llama_cpp_as_an_exact_dequantization(name
     Q4_0, closer than exact products get; 0.064 for Q8_0, 9% further (docs/architecture.md,
     "Quantized weights on CPU")."""
     llm = LLM(str(GGUF_DIR / FILES[name]), show_progress=False, max_logprobs=5, matmul_precision=precision)
-    gaps, agree = [], 0
-    for prompt, run in zip(reference["prompts"], reference["files"][name], strict=True):
-        ids = list(prompt) + list(run["tokens"])
-        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-        positions = out.prompt_logprobs[len(prompt) :]
-        for token, entry, expected, argmax in zip(
-            run["tokens"], positions, run["tf_logprobs"], run["tf_argmax"], strict=True
-        ):
-            gaps.append(abs(entry[token].logprob - expected))
-            agree += max(entry, key=lambda t: entry[t].logprob) == argmax
+    gap, agree, count = teacher_forced_gap(llm, reference["prompts"], reference["files"][name])
     bound, min_agree = LLAMA_CPP_GAP[name]
-    assert len(gaps) == 128
-    print(f"{name} {precision}: mean |dlogp| {np.mean(gaps):.4f} (exact: {bound}), argmax {agree}/128")
+    assert count == 128
+    print(f"{name} {precision}: mean |dlogp| {gap:.4f} (exact: {bound}), argmax {agree}/128")
     slack = 1.05 if precision == "float32" else 1.1
-    assert float(np.mean(gaps)) <= bound * slack and agree >= min_agree, (np.mean(gaps), agree)
+    assert gap <= bound * slack and agree >= min_agree, (gap, agree)
 
 
 def test_gguf_greedy_tokens_follow_llama_cpp_where_it_is_sure(gguf_llm, reference):

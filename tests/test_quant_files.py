@@ -11,9 +11,9 @@ import functools
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import require_native_kernels
+from llama_cpp_records import teacher_forced_gap
 
 from weft import LLM, SamplingParams
 
@@ -40,21 +40,6 @@ def load(name: str, precision: str) -> LLM:
     return LLM(path, show_progress=False, max_logprobs=5, matmul_precision=precision)
 
 
-def teacher_forced_gap(llm: LLM, name: str) -> tuple[float, int]:
-    """Mean |logprob - llama.cpp's| of llama.cpp's greedy tokens, and how often the argmax agrees."""
-    gaps, agree = [], 0
-    for prompt, run in zip(REFERENCE["prompts"], REFERENCE["files"][name], strict=True):
-        ids = list(prompt) + list(run["tokens"])
-        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-        positions = out.prompt_logprobs[len(prompt) :]
-        for token, entry, expected, argmax in zip(
-            run["tokens"], positions, run["tf_logprobs"], run["tf_argmax"], strict=True
-        ):
-            gaps.append(abs(entry[token].logprob - expected))
-            agree += max(entry, key=lambda t: entry[t].logprob) == argmax
-    return float(np.mean(gaps)), agree
-
-
 @pytest.mark.parametrize("name", list(KINDS))
 def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(name):
     """int8 products (the CPU default for quantized files) against float32 products of the exactly
@@ -63,8 +48,9 @@ def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(n
     Q5_K_M 0.070 / 0.097, IQ4_NL 0.038 / 0.057, IQ4_XS 0.059 / 0.068."""
     int8, exact = load(name, "int8"), load(name, "float32")
     assert KINDS[name] in int8.kernels["linear"] and "int8 dot panels" in int8.kernels["linear"]
-    gap, agree = teacher_forced_gap(int8, name)
-    exact_gap, exact_agree = teacher_forced_gap(exact, name)
+    prompts, runs = REFERENCE["prompts"], REFERENCE["files"][name]
+    gap, agree, _ = teacher_forced_gap(int8, prompts, runs)
+    exact_gap, exact_agree, _ = teacher_forced_gap(exact, prompts, runs)
     print(f"{name}: int8 {gap:.4f} ({agree}/128), exact {exact_gap:.4f} ({exact_agree}/128)")
     assert gap <= 1.05 * exact_gap and agree >= exact_agree - 1, (gap, agree, exact_gap, exact_agree)
 
