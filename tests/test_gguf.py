@@ -298,8 +298,8 @@ def _write_gguf(path: Path, arch: str = "llama", tensor_type: str = "F32") -> Pa
 def test_bad_gguf_files_are_clear_errors(tmp_path):
     with pytest.raises(GgufError, match="architecture 'gemma' is not supported; weft runs GGUF files of"):
         GgufCheckpoint(_write_gguf(tmp_path / "gemma.gguf", arch="gemma"))
-    with pytest.raises(GgufError, match="stored as Q2_K, which weft does not run; weft runs F32"):
-        GgufCheckpoint(_write_gguf(tmp_path / "q2k.gguf", tensor_type="Q2_K"))
+    with pytest.raises(GgufError, match="stored as IQ2_XXS, which weft does not run; weft runs F32"):
+        GgufCheckpoint(_write_gguf(tmp_path / "iq2.gguf", tensor_type="IQ2_XXS"))
     truncated = tmp_path / "truncated.gguf"
     source = (GGUF_DIR / FILES["q8_0"]).read_bytes()
     truncated.write_bytes(source[: len(source) // 2])

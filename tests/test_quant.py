@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import require_native_kernels
 
-from weft.model.quantized import QuantizedRows, as_q8_0, cat_rows, logical_shape
+from weft.model.quantized import PartedRows, QuantizedRows, as_q8_0, cat_rows, logical_shape
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -195,8 +195,10 @@ def test_q8_0_rows_fuse_and_bad_inputs_are_errors():
     fused = cat_rows([q, k])  # in their blocks
     assert isinstance(fused, QuantizedRows) and torch.equal(fused.rows, torch.cat([q.rows, k.rows]))
     v = QuantizedRows("q4_k", random_q4_k(32, 256, seed=3))
-    mixed = cat_rows([q, k, v])  # another kind: all dequantized
-    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed[96:], v.dequantize())
+    mixed = cat_rows([q, k, v])  # another kind in whole panels: in parts (test_quant_types.py)
+    assert isinstance(mixed, PartedRows) and torch.equal(mixed.dequantize()[96:], v.dequantize())
+    odd = cat_rows([q, k, QuantizedRows("q4_k", random_q4_k(40, 256, seed=3))])  # not whole panels
+    assert isinstance(odd, torch.Tensor) and odd.shape == (136, 256)
     with pytest.raises(RuntimeError, match="Q8_0 tensor's rows"):
         torch.ops.weft.pack_q8_0(torch.zeros(4, 33, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="Q4_K tensor's rows"):
