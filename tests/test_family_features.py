@@ -83,8 +83,9 @@ def test_every_feature_on_every_family(checkpoint_factory, family):
         speculative_config={"method": "suffix", "num_speculative_tokens": 3},
         **OPTIONS,
     )
-    greedy = SamplingParams(max_tokens=32, temperature=0)  # (long enough to repeat itself)
-    (with_drafts,), (without,) = (m.generate([PROMPT], greedy, use_tqdm=False) for m in (spec, llm))
+    greedy = SamplingParams(max_tokens=32, temperature=0)
+    looping = PROMPT + " Speak, speak." * 3  # drafts from the prompt's own repeats, whatever the model says
+    (with_drafts,), (without,) = (m.generate([looping], greedy, use_tqdm=False) for m in (spec, llm))
     assert with_drafts.outputs[0].token_ids == without.outputs[0].token_ids
     assert spec.stats()["spec_decode_num_draft_tokens"] > 0
     assert llm.stats()["kv_blocks_used"] == 0 and spec.stats()["kv_blocks_used"] == 0
