@@ -103,17 +103,23 @@ REPLIES = {
         '<function=get_time>{"utc": true}</function>'
     ),
     "firefunction_v2": f"Let me check. functools[{CALL}, {TIME_CALL}]",
+    "qwen3_coder": (
+        "Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=get_time>\n<parameter=utc>\ntrue\n</parameter>\n</function>\n</tool_call>"
+    ),
 }
+SPECS = [ToolSpec.of(t) for t in TOOLS]
 
 
 @pytest.mark.parametrize("name", REPLIES)
 def test_calls_are_read_back_whole_and_streamed(name):
     fmt, text = FORMATS[name], REPLIES[name]
-    content, calls = final_calls(fmt, text)
+    content, calls = final_calls(fmt, text, SPECS)
     assert [c.name for c in calls] == ["get_weather", "get_time"]
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {"utc": True}]
     assert (content or "").strip() in ("", "Let me check.")
-    stream, streamed, names, args = ToolCallStream(fmt), "", {}, {}
+    stream, streamed, names, args = ToolCallStream(fmt, SPECS), "", {}, {}
     for end in range(1, len(text) + 1):  # one character at a time: every split point
         new, deltas = stream.update(text[:end], finished=end == len(text))
         streamed += new
@@ -187,6 +193,19 @@ GRAMMAR_CASES = [  # tokenizer, format, reply, accepted as a prefix, complete
     ("llama3", "functionary_v3_1", "<function=get_tim>", False, False),
     ("llama3", "firefunction_v2", REPLIES["firefunction_v2"], True, True),
     ("llama3", "hermes", f"<tool_call>\n{CALL}\n</tool_call>", True, True),
+    ("qwen2.5", "qwen3_coder", "Just text, no call.", True, True),
+    ("qwen2.5", "qwen3_coder", REPLIES["qwen3_coder"], True, True),
+    ("qwen2.5", "qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome", False, False),
+    (
+        "qwen2.5",
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>",
+        False,
+        False,
+    ),  # city first
+    ("qwen2.5", "qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=utc>\nyes", False, False),
+    ("qwen2.5", "qwen3_coder", "<tool_call>\n<function=get_time>\n</function>", False, False),  # utc required
+    ("qwen2.5", "qwen3_coder", '<tool_call>\n{"name": "get_time"', False, False),  # Hermes' JSON call
 ]
 
 
@@ -222,6 +241,16 @@ FORCED_CASES = [  # tokenizer, format, tool_choice's function (None: "required")
     ("qwen2.5", "hermes", None, f"<tool_call>\n{TIME_CALL}\n</tool_call>", True, True),
     ("llama3", "llama3_json", "get_weather", CALL.replace('"arguments"', '"parameters"'), True, True),
     ("mistral", "mistral", None, REPLIES["mistral"], True, True),
+    ("qwen2.5", "qwen3_coder", None, REPLIES["qwen3_coder"].removeprefix("Let me check."), True, True),
+    (
+        "qwen2.5",
+        "qwen3_coder",
+        "get_time",
+        REPLIES["qwen3_coder"].split("</tool_call>")[1][1:] + "</tool_call>",
+        True,
+        True,
+    ),
+    ("qwen2.5", "qwen3_coder", "get_weather", "<tool_call>\n<function=get_time>", False, False),
 ]
 
 
@@ -359,16 +388,20 @@ FAMILIES = [  # tokenizer, chat template, the text that opens the reply
     ("mistral", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "[TOOL_CALLS]["),
     ("llama3", "meetkai-functionary-medium-v3.1.jinja", "Sure. <function="),
     ("llama3", "fireworks-ai-llama-3-firefunction-v2.jinja", " functools["),
+    ("qwen2.5", "QWEN3_CODER_TEMPLATE", "Sure. <tool_call>"),
 ]
 
 
 @pytest.mark.parametrize("tokenizer,template,opening", FAMILIES)
 def test_every_call_a_model_starts_parses_and_validates(chat_models, tokenizer, template, opening):
     llm = chat_models(tokenizer)
-    chat_template = shared_data(f"chat_templates/{template}").read_text()
+    if template == "QWEN3_CODER_TEMPLATE":
+        chat_template = QWEN3_CODER_TEMPLATE
+    else:
+        chat_template = shared_data(f"chat_templates/{template}").read_text()
     opener = llm.tokenizer.encode(opening, add_special_tokens=False)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for seed in range(3):
+    for seed in range(2):
         params = SamplingParams(max_tokens=200, seed=seed, logits_processors=[force_prefix(opener)])
         # firefunction's template reads the tools as `functions` (JSON) and today's date
         kwargs = {"functions": json.dumps([t["function"] for t in TOOLS]), "datetime": "2026-11-25"}
@@ -509,3 +542,110 @@ def test_mistral_call_ids_are_the_nine_characters_its_template_takes():
     ]
     nemo = shared_data("chat_templates/mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
     assert f'"id": "{call.id}"' in render_chat_template(nemo, messages, bos_token="<s>", eos_token="</s>")
+
+
+# ---- Qwen3-Coder's calls: a tag per call and per parameter, values as plain text ----
+
+# A template that teaches the call shape as Qwen3-Coder's does (its tools in XML, the example call,
+# the calls of earlier turns written from their arguments with `items`); written here, not copied.
+QWEN3_CODER_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You have access to the following functions:
+
+<tools>{% for tool in tools %}
+<function><name>{{ tool.function.name }}</name></function>{% endfor %}
+</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+<function={{ call.function.name }}>
+{% for key, value in call.function.arguments|items %}<parameter={{ key }}>
+{{ value }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WRITE_FILE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "content": {"type": "string"},
+                "mode": {"type": "integer"},
+            },
+            "required": ["path", "content"],
+        },
+    },
+}
+
+
+def test_qwen3_coder_calls_are_told_apart_from_hermes_and_written_back_by_its_template():
+    from weft.tokenizer import render_chat_template
+
+    assert detect_tool_format(QWEN3_CODER_TEMPLATE).name == "qwen3_coder"
+    arguments = '{"path": "a.py", "content": "x = 1\\nprint(x)"}'
+    call = {"id": "call_1", "type": "function", "function": {"name": "write_file", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "Write it."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    rendered = render_chat_template(QWEN3_CODER_TEMPLATE, messages, tools=[WRITE_FILE])
+    turn = rendered[rendered.index("<|im_start|>assistant") :]
+    reply = turn[turn.index("<tool_call>") : turn.index("</tool_call>") + len("</tool_call>")]
+    assert "<parameter=content>\nx = 1\nprint(x)\n</parameter>" in reply  # the text itself, not JSON
+    _, (back,) = final_calls(FORMATS["qwen3_coder"], reply, [ToolSpec.of(WRITE_FILE)])
+    assert back.name == "write_file" and json.loads(back.arguments) == json.loads(arguments)
+
+
+def test_qwen3_coder_string_values_are_plain_text_and_the_rest_json():
+    """A string parameter is its text up to the first closing tag, whatever it looks like ("007"
+    stays a string, lines and all); an integer is JSON under its schema; optional ones may be left
+    out, and the parameters come in the schema's order."""
+    specs = [ToolSpec.of(WRITE_FILE)]
+    plan = plan_reply(
+        constraint={},
+        tools=specs,
+        tool_format=FORMATS["qwen3_coder"],
+        added_tokens=_tokenizer("qwen2.5").added_tokens,
+    )
+    head = "<tool_call>\n<function=write_file>\n<parameter=path>\n007\n</parameter>\n"
+    body = "<parameter=content>\n<b>\n  {1}\n</parameter>\n"
+    whole = head + body + "<parameter=mode>\n420\n</parameter>\n</function>\n</tool_call>"
+    assert _matcher_accepts("qwen2.5", plan.constraint, whole) == (True, True)
+    assert _matcher_accepts("qwen2.5", plan.constraint, head + body + "</function>\n</tool_call>") == (
+        True,
+        True,
+    )
+    assert _matcher_accepts("qwen2.5", plan.constraint, head + body + "<parameter=mode>\nx") == (False, False)
+    ends_early = (
+        head + "<parameter=content>\na\n</parameter>\nb\n</parameter>\n"
+    )  # the first closing tag ends it
+    assert _matcher_accepts("qwen2.5", plan.constraint, ends_early) == (False, False)
+    _, (call,) = final_calls(FORMATS["qwen3_coder"], whole, specs)
+    assert json.loads(call.arguments) == {"path": "007", "content": "<b>\n  {1}", "mode": 420}

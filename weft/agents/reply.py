@@ -64,6 +64,7 @@ class ReplyPlan:
     reasoning: ReasoningFormat | None = None
     inside: bool = False  # the reply starts inside the reasoning section
     short_ids: bool = False  # tool call ids of 9 letters and digits (the format's templates ask it)
+    tools: tuple[ToolSpec, ...] = ()  # the tools its calls may name (their parameters' types)
 
     @property
     def reads_special_tokens(self) -> bool:
@@ -77,7 +78,7 @@ class ReplyPlan:
             call = self.forced.read(rest, self.short_ids) if finished else None
             return AssistantMessage(None if call else rest, reasoning, [call] if call else [])
         if self.tool_format is not None:
-            content, calls = final_calls(self.tool_format, rest)
+            content, calls = final_calls(self.tool_format, rest, self.tools)
             return AssistantMessage(content, reasoning, calls)
         return AssistantMessage(rest, reasoning)
 
@@ -101,7 +102,7 @@ class ReplyStream:
         self.text = ""  # the reply so far, kept only where it is read as a whole (not plain)
         self.reasoning_sent = 0
         self.content_sent = 0  # characters of the answer sent, where no tool calls are read
-        self.calls = ToolCallStream(plan.tool_format) if plan.tool_format is not None else None
+        self.calls = ToolCallStream(plan.tool_format, plan.tools) if plan.tool_format is not None else None
         self.sent_calls = False  # whether any tool_calls delta was sent
 
     def feed(self, new_text: str, finished: bool) -> list[dict[str, Any]]:
@@ -191,10 +192,12 @@ def plan_reply(
         if reasoning is not None:
             rules += reasoning.lark(inside, top, specials, budget=budget)
         grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
-        return ReplyPlan(grammar, tool_format, None, reasoning, inside, short_ids)
+        return ReplyPlan(grammar, tool_format, None, reasoning, inside, short_ids, tuple(forced_tools))
     auto = bool(tools) and tool_format is not None and forced is None
     if not auto and (reasoning is None or (not constraint and budget is None)):
-        return ReplyPlan(constraint, tool_format if auto else None, forced, reasoning, inside, short_ids)
+        return ReplyPlan(
+            constraint, tool_format if auto else None, forced, reasoning, inside, short_ids, tuple(tools)
+        )
     answer = _answer_rule(constraint, mode) if constraint else None
     top = "answer" if reasoning is not None else "start"
     if auto:
@@ -207,7 +210,9 @@ def plan_reply(
     if reasoning is not None:
         rules += reasoning.lark(inside, top, specials, budget=budget)
     grammar = {"grammar": grammar_text(rules), "grammar_syntax": "lark"}
-    return ReplyPlan(grammar, tool_format if auto else None, forced, reasoning, inside, short_ids)
+    return ReplyPlan(
+        grammar, tool_format if auto else None, forced, reasoning, inside, short_ids, tuple(tools)
+    )
 
 
 def _answer_rule(constraint: dict[str, Any], mode: JsonSchemaMode) -> str:

@@ -33,6 +33,7 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 class CallShape(StrEnum):
     JSON = "json"  # {"name": "NAME", "<arguments_key>": {...}}
     TAG = "tag"  # <function=NAME>{...}</function>
+    XML = "xml"  # <function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function> (Qwen3-Coder)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +52,18 @@ class ToolCallFormat:
         """The text of a call up to its arguments."""
         if self.shape == CallShape.TAG:
             return f"<function={name}>"
+        if self.shape == CallShape.XML:
+            return f"<function={name}>\n"
         return f'{{"name": {_json(name)}, "{self.arguments_key}": '
 
     @property
     def name_lead(self) -> str:
         """The text of a call before its name."""
-        return "<function=" if self.shape == CallShape.TAG else '{"name": '
+        return '{"name": ' if self.shape == CallShape.JSON else "<function="
 
     @property
     def call_suffix(self) -> str:
-        return "</function>" if self.shape == CallShape.TAG else "}"
+        return "}" if self.shape == CallShape.JSON else "</function>"
 
     @property
     def trigger(self) -> str:
@@ -72,6 +75,16 @@ class ToolCallFormat:
 FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
+        # Qwen3-Coder (and Qwen3.5): a tag per call and per parameter, values as plain text; its
+        # template also holds "<tool_call>" and "<function=", so it is told apart first
+        ToolCallFormat(
+            "qwen3_coder",
+            "<tool_call>\n",
+            "\n</tool_call>\n<tool_call>\n",
+            "\n</tool_call>",
+            shape=CallShape.XML,
+            markers=("<tool_call>", "<parameter=example_parameter_1>"),
+        ),
         # Hermes 2 Pro / 3, Qwen2.5, Qwen3
         ToolCallFormat(
             "hermes",
@@ -143,6 +156,27 @@ class ToolSpec:
     def arguments_schema(self, mode: JsonSchemaMode) -> dict[str, Any]:
         """The arguments' schema, its objects closed as the tool's `strict` or `mode` says."""
         return apply_mode(self.parameters, JsonSchemaMode.STRICT if self.strict else mode)
+
+
+XML_PARAMETER_CLOSE = "\n</parameter>\n"  # ends a parameter's value in the XML call shape
+
+
+def text_options(schema: Any) -> list[str] | None:
+    """The strings a property's value is one of (its `enum` or `const`, all strings), else None."""
+    if not isinstance(schema, dict):
+        return None
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+        return options
+    return None
+
+
+def is_text(schema: Any) -> bool:
+    """Whether a property's value is a string, written as its plain text in the XML call shape."""
+    if text_options(schema) is not None:
+        return True
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind == "string" or kind == ["string"]
 
 
 def _json(value: Any) -> str:

@@ -11,16 +11,24 @@ trigger is unconstrained text, so armed-but-not-triggered decoding costs one che
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from weft.agents.tool_formats import ToolCallFormat, ToolSpec
+from weft.agents.tool_formats import (
+    XML_PARAMETER_CLOSE,
+    CallShape,
+    ToolCallFormat,
+    ToolSpec,
+    is_text,
+    text_options,
+)
 from weft.schema_objects import JsonSchemaMode
 
 # How a JSON value inside a Lark grammar is written: as weft writes JSON elsewhere
 # (weft/structured/llguidance_backend.py), compact, so that more of it is forced.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TEXT_RULE = "TEXT: /(.|\\n)*/"
+EMPTY = '""'  # a rule body that matches the empty text
 
 
 def lark_json(schema: Mapping[str, Any]) -> str:
@@ -121,7 +129,12 @@ def _call_rules(
     """The rules of one call (`tc_call`: one of the tools, its arguments under its schema) and what
     may follow a call (more calls, where `parallel` allows)."""
     lit = lambda text: lark_literal(text, special_tokens)  # noqa: E731
-    rules = [f"tc_args_{i}: {lark_json(t.arguments_schema(mode))}" for i, t in enumerate(tools)]
+    if fmt.shape == CallShape.XML:
+        rules = [
+            rule for i, t in enumerate(tools) for rule in _xml_arguments(i, t.arguments_schema(mode), lit)
+        ]
+    else:
+        rules = [f"tc_args_{i}: {lark_json(t.arguments_schema(mode))}" for i, t in enumerate(tools)]
     rules += [
         f"tc_call_{i}: {lit(fmt.call_prefix(t.name))} tc_args_{i} {lit(fmt.call_suffix)}"
         for i, t in enumerate(tools)
@@ -133,6 +146,35 @@ def _call_rules(
         else (" tc_call*" if parallel else "")
     )
     return rules, more
+
+
+def _xml_arguments(i: int, schema: Mapping[str, Any], lit: Callable[[str], str]) -> list[str]:
+    """The rules of tool `i`'s arguments as tagged parameters (`CallShape.XML`): each property in the
+    schema's order, `<parameter=KEY>`, its value on its own lines, `</parameter>`; the required ones
+    always, the others where the model writes them. A string's value is its plain text (ending at
+    the first closing tag; an enum's or const's value one of its strings), any other is JSON under
+    the property's schema (with the root's definitions, for `$ref`s)."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    close = lit(XML_PARAMETER_CLOSE)
+    rules, items = [], []
+    for j, (key, sub) in enumerate(properties.items()):
+        value = f"tc_v_{i}_{j}"
+        options = text_options(sub)
+        if options is not None:
+            alternatives = " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+            rules.append(f"{value}: ({alternatives}) {close}")
+        elif is_text(sub):
+            rules.append(f"{value}[lazy]: /(.|\\n)*/ {close}")
+        else:
+            rules.append(f"{value}_json: {lark_json({**shared, **sub})}")
+            rules.append(f"{value}: {value}_json {close}")
+        head = lit(f"<parameter={key}>\n")
+        item = f"{head} {value}"
+        items.append(item if key in required else f"({item})?")
+    rules.append(f"tc_args_{i}: {' '.join(items) or EMPTY}")
+    return rules
 
 
 def grammar_text(rules: str) -> str:

@@ -10,10 +10,18 @@ far; `ToolCallStream` turns successive readings into OpenAI's streaming deltas.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weft.agents.tool_formats import CallShape, ToolCallFormat, new_call_id
+from weft.agents.tool_formats import (
+    XML_PARAMETER_CLOSE,
+    CallShape,
+    ToolCallFormat,
+    ToolSpec,
+    is_text,
+    new_call_id,
+)
 
 
 @dataclass(slots=True)
@@ -46,8 +54,9 @@ class Reading:
     held: int = 0  # characters at the end of `content` that may be the start of the trigger
 
 
-def read_reply(fmt: ToolCallFormat, text: str) -> Reading:
-    """The content and the calls of `text`, a reply (or the start of one) in `fmt`."""
+def read_reply(fmt: ToolCallFormat, text: str, tools: Sequence[ToolSpec] = ()) -> Reading:
+    """The content and the calls of `text`, a reply (or the start of one) in `fmt`. `tools` say
+    which parameters are strings, where the format writes values as plain text (`CallShape.XML`)."""
     at = _calls_start(fmt, text)
     if at is None:
         return Reading(text, [], _held(fmt, text))
@@ -55,7 +64,7 @@ def read_reply(fmt: ToolCallFormat, text: str) -> Reading:
     lead = (fmt.opener + fmt.name_lead)[len(fmt.trigger) :]  # the first call's text before its name
     calls: list[PartialCall] = []
     while text.startswith(lead, pos):
-        call, pos = _read_call(fmt, text, pos + len(lead))
+        call, pos = _read_call(fmt, text, pos + len(lead), tools)
         calls.append(call)
         if not call.complete or not text.startswith(fmt.separator, pos):
             break
@@ -88,8 +97,12 @@ def marker_start_at_end(text: str, marker: str) -> int:
     return 0
 
 
-def _read_call(fmt: ToolCallFormat, text: str, pos: int) -> tuple[PartialCall, int]:
+def _read_call(
+    fmt: ToolCallFormat, text: str, pos: int, tools: Sequence[ToolSpec] = ()
+) -> tuple[PartialCall, int]:
     """A call from `pos`, just after the text that precedes its name."""
+    if fmt.shape == CallShape.XML:
+        return _read_xml_call(text, pos, tools)
     if fmt.shape == CallShape.TAG:
         end = text.find(">", pos)
         if end < 0:
@@ -109,6 +122,44 @@ def _read_call(fmt: ToolCallFormat, text: str, pos: int) -> tuple[PartialCall, i
     end = args_end
     complete = text.startswith(fmt.call_suffix, end)
     return PartialCall(name, text[pos:end], complete), end + len(fmt.call_suffix) if complete else len(text)
+
+
+def _read_xml_call(text: str, pos: int, tools: Sequence[ToolSpec]) -> tuple[PartialCall, int]:
+    """A call in the XML shape from just after `<function=`: its name, then each whole parameter,
+    its arguments written as the JSON object they make (growing by whole parameters as it streams)."""
+    end = text.find(">\n", pos)
+    if end < 0:
+        return PartialCall(None, "", False), len(text)
+    name, pos = text[pos:end], end + 2
+    properties = next((t.parameters.get("properties") or {} for t in tools if t.name == name), {})
+    members: list[str] = []
+    while text.startswith(_PARAMETER, pos):
+        key_end = text.find(">\n", pos)
+        value_end = text.find(XML_PARAMETER_CLOSE, key_end + 2) if key_end >= 0 else -1
+        if value_end < 0:
+            break
+        key, value = text[pos + len(_PARAMETER) : key_end], text[key_end + 2 : value_end]
+        members.append(f"{json.dumps(key, ensure_ascii=False)}: {_xml_value(value, properties.get(key))}")
+        pos = value_end + len(XML_PARAMETER_CLOSE)
+    arguments = "{" + ", ".join(members)
+    if text.startswith("</function>", pos):
+        return PartialCall(name, arguments + "}", True), pos + len("</function>")
+    return PartialCall(name, arguments, False), len(text)
+
+
+_PARAMETER = "<parameter="
+
+
+def _xml_value(value: str, schema: Any) -> str:
+    """A parameter's value as JSON text: a string property's plain text as a JSON string, any other
+    as the JSON it is written in (a value that is not JSON stays a string)."""
+    if not is_text(schema):
+        try:
+            json.loads(value)
+            return value
+        except json.JSONDecodeError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _string_end(text: str, pos: int) -> int | None:
@@ -147,10 +198,12 @@ def _value_end(text: str, pos: int) -> int | None:
     return None
 
 
-def final_calls(fmt: ToolCallFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+def final_calls(
+    fmt: ToolCallFormat, text: str, tools: Sequence[ToolSpec] = ()
+) -> tuple[str | None, list[ToolCall]]:
     """The message of a finished reply: its content (None when it is only calls) and its whole calls.
     A call cut short (max_tokens) is left out and its text stays in the content."""
-    reading = read_reply(fmt, text)
+    reading = read_reply(fmt, text, tools)
     calls = [
         ToolCall(c.name, c.arguments, new_call_id(fmt.short_ids))
         for c in reading.calls
@@ -166,14 +219,15 @@ class ToolCallStream:
     """Successive readings of a growing reply -> OpenAI's chat deltas: `content` until the calls
     start, then per call its id, type and name once the name is whole, then `arguments` fragments."""
 
-    def __init__(self, fmt: ToolCallFormat) -> None:
+    def __init__(self, fmt: ToolCallFormat, tools: Sequence[ToolSpec] = ()) -> None:
         self.fmt = fmt
+        self.tools = tools
         self.content_sent = 0
         self.calls: list[ToolCall] = []  # the calls announced, with the arguments sent so far
 
     def update(self, text: str, finished: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """The new content and the tool-call deltas for `text`, the whole reply so far."""
-        reading = read_reply(self.fmt, text)
+        reading = read_reply(self.fmt, text, self.tools)
         content_end = len(reading.content) - (0 if finished else reading.held)
         content = reading.content[self.content_sent : content_end]
         self.content_sent = max(self.content_sent, content_end)
