@@ -202,7 +202,9 @@ def build_checkpoint(
     return out
 
 
-def build_chat_checkpoint(out: Path, tokenizer_dir: Path, arch: str = "qwen2", seed: int = 0) -> Path:
+def build_chat_checkpoint(
+    out: Path, tokenizer_dir: Path, arch: str = "qwen2", seed: int = 0, max_positions: int = 4096
+) -> Path:
     """A tiny random model over a real tokenizer (its tokenizer.json and tokenizer_config.json
     copied from `tokenizer_dir`), its vocabulary the tokenizer's rounded up to 64."""
     import json
@@ -219,7 +221,7 @@ def build_chat_checkpoint(out: Path, tokenizer_dir: Path, arch: str = "qwen2", s
     config_cls_name, extra = ARCHS[arch]
     fields: dict[str, Any] = {
         "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": max_positions,
         "tie_word_embeddings": True, "bos_token_id": eos_id, "eos_token_id": eos_id, **extra,
     }  # fmt: skip
     torch.manual_seed(seed)

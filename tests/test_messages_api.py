@@ -141,3 +141,55 @@ def test_a_thinking_budget_is_taken(client):
         messages=[{"role": "user", "content": "hi"}],
     )
     assert message.content and message.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_a_request_shaped_as_claude_codes(client):
+    """What Claude Code 2.1 sends beside the basics: the beta route (`?beta=true`, `anthropic-beta`),
+    system blocks with `cache_control`, a system message between the turns, adaptive thinking with
+    `output_config.effort`, `context_management` and `metadata`; whole and streamed."""
+    request = {
+        "model": CLAUDE,
+        "max_tokens": 6,
+        "system": [
+            {"type": "text", "text": "You are an agent."},
+            {"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi.", "cache_control": {"type": "ephemeral"}}],
+            },
+            {"role": "system", "content": "Available agent types: none."},
+        ],
+        "tools": [TOOL],
+        "thinking": {"type": "adaptive"},
+        "metadata": {"user_id": '{"device_id": "d", "session_id": "s"}'},
+        "betas": ["claude-code-20250219", "context-management-2025-06-27", "effort-2025-11-24"],
+        "extra_body": {
+            "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        },
+    }
+    message = client.beta.messages.create(**request)
+    assert message.content and message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    with client.beta.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert final.content and final.usage.input_tokens == message.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.effort"):
+        client.beta.messages.create(**{**request, "extra_body": {"output_config": {"effort": "extreme"}}})
+
+
+def test_a_max_tokens_beyond_the_context_is_held_to_its_room(client):
+    """Anthropic's clients send their own model's limit (Claude Code: 32,000): the reply stops where
+    the context ends instead of the request failing (the chat API refuses such a max_tokens)."""
+
+    def messages(repeats: int) -> list[dict]:
+        return [{"role": "user", "content": "Speak, speak. " * repeats}]
+
+    one, two = (client.messages.count_tokens(model=CLAUDE, messages=messages(n)).input_tokens for n in (1, 2))
+    repeats = (1024 - 12 - one) // (two - one)  # the bundled model's context: 1,024 tokens; ~12 left
+    counted = client.messages.count_tokens(model=CLAUDE, messages=messages(repeats)).input_tokens
+    request = {"model": CLAUDE, "max_tokens": 32000, "messages": messages(repeats)}
+    message = client.messages.create(**request, extra_body={"temperature": 0})
+    assert message.usage.input_tokens == counted
+    assert message.usage.output_tokens <= 1024 - counted and message.stop_reason in ("end_turn", "max_tokens")

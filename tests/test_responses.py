@@ -7,6 +7,7 @@ cannot honour."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -18,6 +19,8 @@ from test_server import API_KEY, MODEL, Server, assert_matches_spec, load_openai
 
 from weft import LLM, SamplingParams, bundled_model_path
 from weft.server.responses_endpoint import ResponseStore, StoredResponse, UnknownResponse
+
+TESTS = Path(__file__).resolve().parent
 
 WEATHER = {
     "type": "function",
@@ -358,8 +361,10 @@ def test_the_openapi_document_describes_the_responses_routes(server):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    out = build_chat_checkpoint(tmp_path_factory.mktemp("responses-qwen"), shared_data("tokenizers/qwen2.5"))
-    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "2048")
+    out = build_chat_checkpoint(
+        tmp_path_factory.mktemp("responses-qwen"), shared_data("tokenizers/qwen2.5"), max_positions=16384
+    )  # (room for Codex CLI's 10k-token first request)
+    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "16384")
     yield server, LLM(str(out), max_model_len=2048)
     server.stop()
 
@@ -549,3 +554,25 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed(spec):
     assert error["message"] == "the engine stopped" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"]["message"] == "the engine stopped"
     assert failed["response"]["output"][0]["content"][0]["text"] == "partial"
+
+
+def test_codex_clis_first_request_streams_a_whole_response(qwen, spec):
+    """Codex CLI 0.171's first request as it sent it (tests/data/agents; paths and ids replaced),
+    with `max_output_tokens` added so that a random model stops: its fields (client_metadata,
+    prompt_cache_key, include of encrypted reasoning, reasoning.summary, store: false) accepted, its
+    built-in tools (namespace, web_search) left out with a warning, and a whole event stream."""
+    recorded = json.loads((TESTS / "data/agents/codex-0.171-first-request.json").read_text())
+    body = {**recorded["body"], "model": "chat", "max_output_tokens": 8}
+    server, _ = qwen
+    with server.streaming(recorded["path"], body, headers=recorded["headers"]) as r:
+        assert r.status_code == 200, r.read()
+        assert "namespace, web_search" in r.headers["x-weft-warning"]
+        text = r.read().decode()
+    events = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in text.strip().split("\n\n")]
+    check_events(spec, events)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    final = events[-1]["response"]  # a random model: it stopped, or ran into max_output_tokens
+    assert kinds[-1] == f"response.{final['status']}" and final["status"] in ("completed", "incomplete")
+    assert final["status"] == "completed" or final["incomplete_details"]["reason"] == "max_output_tokens"
+    assert final["usage"]["input_tokens"] > 5000 and final["usage"]["output_tokens"] <= 8

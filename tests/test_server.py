@@ -112,8 +112,8 @@ class Server:
             self.check(response)
 
     @contextmanager
-    def streaming(self, path: str, body: dict):
-        headers = {"Authorization": f"Bearer {API_KEY}"}
+    def streaming(self, path: str, body: dict, headers: dict | None = None):
+        headers = {**(headers or {}), "Authorization": f"Bearer {API_KEY}"}
         with (
             httpx.Client(timeout=60) as http,
             http.stream("POST", f"{self.url}{path}", json=body, headers=headers) as r,

@@ -101,6 +101,15 @@ def test_a_template_without_a_system_role_gets_it_before_the_first_user_turn():
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     with pytest.raises(ValueError, match="System role not supported"):
         render_chat_template(template, [messages[0]], bos_token="<bos>")
+    # a system message mid-conversation (Anthropic's clients send them) goes before the next user turn
+    later = [
+        *messages,
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "Now French."},
+    ]
+    text = render_chat_template(template, [*later, {"role": "user", "content": "Bye"}], bos_token="<bos>")
+    assert text.endswith("<start_of_turn>user\nNow French.\n\nBye<end_of_turn>\n<start_of_turn>model\n")
+    assert "Be brief.\n\nHi" in text
 
 
 def test_special_tokens_from_config():

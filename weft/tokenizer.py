@@ -236,14 +236,32 @@ def render_chat_template(
 
 
 def _system_folded(messages: list[Message]) -> list[Message] | None:
-    """For a template without a system role (Gemma's): the system message's text put before the
-    first user message's, as Gemma 3's own template does; None where there is nothing to fold."""
-    if len(messages) < 2 or messages[0].get("role") != "system" or messages[1].get("role") != "user":
+    """For a template without a system role, or with one only first (Gemma's): each system
+    message's text put before the next user message's, as Gemma 3's own template does with the
+    first (after the last user message's where none follows); None where this cannot be done."""
+    if not any(m.get("role") == "system" for m in messages):
         return None
-    system, user = messages[0].get("content"), messages[1].get("content")
-    if not isinstance(system, str) or not isinstance(user, str):
-        return None
-    return [{**messages[1], "content": f"{system}\n\n{user}"}, *messages[2:]]
+    folded: list[Message] = []
+    pending: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str):
+            if message.get("role") in ("system", "user"):
+                return None
+        elif message.get("role") == "system":
+            pending.append(content)
+            continue
+        elif message.get("role") == "user" and pending:
+            message = {**message, "content": "\n\n".join([*pending, content])}
+            pending = []
+        folded.append(message)
+    if pending:
+        users = [i for i, m in enumerate(folded) if m.get("role") == "user"]
+        if not users:
+            return None
+        last = folded[users[-1]]
+        folded[users[-1]] = {**last, "content": "\n\n".join([last["content"], *pending])}
+    return folded
 
 
 class IncrementalDetokenizer:

@@ -34,8 +34,10 @@ class Chat:
         self.service = service
 
     async def start(
-        self, body: ChatCompletionRequest, request_id: str | None = None
+        self, body: ChatCompletionRequest, request_id: str | None = None, fit_context: bool = False
     ) -> tuple[RequestHandle, ReplyPlan, str]:
+        """`fit_context`: a max_tokens beyond the room the prompt leaves in the context is held to
+        that room (Anthropic's clients send their own model's limit), instead of refused."""
         service = self.service
         service.check_model(body.model)
         constraint, forced, field = _constraint(body, service.json_schema_mode)
@@ -50,6 +52,9 @@ class Chat:
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         prompt = service.tokenizer.encode(text, add_special_tokens=False)
+        room = service.max_model_len - len(prompt)
+        if fit_context and params.max_tokens is not None and 0 < room < params.max_tokens:
+            params = params.replace(max_tokens=room)
         (handle,) = await service.add_all(request_id, [prompt], params, length_field)
         return handle, plan, request_id
 

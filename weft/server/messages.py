@@ -1,16 +1,19 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (what Claude Code and
 the anthropic SDK speak) over the chat machinery.
 
-A request becomes a chat request: `system` the system message, content blocks chat messages (text,
+A request becomes a chat request: `system` the system message (and `system` messages between the
+turns, which Claude Code sends, system messages in place), content blocks chat messages (text,
 `tool_use` an assistant's tool calls, `tool_result` tool messages, `thinking` the reasoning of the
 assistant message it is in), `tools` function tools over their `input_schema`, `tool_choice` auto /
 any / tool / none as auto / required / a named function / none, `stop_sequences` stop strings, so
 tool calls, reasoning and constraints behave exactly as in /v1/chat/completions. The reply becomes
 content blocks (`thinking`, `text`, `tool_use`), whole or as Anthropic's events (message_start,
 content_block_start / _delta / _stop per block, message_delta with the stop reason and usage,
-message_stop). Fields that do not change what is generated (`metadata`, `service_tier`, ...) are
-accepted; server tools (a `type` other than "custom") are left out with a header and a log line, as
-the Responses API does with OpenAI's built-in tools; images are refused.
+message_stop). Fields that do not change what is generated (`metadata`, `service_tier`,
+`context_management`, ...) are accepted, and a `max_tokens` beyond the context's room is held to it
+(clients send their own model's limit); server tools (a `type` other than "custom") are left out
+with a header and a log line, as the Responses API does with OpenAI's built-in tools; images are
+refused.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `effort` bounds the thinking as reasoning_effort does
     metadata: dict[str, Any] | None = None
 
     def chat_request(self, stream: bool | None = None) -> ChatCompletionRequest:
@@ -117,11 +121,25 @@ class MessagesRequest(BaseModel):
             parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
             chat_template_kwargs=self._template_kwargs(),
             max_reasoning_tokens=(self.thinking or {}).get("budget_tokens"),
+            reasoning_effort=self._effort(),
         )
 
     def _template_kwargs(self) -> dict[str, Any] | None:
+        """`thinking`: "enabled" and "adaptive" (the model decides) let a template think, "disabled"
+        does not."""
         kind = (self.thinking or {}).get("type")
-        return None if kind is None else {"enable_thinking": kind == "enabled"}
+        return None if kind is None else {"enable_thinking": kind != "disabled"}
+
+    def _effort(self) -> Literal["low", "medium", "high"] | None:
+        """`output_config.effort` as a thinking budget: low, medium and high as reasoning_effort's,
+        max none."""
+        effort = (self.output_config or {}).get("effort")
+        if effort not in (None, "low", "medium", "high", "max"):
+            raise RequestError(
+                f"output_config.effort must be low, medium, high or max, got {effort!r}",
+                "output_config.effort",
+            )
+        return None if effort in (None, "max") else effort
 
     def function_tools(self) -> list[Tool]:
         """The client's own tools as chat function tools (server tools are left out)."""
@@ -182,8 +200,10 @@ def _text(blocks: list[dict[str, Any]], where: str) -> str:
 def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results come first, as tool messages."""
     role, content = message.get("role"), message.get("content")
+    if role == "system":  # a system message mid-conversation (Claude Code sends them): kept in place
+        return _system(content if isinstance(content, str) else _text(content or [], f"{where}.content"))
     if role not in ("user", "assistant"):
-        raise RequestError(f"{where}.role must be user or assistant, got {role!r}", f"{where}.role")
+        raise RequestError(f"{where}.role must be user, assistant or system, got {role!r}", f"{where}.role")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -319,7 +339,7 @@ class Messages:
                 "max_tokens: Field required (the most tokens the reply may have)", "max_tokens"
             )
         message_id = f"msg_{uuid.uuid4().hex}"
-        handle, plan, _ = await self.chat.start(request.chat_request(), message_id)
+        handle, plan, _ = await self.chat.start(request.chat_request(), message_id, fit_context=True)
         return MessageRun(request, handle, plan, message_id)
 
     def count_tokens(self, request: MessagesRequest) -> dict[str, int]:

@@ -233,6 +233,10 @@ class Responses:
 
 
 def _echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A request's tool as the response states it: a function in full, a built-in tool weft left
+    out (web_search, namespace, ...) as the client gave it."""
+    if tool.get("type") != "function":
+        return tool
     return {
         "type": "function",
         "name": tool.get("name"),
