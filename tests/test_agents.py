@@ -649,3 +649,31 @@ def test_qwen3_coder_string_values_are_plain_text_and_the_rest_json():
     assert _matcher_accepts("qwen2.5", plan.constraint, ends_early) == (False, False)
     _, (call,) = final_calls(FORMATS["qwen3_coder"], whole, specs)
     assert json.loads(call.arguments) == {"path": "007", "content": "<b>\n  {1}", "mode": 420}
+
+
+def test_instructors_tools_mode_gets_the_fields_it_asked_for(qwen_server):
+    """instructor's TOOLS mode as it calls the server (instructor 1.17 itself needs jiter < 0.15,
+    which the locked openai client's >= 0.16 excludes): the Pydantic model's schema as the one tool,
+    `tool_choice` naming it, the arguments parsed into the model. The call is written in the
+    template's own shape (`<tool_call>{"name": "Person", "arguments": ...}`), so the model's
+    arguments are its fields, not the function's name."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    tool = {"type": "function", "function": {"name": "Person", "parameters": Person.model_json_schema()}}
+    response = qwen_server.client().chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "Extract: Ada is 36."}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+        max_tokens=60,
+        seed=0,
+    )
+    (choice,) = response.choices
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Person" and choice.finish_reason in ("tool_calls", "stop")
+    person = Person.model_validate_json(call.function.arguments)
+    assert set(json.loads(call.function.arguments)) == {"name", "age"} and isinstance(person.age, int)
