@@ -103,6 +103,7 @@ REPLIES = {
         '<function=get_time>{"utc": true}</function>'
     ),
     "firefunction_v2": f"Let me check. functools[{CALL}, {TIME_CALL}]",
+    "granite": f"Let me check.<|tool_call|>[{CALL}, {TIME_CALL}]",
     "qwen3_coder": (
         "Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
@@ -192,6 +193,8 @@ GRAMMAR_CASES = [  # tokenizer, format, reply, accepted as a prefix, complete
     ("llama3", "functionary_v3_1", REPLIES["functionary_v3_1"], True, True),
     ("llama3", "functionary_v3_1", "<function=get_tim>", False, False),
     ("llama3", "firefunction_v2", REPLIES["firefunction_v2"], True, True),
+    ("llama3", "granite", REPLIES["granite"], True, True),
+    ("llama3", "granite", '<|tool_call|>[{"name": "get_time", "arguments": {"utc": 1', False, False),
     ("llama3", "hermes", f"<tool_call>\n{CALL}\n</tool_call>", True, True),
     ("qwen2.5", "qwen3_coder", "Just text, no call.", True, True),
     ("qwen2.5", "qwen3_coder", REPLIES["qwen3_coder"], True, True),
@@ -602,6 +605,33 @@ WRITE_FILE = {
         },
     },
 }
+
+
+# Granite 3.x's templates tell the model to "respond only with <|tool_call|> followed by a JSON list"
+# and write earlier calls so; written here, not copied
+GRANITE_TEMPLATE = """
+{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}<|end_of_text|>
+{% endif %}
+{%- for message in messages %}<|start_of_role|>{{ message.role }}<|end_of_role|>
+{%- if message.tool_calls %}<|tool_call|>{{ message.tool_calls | map(attribute="function") | list | tojson }}
+{%- else %}{{ message.content }}{% endif %}<|end_of_text|>
+{% endfor %}
+{%- if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"""
+
+
+def test_granite_calls_are_detected_and_read_back_as_its_template_writes_them():
+    from weft.tokenizer import render_chat_template
+
+    assert detect_tool_format(GRANITE_TEMPLATE).name == "granite"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    rendered = render_chat_template(GRANITE_TEMPLATE, messages, tools=[WEATHER], add_generation_prompt=False)
+    reply = rendered[rendered.index("<|tool_call|>") : rendered.rindex("<|end_of_text|>")]
+    _, (back,) = final_calls(FORMATS["granite"], reply, SPECS)
+    assert back.name == "get_weather" and json.loads(back.arguments) == json.loads(CALL_ARGS)
 
 
 def test_qwen3_coder_calls_are_told_apart_from_hermes_and_written_back_by_its_template():

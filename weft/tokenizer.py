@@ -182,10 +182,10 @@ def _check_content(content: Any, name: str) -> None:
     return None
 
 
-# a template that writes a call's arguments with `tojson` (Qwen2.5, Llama 3.x, Hermes, Command R) or
-# walks them with `items` (Qwen3-Coder): it takes them as an object, as transformers' documentation
-# says; others concatenate the text
-_ARGUMENTS_TO_JSON = re.compile(r"arguments['\"]?\]?\s*\|\s*(tojson|items)")
+# a template that writes a call's arguments with `tojson` (Qwen2.5, Llama 3.x, Hermes, Command R),
+# walks them with `items` (Qwen3-Coder) or writes the calls whole with `tojson` (Granite): it takes
+# them as an object, as transformers' documentation says; others concatenate the text
+_ARGUMENTS_TO_JSON = re.compile(r"arguments['\"]?\]?\s*\|\s*(tojson|items)|tool_calls\b[^}%]*\|\s*tojson")
 
 
 def _arguments_as_objects(message: Message) -> Message:

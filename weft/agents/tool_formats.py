@@ -107,6 +107,8 @@ FORMATS: dict[str, ToolCallFormat] = {
         ),
         # functionary v3.1 (Llama 3.1 based)
         ToolCallFormat("functionary_v3_1", "", "", "", shape=CallShape.TAG, markers=("<function=",)),
+        # Granite 3.x: "<|tool_call|>" and a JSON list of calls
+        ToolCallFormat("granite", "<|tool_call|>[", ", ", "]", markers=("<|tool_call|>",)),
         # firefunction v2
         ToolCallFormat("firefunction_v2", "functools[", ", ", "]", markers=("functools[",)),
     )
