@@ -109,6 +109,22 @@ def tiny_llama(checkpoint_factory) -> Path:
     return checkpoint_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def qwen_chat(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random model over the Qwen2.5 tokenizer (its template: Hermes-style tool calls), and
+    `weft serve` on it as "chat" with a 16k context (room for Codex CLI's first request): one
+    server for the tool-call and Responses tests. Yields (checkpoint, server)."""
+    from checkpoints import build_chat_checkpoint
+    from test_server import Server
+
+    out = build_chat_checkpoint(
+        tmp_path_factory.mktemp("qwen-chat"), shared_data("tokenizers/qwen2.5"), max_positions=16384
+    )
+    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "16384")
+    yield out, server
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest):
     """After a test that used the module's `llm`, every request is gone and every KV block is free."""

@@ -464,14 +464,8 @@ def test_reasoning_is_kept_apart_and_the_schema_holds_for_the_answer(chat_models
 
 
 @pytest.fixture(scope="module")
-def qwen_server(tmp_path_factory):
-    from test_server import Server
-
-    out = build_chat_checkpoint(tmp_path_factory.mktemp("serve-qwen"), shared_data("tokenizers/qwen2.5"))
-    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "2048")
-    yield server
-    server.process.terminate()
-    server.process.wait(timeout=60)
+def qwen_server(qwen_chat):
+    return qwen_chat[1]
 
 
 def test_auto_tool_calls_through_the_server_whole_and_streamed(qwen_server):

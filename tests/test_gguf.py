@@ -41,12 +41,26 @@ pytestmark = pytest.mark.skipif(
 @functools.cache
 def transformers_load(path: Path) -> torch.nn.Module:
     """transformers' float32 load of a GGUF file (the gguf package's dequantization), once per file:
-    the conversion takes seconds, and two tests compare with the Q4_K_M file's."""
+    the conversion takes seconds, and two tests compare with the Q4_K_M file's. transformers reads
+    the file with gguf's reader twice (its config, then its tensors), ~9 s each for a 49k-token
+    vocabulary; the second reading is the first's."""
+    import gguf
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    readers: dict[str, gguf.GGUFReader] = {}
+
+    def read_once(name: str, *args: Any, **kwargs: Any) -> gguf.GGUFReader:
+        if name not in readers:
+            readers[name] = reader(name, *args, **kwargs)
+        return readers[name]
+
+    reader, gguf.GGUFReader = gguf.GGUFReader, read_once  # type: ignore[misc,assignment]
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    finally:
+        gguf.GGUFReader = reader  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")

@@ -360,13 +360,9 @@ def test_the_openapi_document_describes_the_responses_routes(server):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    out = build_chat_checkpoint(
-        tmp_path_factory.mktemp("responses-qwen"), shared_data("tokenizers/qwen2.5"), max_positions=16384
-    )  # (room for Codex CLI's 10k-token first request)
-    server = Server("--model", str(out), "--served-model-name", "chat", "--max-model-len", "16384")
-    yield server, LLM(str(out), max_model_len=2048)
-    server.stop()
+def qwen(qwen_chat):
+    out, server = qwen_chat
+    return server, LLM(str(out), max_model_len=2048)
 
 
 def call_request(**fields) -> dict:
