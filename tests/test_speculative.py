@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from weft.speculative.config import SpeculativeConfig
+from weft.config import SpeculativeConfig
 from weft.speculative.ngram import NgramIndex
 
 
@@ -217,8 +217,8 @@ def test_the_gate_measures_steps_with_forced_tokens_but_not_prompts():
     it keeps; a prompt's step is neither kind."""
     from types import SimpleNamespace
 
+    from weft.config import SpeculativeConfig
     from weft.engine.speculation import Speculation
-    from weft.speculative.config import SpeculativeConfig
     from weft.speculative.policy import GATE_KNOWN_MOST
 
     def step(known: int, drafts: int) -> SimpleNamespace:

@@ -14,9 +14,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "weft"
 
-# package -> packages it must never import (DESIGN: server -> engine -> {model, sample, structured} -> core)
+# package -> packages it must never import (DESIGN: server -> engine -> {model, sample, structured,
+# speculative} -> core; agents (tool calls, reasoning) and parallel (ranks' shards) sit on core alone)
+ABOVE_AGENTS = [
+    "weft.engine", "weft.model", "weft.sample", "weft.structured", "weft.cuda", "weft.llm", "weft.server",
+]  # fmt: skip
 FORBIDDEN = {
     "model": ["weft.engine", "weft.sample", "weft.structured", "weft.llm", "weft.server"],
+    "speculative": ["weft.engine", "weft.model", "weft.cuda", "weft.llm", "weft.server"],
+    "agents": [*ABOVE_AGENTS, "weft.speculative", "weft.parallel"],
+    "parallel": [*ABOVE_AGENTS, "weft.speculative", "weft.agents"],
     "sample": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
     "structured": ["weft.model", "weft.engine", "weft.llm", "weft.server"],
     "engine": ["weft.llm", "weft.server", "weft.cli"],
@@ -58,15 +65,27 @@ CORE = [
     "ops.py",
     "native/__init__.py",
 ]
-ABOVE_CORE = [
+ABOVE_CORE = [  # every package of weft, and the modules at the top
+    "weft.agents",
+    "weft.bench",
     "weft.cuda",
+    "weft.default_model",
     "weft.engine",
     "weft.model",
+    "weft.parallel",
     "weft.sample",
+    "weft.speculative",
     "weft.structured",
     "weft.llm",
     "weft.server",
+    "weft.cli",
+    "weft.demo",
 ]
+
+
+def test_the_core_test_knows_every_package():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} - {"native"}
+    assert {f"weft.{p}" for p in packages} <= set(ABOVE_CORE)
 
 
 @pytest.mark.parametrize("module", CORE)

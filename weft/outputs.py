@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
+import string
+import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -11,8 +14,49 @@ from weft.logprob_records import LazyPositions
 from weft.logprob_records import Logprob as Logprob  # re-exported: weft.outputs is its public home
 from weft.logprob_records import PositionLogprobs as PositionLogprobs
 
-if TYPE_CHECKING:
-    from weft.agents.reply import AssistantMessage
+
+def new_call_id(short: bool = False) -> str:
+    """A tool call's id: OpenAI's `call_` and 24 hex digits, or (`short`: all Mistral's templates
+    accept) 9 letters and digits."""
+    if short:
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text (OpenAI's `arguments`)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(slots=True)
+class AssistantMessage:
+    """A reply read as OpenAI's assistant message."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def to_openai(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content, "refusal": None}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return message
 
 
 class CompletionOutput:

@@ -12,31 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from weft.agents.reasoning import ReasoningFormat, takes_budget
-from weft.agents.tool_formats import ToolCallFormat, ToolSpec, new_call_id
+from weft.agents.tool_formats import ToolCallFormat, ToolSpec
 from weft.agents.tool_grammar import forced_call_lark, grammar_text, lark_json, tool_call_lark
-from weft.agents.tool_reader import ToolCall, ToolCallStream, final_calls
+from weft.agents.tool_reader import ToolCallStream, final_calls
+from weft.outputs import AssistantMessage, ToolCall, new_call_id
 from weft.schema_objects import JsonSchemaMode, apply_mode
-
-
-@dataclass(slots=True)
-class AssistantMessage:
-    """A reply read as OpenAI's assistant message."""
-
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-    def to_openai(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": self.content, "refusal": None}
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in self.tool_calls]
-        return message
 
 
 @dataclass(frozen=True, slots=True)

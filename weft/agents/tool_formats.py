@@ -9,25 +9,11 @@ reply the grammar allowed is always read back.
 
 from __future__ import annotations
 
-import secrets
-import string
-import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from weft.schema_objects import JsonSchemaMode, apply_mode
-
-
-def new_call_id(short: bool = False) -> str:
-    """A tool call's id: OpenAI's `call_` and 24 hex digits, or (`short`: all Mistral's templates
-    accept) 9 letters and digits."""
-    if short:
-        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-_ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 class CallShape(StrEnum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from weft.agents.tool_formats import (
@@ -20,24 +20,8 @@ from weft.agents.tool_formats import (
     ToolCallFormat,
     ToolSpec,
     is_text,
-    new_call_id,
 )
-
-
-@dataclass(slots=True)
-class ToolCall:
-    """One call: the function's name and its arguments as JSON text (OpenAI's `arguments`)."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=new_call_id)
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
+from weft.outputs import ToolCall, new_call_id
 
 
 @dataclass(slots=True)

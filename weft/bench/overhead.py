@@ -208,8 +208,8 @@ def instrumented(engine: Any, clock: PhaseClock) -> Iterator[None]:
 def speculating(engine: Any) -> Iterator[None]:
     """The engine with prompt lookup on, drafting 4 tokens wherever it finds a match (the stand-in's
     rows repeat, so it often does): the host cost of drafting and verifying."""
+    from weft.config import SpeculativeConfig
     from weft.engine.speculation import Speculation
-    from weft.speculative.config import SpeculativeConfig
 
     engine.speculation = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     engine.speculation.adaptive = False

@@ -27,6 +27,7 @@ from weft.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_device,
 )
 from weft.engine.args import EngineArgs
@@ -42,7 +43,6 @@ from weft.model.loader import load_config, open_source
 from weft.parallel.group import TensorParallel, free_port
 from weft.parallel.shard import Shard
 from weft.parallel.workers import RankSpec, Workers
-from weft.speculative.config import SpeculativeConfig
 from weft.tokenizer import Tokenizer
 
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]

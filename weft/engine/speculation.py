@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from weft.config import SpeculativeConfig
 from weft.engine.scheduler import SchedulerOutput
 from weft.engine.sequence import Sequence, SequenceStatus
 from weft.sample.sampler import SamplingRow
-from weft.speculative.config import SpeculativeConfig
 from weft.speculative.drafter import DrafterFactory, DraftState, Tally, drafter_factory
 from weft.speculative.forced import through_forced
 from weft.speculative.policy import GATE_KNOWN_MOST, POOLED_DECAY, Acceptance, DraftGate, StepCost

@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from weft.agents.reply import AssistantMessage, ReplyPlan
-from weft.outputs import CompletionOutput, RequestOutput
+from weft.agents.reply import ReplyPlan
+from weft.outputs import AssistantMessage, CompletionOutput, RequestOutput
 from weft.server.chat import Chat
 from weft.server.engine_loop import RequestHandle
 from weft.server.protocol import ChatCompletionRequest, RequestError, Tool

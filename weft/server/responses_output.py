@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any
 
-from weft.agents.reply import AssistantMessage
+from weft.outputs import AssistantMessage
 
 
 def item_id(prefix: str) -> str:

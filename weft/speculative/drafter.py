@@ -11,12 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from weft.config import SpeculativeConfig
 from weft.detokenize import token_bytes_for
 from weft.outputs import SpeculationCounts
-from weft.speculative.config import SpeculativeConfig
+from weft.sample.sampler import SamplingRow
 from weft.speculative.ngram import NgramIndex
 from weft.speculative.policy import Acceptance
-from weft.speculative.rows import DraftRow, Row
+from weft.speculative.rows import DraftRow
 from weft.speculative.suffix import SuffixCache, SuffixDrafter
 from weft.speculative.text_lookup import TextLookup
 from weft.tokenizer import Tokenizer
@@ -128,7 +129,9 @@ class DraftState:
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
     forced_at: list[int] = field(default_factory=list)  # where its draft holds tokens a grammar forces
 
-    def draft_rows(self, base: Row, drafts: list[int], rowless: tuple[int, ...] = ()) -> list[DraftRow]:
+    def draft_rows(
+        self, base: SamplingRow, drafts: list[int], rowless: tuple[int, ...] = ()
+    ) -> list[DraftRow]:
         """The sampling rows of `base`'s draft positions this step, but for the `rowless` ones (the
         same objects step after step, so that the sampler's columns are rebuilt only when the rows
         change)."""

@@ -8,28 +8,8 @@ the sequence would sample at that position without speculation.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from weft.params import SamplingParams
-
-
-class Row(Protocol):
-    """What the sampler reads of a sequence (`weft.sample.sampler.SamplingRow`)."""
-
-    @property
-    def params(self) -> SamplingParams: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def num_output_tokens(self) -> int: ...
-    @property
-    def prompt_token_ids(self) -> list[int]: ...
-    @property
-    def output_token_ids(self) -> list[int]: ...
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
+from weft.sample.sampler import SamplingRow
 
 
 class DraftRow:
@@ -37,7 +17,7 @@ class DraftRow:
 
     __slots__ = ("base", "depth", "drafts")
 
-    def __init__(self, base: Row, depth: int) -> None:
+    def __init__(self, base: SamplingRow, depth: int) -> None:
         self.base, self.depth = base, depth
         self.drafts: list[int] = []
 
