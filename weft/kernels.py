@@ -1,9 +1,15 @@
 """The operations whose implementation depends on the device, chosen once per device.
 
 One object per device, chosen where the device is (`weft.engine.factory.kernels_for`), is what the
-model's layers, its attention, the sampler and the grammar mask call; nothing else asks which
-device or which build it runs on. Each set does its whole job (a faster set falls back to the
-plain one itself, never to its caller):
+model's layers, its attention, the sampler and the grammar mask call for the operations every
+device has (norms, rotary embedding, attention over the paged cache, activations, sampling and
+masks); nothing else asks which device or which build it runs on. Each set does its whole job (a
+faster set falls back to the plain one itself, never to its caller).
+
+Not through this door: weights the loader has already put into weft's CPU layouts (float32 and
+bfloat16 panels, int8 dot blocks; weft/model/layers.py, glu.py, quantized.py, loader.py) are packed
+and multiplied by the native ops (`torch.ops.weft`) where they are held. Those layouts exist only
+where the native set was chosen, so the choice was made once, at load.
 
 - `TorchKernels`: plain torch operations, on any device and dtype. It is the reference the others
   are tested against (`tests/test_native.py`), and the fallback when weft's CPU kernels cannot be
