@@ -180,8 +180,8 @@ def test_fork_of_a_plain_sequence_copies_text_and_logprobs():
         seq.append(token, LogprobRef.of([token, 7], [-1.0, -0.5], 2))
     child = seq.fork(next(_ids), index=3, seed=9)
     child.append(43, LogprobRef.of([43, 7], [-2.0, -0.1], 3))
-    assert seq.positions is not None and child.positions is not None
-    assert len(seq.positions.records) == 3 and len(child.positions.records) == 4
+    assert seq.position_outputs is not None and child.position_outputs is not None
+    assert len(seq.position_outputs.records) == 3 and len(child.position_outputs.records) == 4
     assert seq.cumulative_logprob == pytest.approx(-3.0) and child.cumulative_logprob == pytest.approx(-5.0)
     assert child.index == 3 and child.seed == 9 and child.fork_parent is seq
 
@@ -234,7 +234,7 @@ def test_position_outputs_roll_back_to_what_they_were_before_the_tokens():
     seq = new_sequence(SamplingParams(max_tokens=20, logprobs=1), None)
     for token, value in ((40, -1.25), (41, -0.5)):
         seq.append(token, LogprobRef.of([token, 7], [value, -0.1], 2))
-    positions = seq.positions
+    positions = seq.position_outputs
     assert positions is not None
     before = positions.fork()
     for token, value in ((42, -3.0), (43, -0.3)):

@@ -234,5 +234,5 @@ class BeamSearch:
 
 def _score(beam: Sequence, cumulative_logprob: float) -> None:
     """A beam's tokens are chosen here, not sampled with logprobs: its sum is set here too."""
-    assert beam.positions is not None  # beams ask for their candidates' logprobs
-    beam.positions.cumulative_logprob = cumulative_logprob
+    assert beam.position_outputs is not None  # beams ask for their candidates' logprobs
+    beam.position_outputs.cumulative_logprob = cumulative_logprob

@@ -198,7 +198,7 @@ class SequenceGroup:
         first = self.sequences[0] if self.sequences else None
         if len(reported) == 1:  # most requests (a comprehension is a function call on 3.11)
             seq = reported[0]
-            tracked_only = seq.positions is not None and self.params.logprobs is None
+            tracked_only = seq.position_outputs is not None and self.params.logprobs is None
             outputs = [self._completion(seq, kind) if tracked_only else seq.completion(kind)]
         else:
             outputs = [self._completion(s, kind) for s in reported]

@@ -92,7 +92,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    positions: PositionOutputs | None = None  # with logprobs (or a ranking that needs them)
+    # per output position its logprob record, text offset and forced flag (with logprobs, or a ranking
+    # that needs them)
+    position_outputs: PositionOutputs | None = None
     # Three things pending, each its own: the token a step in flight samples (`num_pending`, below);
     # with logprobs, tokens the grammar forced, which the next step computes with their logprobs
     # (the last `num_pending_forced` tokens lack them); and a finish decided meanwhile, which waits
@@ -145,7 +147,7 @@ class Sequence:
             seed=seed,
             text_state=TextState.create(tokenizer, prompt_token_ids, params),
             token_ids=list(prompt_token_ids),
-            positions=None if params.logprobs is None else PositionOutputs(),
+            position_outputs=None if params.logprobs is None else PositionOutputs(),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_ids=stop_ids,
             max_num_tokens=max_num_tokens,
@@ -191,7 +193,7 @@ class Sequence:
     @property
     def cumulative_logprob(self) -> float | None:
         """The sum of the output tokens' logprobs, when they are tracked."""
-        return None if self.positions is None else self.positions.cumulative_logprob
+        return None if self.position_outputs is None else self.position_outputs.cumulative_logprob
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -222,7 +224,7 @@ class Sequence:
     def add_forced_logprobs(self, first_token: int, items: list[LogprobRef]) -> None:
         """The model's logprobs of forced tokens `first_token`, `first_token + 1`, ... (computed like
         prompt tokens; column 0 is the forced token). Tokens already recorded are skipped."""
-        positions = self.positions
+        positions = self.position_outputs
         if positions is None:
             return
         constrained = self.params.structured is not None
@@ -269,7 +271,7 @@ class Sequence:
         is tracked (for the output's cumulative_logprob), its positions are not."""
         self.token_ids.extend(token_ids)
         self.text_state.text = text
-        self.positions = PositionOutputs(cumulative_logprob=cumulative_logprob)
+        self.position_outputs = PositionOutputs(cumulative_logprob=cumulative_logprob)
         self.finish(FinishReason.STOP)
 
     def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
@@ -290,7 +292,7 @@ class Sequence:
             finish_reason=None,
             stop_reason=None,
             error=None,
-            positions=None if self.positions is None else self.positions.fork(),
+            position_outputs=None if self.position_outputs is None else self.position_outputs.fork(),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             candidates=None,
@@ -324,7 +326,7 @@ class Sequence:
             could_stop = token_id in self.stop_ids or self.tokens_left <= 0
             if could_stop and not self.is_finishing:
                 self._apply_token_stop_rules(False)
-            positions = self.positions
+            positions = self.position_outputs
             if positions is not None:
                 if logprobs is not None:
                     positions.add(logprobs, False, self.params.structured is not None)
@@ -335,7 +337,7 @@ class Sequence:
         new_tokens, grammar_done = self._advance_grammar()
         if not self.is_finishing:
             self._apply_token_stop_rules(grammar_done)
-        positions = self.positions
+        positions = self.position_outputs
         shown = new_tokens[:-1] if new_tokens and self._stopped_by_token() else new_tokens
         if positions is None:
             self._append_text(self.text_state.decode(shown))
@@ -377,7 +379,7 @@ class Sequence:
             return new_tokens, False
         self.token_ids.extend(forced)
         new_tokens += forced
-        if self.positions is not None:
+        if self.position_outputs is not None:
             self.num_pending_forced = len(forced)
         if not matcher.consume(forced) or matcher.error is not None:
             self.finish(FinishReason.ERROR, error=matcher.error or "the grammar rejected a forced token")
@@ -421,7 +423,7 @@ class Sequence:
         """The completion so far (CUMULATIVE/FINAL_ONLY) or what is new since the last call (DELTA)."""
         state = self.text_state
         sent = state.sent
-        positions = self.positions
+        positions = self.position_outputs
         delta = kind is _DELTA
         ready, visible = self._ready()
         first = len(self.prompt_token_ids)
@@ -455,7 +457,7 @@ class Sequence:
             return len(self.token_ids) - len(self.prompt_token_ids), len(state.text)
         visible = state.ready_chars()
         ready = self.num_output_tokens
-        if self.num_pending_forced and self.positions is not None:
+        if self.num_pending_forced and self.position_outputs is not None:
             ready -= self.num_pending_forced
-            visible = min(visible, max(state.sent.num_chars, self.positions.text_offsets[ready]))
+            visible = min(visible, max(state.sent.num_chars, self.position_outputs.text_offsets[ready]))
         return ready, visible

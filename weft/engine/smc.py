@@ -60,7 +60,7 @@ class Particle:
         if self.final:
             return
         seq = self.seq
-        positions = seq.positions
+        positions = seq.position_outputs
         assert positions is not None, "SMC particles track their positions"
         logmass = positions.constraint_logmass
         if len(logmass) > self.num_weighed:

@@ -77,7 +77,7 @@ class Speculation:
         that states `key: value` lines: an extraction, whose value guesses are drafted whatever the
         step gate says (they are right or cut at once; their own acceptance estimate still sets
         how many), since the gate, measuring steps, cannot tell the few steps where a value opens."""
-        if seq.matcher is None or not seq.params.fast_forward or seq.positions is not None:
+        if seq.matcher is None or not seq.params.fast_forward or seq.position_outputs is not None:
             return False
         if not seq.params.speculative:
             return False
@@ -103,7 +103,7 @@ class Speculation:
         matcher = seq.matcher
         assert matcher is not None
         valid = matcher.validate(guessed)
-        if valid < len(guessed) or not seq.params.fast_forward or seq.positions is not None:
+        if valid < len(guessed) or not seq.params.fast_forward or seq.position_outputs is not None:
             return guessed[:valid]
         propose_after = getattr(state.drafter, "propose_after", None)
         rate = state.acceptance.rate
