@@ -83,6 +83,7 @@ def test_every_feature_on_every_family(checkpoint_factory, family):
         speculative_config={"method": "suffix", "num_speculative_tokens": 3},
         **OPTIONS,
     )
+    spec.engine.speculation.adaptive = False  # every proposed draft verified: no step timing decides
     greedy = SamplingParams(max_tokens=32, temperature=0)
     looping = PROMPT + " Speak, speak." * 3  # drafts from the prompt's own repeats, whatever the model says
     (with_drafts,), (without,) = (m.generate([looping], greedy, use_tqdm=False) for m in (spec, llm))
