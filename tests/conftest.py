@@ -110,6 +110,17 @@ def tiny_llama(checkpoint_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bundled_server():
+    """`weft serve` on the bundled model (test_server's options: `--max-pending 256`), one for the
+    server, Responses and Messages tests: each checks its own requests, never the server's totals."""
+    from test_server import Server
+
+    server = Server("--max-pending", "256")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def qwen_chat(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random model over the Qwen2.5 tokenizer (its template: Hermes-style tool calls), and
     `weft serve` on it as "chat" with a 16k context (room for Codex CLI's first request): one

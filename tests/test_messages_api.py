@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_server import API_KEY, MODEL, WEATHER, Server
+from test_server import API_KEY, MODEL, WEATHER
 
 CLAUDE = "claude-code"  # a name weft does not serve: it answers with its one model, and echoes it
 TOOL = {
@@ -21,10 +21,8 @@ TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server()
-    yield s
-    s.stop()
+def server(bundled_server):
+    return bundled_server
 
 
 @pytest.fixture(scope="module")

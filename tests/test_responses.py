@@ -41,10 +41,8 @@ TOOL_CALL = "151657"  # <tool_call> in the Qwen2.5 vocabulary
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-pending", "64")
-    yield s
-    s.stop()
+def server(bundled_server):
+    return bundled_server
 
 
 @pytest.fixture(scope="module")

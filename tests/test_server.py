@@ -156,10 +156,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server("--max-pending", "256")
-    yield s
-    s.stop()
+def server(bundled_server):
+    return bundled_server
 
 
 @pytest.fixture(scope="module")
