@@ -239,25 +239,25 @@ def _system_folded(messages: list[Message]) -> list[Message] | None:
     """For a template without a system role, or with one only first (Gemma's): each system
     message's text put before the next user message's, as Gemma 3's own template does with the
     first (after the last user message's where none follows); None where this cannot be done."""
-    if not any(m.get("role") == "system" for m in messages):
-        return None
     folded: list[Message] = []
     pending: list[str] = []
     for message in messages:
-        content = message.get("content")
-        if not isinstance(content, str):
-            if message.get("role") in ("system", "user"):
+        role, content = message.get("role"), message.get("content")
+        if role == "system":
+            if not isinstance(content, str):
                 return None
-        elif message.get("role") == "system":
             pending.append(content)
             continue
-        elif message.get("role") == "user" and pending:
-            message = {**message, "content": "\n\n".join([*pending, content])}
-            pending = []
+        if role == "user" and pending:
+            if not isinstance(content, str):
+                return None
+            message, pending = {**message, "content": "\n\n".join([*pending, content])}, []
         folded.append(message)
-    if pending:
+    if len(folded) == len(messages):
+        return None  # no system message: nothing to fold
+    if pending:  # system text after the last user message: it goes after that message's text
         users = [i for i, m in enumerate(folded) if m.get("role") == "user"]
-        if not users:
+        if not users or not isinstance(folded[users[-1]].get("content"), str):
             return None
         last = folded[users[-1]]
         folded[users[-1]] = {**last, "content": "\n\n".join([last["content"], *pending])}

@@ -52,9 +52,10 @@ class Chat:
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         length_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         prompt = service.tokenizer.encode(text, add_special_tokens=False)
-        room = service.max_model_len - len(prompt)
-        if fit_context and params.max_tokens is not None and 0 < room < params.max_tokens:
-            params = params.replace(max_tokens=room)
+        if fit_context and params.max_tokens is not None:
+            room = service.max_model_len - len(prompt)
+            if 0 < room < params.max_tokens:
+                params = params.replace(max_tokens=room)
         (handle,) = await service.add_all(request_id, [prompt], params, length_field)
         return handle, plan, request_id
 
