@@ -61,11 +61,15 @@ def offline() -> LLM:
 
 
 def stream_events(server: Server, body: dict) -> list[dict]:
-    """The events of a streamed response, checking the framing: `event: TYPE`, `data: {...}` whose
-    type is TYPE, a blank line after each."""
+    """The events of a streamed response (`events_of`)."""
     with server.streaming("/v1/responses", {**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        text = r.read().decode()
+        return events_of(r.read().decode())
+
+
+def events_of(text: str) -> list[dict]:
+    """A Responses event stream's events, checking the framing: `event: TYPE`, `data: {...}` whose
+    type is TYPE, a blank line after each, sequence numbers counting from 0."""
     events = []
     for block in text.strip("\n").split("\n\n"):
         kind, data = block.split("\n")
@@ -561,8 +565,7 @@ def test_codex_clis_first_request_streams_a_whole_response(qwen, spec):
     with server.streaming(recorded["path"], body, headers=recorded["headers"]) as r:
         assert r.status_code == 200, r.read()
         assert "namespace, web_search" in r.headers["x-weft-warning"]
-        text = r.read().decode()
-    events = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in text.strip().split("\n\n")]
+        events = events_of(r.read().decode())
     check_events(spec, events)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
