@@ -368,6 +368,7 @@ def test_auto_dtype_is_the_checkpoints_own_where_the_kernels_stream_it(checkpoin
         "activations": "float32",
         "matmul": "float32",
         "linear": "torch x @ W",
+        "kv_cache": f"float32 ({plain.stats()['kv_bytes_per_token']:,} bytes a token)",
     }
 
 

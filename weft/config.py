@@ -405,6 +405,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    dtype: torch.dtype | None = None  # the keys' and values' dtype (None: the activations'; `kv_cache_dtype`)
 
     def __post_init__(self) -> None:
         _require(
@@ -416,6 +417,36 @@ class CacheConfig:
             self.num_blocks,
             "must be >= 1",
         )
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_HELP = (
+    "the KV cache's element type: float32, bfloat16 or float16 (half the memory and half the bytes "
+    "a long context's decode step reads; attention widens them to float32 as it reads); default auto: "
+    "the activations' dtype (float32 on CPU)"
+)
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(
+    value: str | torch.dtype | None, activations: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype for `kv_cache_dtype=value` beside these activations on `device`: auto
+    keeps the activations' (docs/architecture.md, "The KV cache's precision", says why); on CPU a
+    cache of another dtype is half precision beside float32 activations; on CUDA any of the three."""
+    if value is None or value == "auto":
+        return activations
+    dtype = _KV_DTYPES.get(value) if isinstance(value, str) else value
+    if dtype not in _KV_DTYPES.values():
+        choices = ", ".join(KV_CACHE_DTYPES)
+        raise ConfigError(f"kv_cache_dtype must be one of {choices}, got {value!r}")
+    assert dtype is not None
+    if device.type == "cpu" and dtype != activations and activations != torch.float32:
+        raise ConfigError(
+            f"kv_cache_dtype={value!r} beside {str(activations).removeprefix('torch.')} activations: on CPU "
+            "a cache of another dtype needs float32 activations (use kv_cache_dtype=auto, or dtype=float32)"
+        )
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +538,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: torch.device
-    dtype: torch.dtype  # activations and the KV cache
+    dtype: torch.dtype  # activations (and the KV cache where `cache.dtype` is None)
     seed: int = 0
     max_logprobs: int = 20  # the most top-n logprobs a request may ask for
     weight_dtype: torch.dtype | None = None  # None: the same as dtype

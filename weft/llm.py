@@ -82,8 +82,9 @@ class LLM:
     def kernels(self) -> dict[str, str]:
         """What runs the model, chosen once at load: the kernel set, the weights' and the
         activations' dtypes, what the matrix products multiply in, the linear-layer kernel and (on
-        CPU) the ISA path, the instruction sets of the kernels' build and whether the weights are
-        in 2 MB pages (`pages`, weft/model/huge_pages.py)."""
+        CPU) the ISA path, the instruction sets of the kernels' build, the KV cache's dtype and
+        bytes a token (`kv_cache`) and whether the weights are in 2 MB pages (`pages`,
+        weft/model/huge_pages.py)."""
         config = self.engine.config
         weights = config.weight_dtype or config.dtype
         info = self.engine.model.kernels.describe(config.device, weights, config.matmul_dtype)
@@ -95,6 +96,10 @@ class LLM:
             else:
                 panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
             info["linear"] += f"; {kinds} ({panels})"
+        runner = self.engine.runner
+        info["kv_cache"] = (
+            f"{str(runner.kv_dtype).removeprefix('torch.')} ({runner.kv_bytes_per_token:,} bytes a token)"
+        )
         if self.engine.model.huge_page_bytes:
             info["pages"] = f"weights in 2 MB pages ({self.engine.model.huge_page_bytes / 1e6:.0f} MB)"
         thresholds = sorted(set(self.engine.model.dense_rows.values()))

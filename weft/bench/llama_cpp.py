@@ -31,6 +31,10 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+# llama.cpp's type of a KV cache of weft's dtype (ggml_type: F32 0, F16 1, BF16 30)
+_KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}
+
+
 class LlamaCppReference:
     """One GGUF file loaded in llama.cpp. `time` runs a batch of prompts and times it as weft's
     `time_weft` does (the prefill ends when every sequence has its first new token). One context
@@ -38,7 +42,7 @@ class LlamaCppReference:
 
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, kv_cache_dtype: str = "float16") -> None:
         self.ll = import_llama_cpp()
         self.ll.llama_backend_init()
         params = self.ll.llama_model_default_params()
@@ -47,6 +51,7 @@ class LlamaCppReference:
             raise ValueError(f"{path}: llama.cpp could not load this file")
         self.n_vocab = self.ll.llama_vocab_n_tokens(self.ll.llama_model_get_vocab(self.model))
         self.threads = threads
+        self.kv_type = _KV_TYPES[kv_cache_dtype]  # its default is float16
         self.ctx, self.ctx_shape = None, (0, 0)
 
     def time(self, prompts: list[list[int]], output_len: int) -> Timing:
@@ -77,6 +82,10 @@ class LlamaCppReference:
         params.n_seq_max = batch
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = False  # a cache stream per sequence: each attends over its own tokens only
+        params.type_k = params.type_v = self.kv_type
+        params.flash_attn_type = (
+            1  # on (its default, auto, turns it on where the backend has it: the CPU does)
+        )
         self.ctx, self.ctx_shape = self.ll.llama_init_from_model(self.model, params), (batch, seq_len)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {batch} x {seq_len} tokens")

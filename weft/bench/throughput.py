@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --gguf-type: only the shape's first N layers (a slice of a model too large to hold)",
     )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default: 128)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="weft's KV cache: auto, float32, bfloat16 or float16; llama.cpp's (flash attention on) is "
+        "of the same type (default: auto, weft's choice for the model)",
+    )
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument(
         "--dtype",
@@ -298,9 +304,13 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             max_num_batched_tokens=max(2048, max(batch_sizes) * args.prompt_len),
             enable_prefix_caching=False,
             show_progress=False,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
+        kv_dtype = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
-        reference = None if args.no_reference else load_reference(path, dtype, device, args.static_cache)
+        reference = None
+        if not args.no_reference:
+            reference = load_reference(path, dtype, device, args.static_cache, kv_dtype)
         try:
             results = _measure_all(llm, reference, batch_sizes, args)
         finally:
@@ -363,9 +373,15 @@ class TransformersReference:
         pass
 
 
-def load_reference(path: Path, dtype: torch.dtype, device: torch.device, static: bool = False) -> Reference:
-    """llama.cpp for a GGUF file (on the CPU, with weft's threads), transformers otherwise (with
-    `static`, its static cache, compiled)."""
+def load_reference(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    static: bool = False,
+    kv_cache_dtype: str = "float16",
+) -> Reference:
+    """llama.cpp for a GGUF file (on the CPU, with weft's threads and a KV cache of `kv_cache_dtype`),
+    transformers otherwise (with `static`, its static cache, compiled)."""
     from weft.model.gguf_checkpoint import is_gguf
 
     if not is_gguf(path):
@@ -374,7 +390,7 @@ def load_reference(path: Path, dtype: torch.dtype, device: torch.device, static:
         raise ValueError("the llama.cpp reference runs on the CPU: pass --no-reference with --device cuda")
     from weft.bench.llama_cpp import LlamaCppReference
 
-    return LlamaCppReference(path, threads=torch.get_num_threads())
+    return LlamaCppReference(path, threads=torch.get_num_threads(), kv_cache_dtype=kv_cache_dtype)
 
 
 def decode_weight_bytes(model: LlamaForCausalLM) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weft.config import MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
+from weft.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
 from weft.model.quantize import QUANTIZATIONS
 
 
@@ -68,6 +68,9 @@ class EngineArgs:
     kv_cache_memory_gb: float | None = field(
         default=None,
         metadata=cli("KV-cache memory (default: 2 GiB on CPU, half the free memory on CUDA)", type=float),
+    )
+    kv_cache_dtype: str = field(
+        default="auto", metadata=cli(KV_CACHE_DTYPE_HELP, type=str, choices=KV_CACHE_DTYPES)
     )
     enable_prefix_caching: bool = field(
         default=True, metadata=cli("reuse the KV blocks of shared prompt prefixes (default: on)")

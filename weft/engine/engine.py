@@ -106,6 +106,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         # model.config: a tensor-parallel rank's part of the model (its KV heads), else config.model
         self.runner = ModelRunner(model, model.config, config.cache, config.device, config.dtype)
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token  # (this rank's part, in every layer)
         self.ranks = ranks  # tensor parallel: the other ranks follow each step
         self.failure: str | None = None  # why this engine stopped for good (a tensor-parallel rank died)
         if ranks is not None:
@@ -547,6 +548,7 @@ class LLMEngine:
                 ),
                 "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
                 **self._speculation_stats(),
             },
         )

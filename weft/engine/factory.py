@@ -28,6 +28,7 @@ from weft.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    kv_cache_dtype,
     resolve_device,
 )
 from weft.engine.args import EngineArgs
@@ -88,15 +89,18 @@ def _build(
 ) -> LLMEngine:
     """Steps 2-6, as rank 0 with `ranks`."""
     loaded = load(args, path, device, None if ranks is None else ranks.tp)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, loaded.activations, device)
     tokenizer = _load_tokenizer(loaded.source, args.tokenizer)
     cache = CacheConfig(
         block_size=args.block_size,
         num_blocks=args.num_kv_blocks
-        or _default_num_blocks(loaded.model.config, args, loaded.activations, device, loaded.max_len),
+        or _default_num_blocks(loaded.model.config, args, kv_dtype, device, loaded.max_len),
         enable_prefix_caching=args.enable_prefix_caching,
+        dtype=kv_dtype,
     )
     if args.show_progress:  # what runs the model, chosen once here
         info = loaded.kernels.describe(device, loaded.dtype, loaded.matmul)
+        info["kv_cache"] = str(kv_dtype).removeprefix("torch.")
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
     scheduler = SchedulerConfig(
         args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), loaded.max_len
@@ -179,8 +183,9 @@ def describe_kernels(info: dict[str, str]) -> str:
     kernels: native-cpu, ISA path avx512_bf16 (avx512f ...)'."""
     isa = f", ISA path {info['isa']}" if "isa" in info else ""
     cpu = f" ({info['cpu']})" if "cpu" in info else ""
+    kv = f", {info['kv_cache']} KV cache" if "kv_cache" in info else ""
     return (
-        f"{info['weights']} weights, {info['activations']} activations, matmul: {info['matmul']}; "
+        f"{info['weights']} weights, {info['activations']} activations{kv}, matmul: {info['matmul']}; "
         f"linear: {info['linear']}; kernels: {info['kernels']}{isa}{cpu}"
     )
 
@@ -227,12 +232,12 @@ def _load_tokenizer(source: Path | GgufCheckpoint, tokenizer: str | Path | None)
 
 
 def _default_num_blocks(
-    config: ModelConfig, args: EngineArgs, dtype: torch.dtype, device: torch.device, max_len: int
+    config: ModelConfig, args: EngineArgs, kv_dtype: torch.dtype, device: torch.device, max_len: int
 ) -> int:
     """As many blocks as the memory budget holds (default: 2 GiB on CPU, half of what is free on
     CUDA once the model is loaded), but no more than every sequence at full length needs, and at
     least one full-length sequence."""
-    per_block = ModelRunner.kv_bytes_per_block(config, args.block_size, dtype)
+    per_block = ModelRunner.kv_bytes_per_block(config, args.block_size, kv_dtype)
     if args.kv_cache_memory_gb is not None:
         budget = int(args.kv_cache_memory_gb * 1024**3)
     elif device.type == "cuda":

@@ -120,13 +120,23 @@ class ModelRunner:
         # out, but 0 * garbage could still be NaN.
         self.scratch_block = cache_config.num_blocks
         shape = (cache_config.num_blocks + 1, *shape[1:])
-        self.kv_caches: list[KVCache] = [zeros(shape, dtype, device) for _ in range(model_config.num_layers)]
+        self.kv_dtype = (
+            cache_config.dtype or dtype
+        )  # (half precision beside float32 activations: `kv_cache_dtype`)
+        self.kv_caches: list[KVCache] = [
+            zeros(shape, self.kv_dtype, device) for _ in range(model_config.num_layers)
+        ]
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
         self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
         # whether a step's generated rows need an index (`StepRows`): some matrix may take the GEMM
         self.takes_gemm = any(m.takes_gemm for m in model.modules() if isinstance(m, Linear))
         # CUDA: a step's inputs go to the device in one copy from one pinned buffer
         self.uploads = StepUploads(device) if device.type == "cuda" else None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token's keys and values take in every layer of this rank's cache."""
+        return sum(cache[0, 0].numel() * cache.element_size() for cache in self.kv_caches)
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -430,6 +430,7 @@ def _attend(
         return out.view(-1, num_heads * head_dim)  # [Tg, H * D]
     gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
+    gathered = gathered.to(q.dtype)  # (a half-precision cache beside float32 queries: widened)
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
     values = gathered[:, :, 1].transpose(1, 2)  # [Bg, KVH, L, D]
     if group.query_scatter_idx is None:  # one query per sequence, or equal unpadded ones

@@ -222,6 +222,26 @@ struct DecodeShape {
   bool prefetch;  // ask for each next block ahead of its use (the step's cache exceeds 16 MB)
 };
 
+// The KV cache's element types: float32, or bfloat16 / float16 beside float32 queries
+// (`kv_cache_dtype`). Keys and values are widened to float32 as they are read.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // a bfloat16 is a float32's upper half
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+#if defined(WEFT_AVX2) && defined(__F16C__)
+#define WEFT_AVX2_CACHE 1  // the cache's vector paths on AVX2 (a float16 cache's vcvtph2ps is F16C's)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+
 struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* m;
   float* l;
@@ -246,13 +266,13 @@ inline __m512 fold(__m512 a, __m512 b) {
 
 // scores[t] = q . k_t for 16 consecutive tokens (keys `token_stride` floats apart): 16 vector
 // accumulators, then one transpose-and-add instead of 16 horizontal sums.
-template <int64_t kD>
-inline void dot16(const float* keys, int64_t token_stride, const float* query, float* scores) {
+template <int64_t kD, typename C>
+inline void dot16(const C* keys, int64_t token_stride, const float* query, float* scores) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t d = 0; d < kD; d += 16) {
     const __m512 q = _mm512_loadu_ps(query + d);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + t * token_stride + d), q, acc[t]);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load16(keys + t * token_stride + d), q, acc[t]);
   }
   __m512 c[8], e[4], f[2];
   for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
@@ -324,35 +344,89 @@ inline float exp_shifted(float* scores, int64_t n, float max) {
 #endif
 }
 
-// scores[t] = q . k_t for the tokens of a block.
-template <typename T, int64_t kHeadDim>
-inline void block_scores(const T* keys, int64_t num_tokens, int64_t token_stride, int64_t D, const float* query,
+// Whether C is one of the half-precision cache types (as opposed to the queries' own type).
+template <typename C>
+constexpr bool kHalfCache = std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
+
+#if defined(WEFT_AVX2_CACHE)
+// scores[t] = q . k_t for 8 consecutive tokens (keys `token_stride` elements apart, kD a multiple
+// of 8): 8 vector accumulators, then one transpose-and-add (three levels of hadd and a lane swap)
+// instead of 8 horizontal sums.
+template <int64_t kD, typename C>
+inline void dot8(const C* keys, int64_t token_stride, const float* query, float* scores) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < kD; d += 8) {
+    const __m256 q = _mm256_loadu_ps(query + d);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load8(keys + t * token_stride + d), q, acc[t]);
+  }
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit lane
+  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
+}
+#endif
+
+// q . k for one key of D <= 256 elements, a half-precision one widened first: the float32 loop's
+// sums in its order, so that a half cache computes what a float32 cache of its values does.
+template <typename C>
+inline float dot_widened(const C* key, const float* query, int64_t D) {
+  if constexpr (kHalfCache<C>) {
+    float row[256];
+    for (int64_t i = 0; i < D; ++i) row[i] = static_cast<float>(key[i]);
+    return dot(row, query, D);
+  } else {
+    return dot(key, query, D);
+  }
+}
+
+// scores[t] = q . k_t for the tokens of a block (keys of the cache's type C).
+template <typename C, int64_t kHeadDim>
+inline void block_scores(const C* keys, int64_t num_tokens, int64_t token_stride, int64_t D, const float* query,
                          float* scores) {
   int64_t t = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {
+  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 16 == 0) {
     for (; t + 16 <= num_tokens; t += 16) dot16<kHeadDim>(keys + t * token_stride, token_stride, query, scores + t);
   }
+#elif defined(WEFT_AVX2_CACHE)
+  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 8 == 0) {
+    for (; t + 8 <= num_tokens; t += 8) dot8<kHeadDim>(keys + t * token_stride, token_stride, query, scores + t);
+  }
 #endif
-  for (; t < num_tokens; ++t) scores[t] = dot(keys + t * token_stride, query, D);
+  for (; t < num_tokens; ++t) scores[t] = dot_widened(keys + t * token_stride, query, D);
 }
 
 // acc[0..D) += p[t] * v_t over a block's tokens (values `token_stride` elements apart). kHeadDim > 0:
 // the head size as a compile-time constant (the accumulator in registers).
-template <typename T, int64_t kHeadDim>
-inline void add_weighted_values(const T* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
+template <typename C, int64_t kHeadDim>
+inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t token_stride, int64_t head_dim,
                                 const float* p, float* acc_out) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && kHeadDim > 0 && kHeadDim % 16 == 0) {  // the sums in registers
+  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 16 == 0) {  // sums in registers
     constexpr int kVecs = kHeadDim / 16;
     __m512 sums[kVecs];
     for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_loadu_ps(acc_out + 16 * j);
     for (int64_t t = 0; t < num_tokens; ++t) {
       const __m512 weight = _mm512_set1_ps(p[t]);
-      for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + t * token_stride + 16 * j), sums[j]);
+      for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_fmadd_ps(weight, load16(values + t * token_stride + 16 * j), sums[j]);
     }
     for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc_out + 16 * j, sums[j]);
+    return;
+  }
+#elif defined(WEFT_AVX2_CACHE)
+  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 8 == 0 &&
+                kHeadDim <= 128) {  // sums in registers
+    constexpr int kVecs = kHeadDim / 8;
+    __m256 sums[kVecs];
+    for (int j = 0; j < kVecs; ++j) sums[j] = _mm256_loadu_ps(acc_out + 8 * j);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const __m256 weight = _mm256_set1_ps(p[t]);
+      for (int j = 0; j < kVecs; ++j) sums[j] = _mm256_fmadd_ps(weight, load8(values + t * token_stride + 8 * j), sums[j]);
+    }
+    for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(acc_out + 8 * j, sums[j]);
     return;
   }
 #endif
@@ -360,7 +434,7 @@ inline void add_weighted_values(const T* values, int64_t num_tokens, int64_t tok
 #pragma omp simd
   for (int64_t i = 0; i < D; ++i) acc[i] = acc_out[i];
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const T* v = values + t * token_stride;
+    const C* v = values + t * token_stride;
     const float weight = p[t];
 #pragma omp simd
     for (int64_t i = 0; i < D; ++i) acc[i] += weight * static_cast<float>(v[i]);
@@ -395,19 +469,19 @@ inline int64_t chunk_tokens(const DecodeShape& sh) {
 // (m, l, acc) for the whole chunk, then the values weighted by the scores. One max, one sum and one
 // rescale per head and chunk, not per block of 16 tokens: at the bundled model's size (6 heads of
 // 32, 150 tokens) that bookkeeping was most of the time.
-template <typename T, int64_t kHeadDim>
-void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t end, int64_t range_end,
+template <typename C, int64_t kHeadDim>
+void attend_chunk(const C* cache, const int64_t* blocks, int64_t begin, int64_t end, int64_t range_end,
                   const float* queries, const DecodeShape& sh, int64_t chunk, float* scores, Partial part) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, bs = sh.block_size, n = end - begin;
   for (int64_t t0 = begin, stop = 0; t0 < end; t0 = stop) {  // pass 1: scores
     stop = std::min(end, (t0 / bs + 1) * bs);  // the rest of t0's block (a window starts mid-block)
-    const T* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
-    const T* next = stop < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
+    const C* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
+    const C* next = stop < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
     const int64_t num_tokens = stop - t0;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
         if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
-        block_scores<T, kHeadDim>(block + kvh * D, num_tokens, sh.token_stride, D, queries + h * D,
+        block_scores<C, kHeadDim>(block + kvh * D, num_tokens, sh.token_stride, D, queries + h * D,
                                   scores + h * chunk + (t0 - begin));
       }
     }
@@ -428,25 +502,25 @@ void attend_chunk(const T* cache, const int64_t* blocks, int64_t begin, int64_t 
   }
   for (int64_t t0 = begin, stop = 0; t0 < end; t0 = stop) {  // pass 2: values (the chunk is still in L2)
     stop = std::min(end, (t0 / bs + 1) * bs);
-    const T* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
+    const C* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
     const int64_t num_tokens = stop - t0;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      const T* values = block + (sh.num_kv_heads + kvh) * D;
+      const C* values = block + (sh.num_kv_heads + kvh) * D;
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
-        add_weighted_values<T, kHeadDim>(values, num_tokens, sh.token_stride, D, scores + h * chunk + (t0 - begin),
+        add_weighted_values<C, kHeadDim>(values, num_tokens, sh.token_stride, D, scores + h * chunk + (t0 - begin),
                                          part.acc + h * D);
       }
     }
   }
 }
 
-template <typename T, int64_t kHeadDim>
-void attend_range(const T* cache, const int64_t* blocks, int64_t begin, int64_t end, const float* queries,
+template <typename C, int64_t kHeadDim>
+void attend_range(const C* cache, const int64_t* blocks, int64_t begin, int64_t end, const float* queries,
                   const DecodeShape& sh, std::vector<float>& scores, Partial part) {
-  const int64_t chunk = chunk_tokens<T>(sh);
+  const int64_t chunk = chunk_tokens<C>(sh);
   if (static_cast<int64_t>(scores.size()) < sh.num_heads * chunk) scores.resize(sh.num_heads * chunk);
   for (int64_t first = begin; first < end; first += chunk) {
-    attend_chunk<T, kHeadDim>(cache, blocks, first, std::min(end, first + chunk), end, queries, sh, chunk,
+    attend_chunk<C, kHeadDim>(cache, blocks, first, std::min(end, first + chunk), end, queries, sh, chunk,
                               scores.data(), part);
   }
 }
@@ -470,8 +544,8 @@ inline int64_t window_start(int64_t len, const DecodeShape& sh) {
   return sh.window > 0 ? std::max<int64_t>(0, len - sh.window) : 0;
 }
 
-template <typename T>
-void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t split,
+template <typename T, typename C>
+void decode_range(const T* qp, const C* cache, const int64_t* blocks, int64_t len, int64_t b, int64_t split,
                   const DecodeShape& sh, float scale, std::vector<float>& queries, std::vector<float>& scores,
                   Partial part) {
   const int64_t D = sh.head_dim, start = window_start(len, sh), first_block = start / sh.block_size;
@@ -489,13 +563,13 @@ void decode_range(const T* qp, const T* cache, const int64_t* blocks, int64_t le
   if (first >= last) return;  // an empty range
   const int64_t begin = std::max(start, first * sh.block_size), end = std::min(len, last * sh.block_size);
   if (D == 32) {
-    attend_range<T, 32>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+    attend_range<C, 32>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   } else if (D == 64) {
-    attend_range<T, 64>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+    attend_range<C, 64>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   } else if (D == 128) {
-    attend_range<T, 128>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+    attend_range<C, 128>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   } else {
-    attend_range<T, 0>(cache, blocks, begin, end, queries.data(), sh, scores, part);
+    attend_range<C, 0>(cache, blocks, begin, end, queries.data(), sh, scores, part);
   }
 }
 
@@ -527,8 +601,8 @@ void merge_splits(const std::vector<float>& m, const std::vector<float>& l, cons
   });
 }
 
-template <typename T>
-void decode_kernel(const T* qp, const T* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
+template <typename T, typename C>
+void decode_kernel(const T* qp, const C* cache, const int64_t* table, const int64_t* lens, int64_t num_seqs,
                    DecodeShape sh, float scale, T* op) {
   int64_t most_blocks = 0;  // the most blocks a query reads: their ranges are the most any sequence has
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -555,8 +629,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(on_cpu({q, kv_cache, block_table, context_lens}),
               "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: kv_cache must be contiguous [blocks, block_size, 2, KVH, D] of q's dtype");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && weft::cache_dtype_ok(q, kv_cache),
+              "paged_decode_attention: kv_cache must be contiguous [blocks, block_size, 2, KVH, D] of q's dtype, "
+              "or bfloat16 or float16 beside float32 q");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
                   block_table.size(0) == q.size(0),
               "paged_decode_attention: block_table must be contiguous [B, max_blocks] int64");
@@ -585,8 +660,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.softcap = static_cast<float>(softcap);
   sh.sinks = weft::attention_sinks(sinks, sh.num_heads, "paged_decode_attention");
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* table = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t* table = block_table.data_ptr<int64_t>();
     TORCH_CHECK(lens[b] > 0 && lens[b] <= sh.max_blocks * sh.block_size,
                 "paged_decode_attention: a context length exceeds the block table");
     for (int64_t i = 0; i < (lens[b] + sh.block_size - 1) / sh.block_size; ++i) {
@@ -598,12 +673,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   // and costs where they are in cache (10-25% at the bundled model's 0.2-12 MB): the bytes decide.
   int64_t tokens = 0;
   for (int64_t b = 0; b < q.size(0); ++b) tokens += lens[b] - window_start(lens[b], sh);
-  sh.prefetch = tokens * sh.token_stride * static_cast<int64_t>(q.element_size()) > (int64_t{16} << 20);
+  sh.prefetch = tokens * sh.token_stride * static_cast<int64_t>(kv_cache.element_size()) > (int64_t{16} << 20);
   auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
-                            lens, q.size(0), sh, static_cast<float>(scale), out.data_ptr<scalar_t>());
-  });
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const auto s = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+    decode_kernel(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(), table, lens, q.size(0), sh, s, out.data_ptr<float>());
+  } else if (kv_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
+    decode_kernel(q.data_ptr<float>(), kv_cache.data_ptr<c10::Half>(), table, lens, q.size(0), sh, s, out.data_ptr<float>());
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
+      decode_kernel(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), table, lens, q.size(0), sh, s,
+                    out.data_ptr<scalar_t>());
+    });
+  }
   return out;
 }
 

@@ -28,6 +28,12 @@ inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, int6
               op, ": sinks must be float32 [H] on the CPU");
   return sinks->data_ptr<float>();
 }
+// Whether a KV cache of kv_cache's dtype may serve queries of q's: the same dtype, or a bfloat16 or
+// float16 cache beside float32 queries (`kv_cache_dtype`; widened to float32 as it is read).
+inline bool cache_dtype_ok(const at::Tensor& q, const at::Tensor& kv_cache) {
+  const auto c = kv_cache.scalar_type();
+  return c == q.scalar_type() || (q.scalar_type() == at::kFloat && (c == at::kBFloat16 || c == at::kHalf));
+}
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool bf16_dot);

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -144,10 +145,12 @@ struct Scratch {
   std::vector<wordsv> ktp, vp;  // [kD / 2, kKeyVecs]: Kt[d pair][key]; [kKeys / 2, kDVecs]: V[key pair][d]
   std::vector<wordsv> pp;       // [kRows, kKeys / 2] words
   float alpha[kRows];           // how much each row of the tile rescales its output
-  const float* values[kKeys];   // the block's value rows, in the cache
+  const float* values[kKeys];   // the block's value rows, in the cache (or in `widened`)
+  std::vector<vecf> widened;    // [kKeys, 2, kDVecs]: a half-precision cache's keys and values in float32
   explicit Scratch(int64_t rows)
       : q(rows * kDVecs), o(rows * kDVecs), m(rows), l(rows), kt(kD * kKeyVecs), p(kRows * kKeyVecs),
-        qp(rows * kDVecs / 2), ktp(kD / 2 * kKeyVecs), vp(kKeys / 2 * kDVecs), pp(kRows * kKeyVecs / 2) {}
+        qp(rows * kDVecs / 2), ktp(kD / 2 * kKeyVecs), vp(kKeys / 2 * kDVecs), pp(kRows * kKeyVecs / 2),
+        widened(kKeys * 2 * kDVecs) {}
 };
 
 // S[i][key] = q_i . k_key for the kRows rows of a tile (q rows kD floats apart).
@@ -272,21 +275,34 @@ void add_value_pairs(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
   }
 }
 
+// A key's (or value's) row of the cache as float32: in place for a float32 cache, else widened into `out`.
+template <int kD, typename C>
+inline const float* as_float(const C* row, float* out) {
+  if constexpr (std::is_same_v<C, float>) {
+    return row;
+  } else {
+    for (int d = 0; d < kD; ++d) out[d] = static_cast<float>(row[d]);
+    return out;
+  }
+}
+
 // Keys kb0 .. kb0 + num_keys - 1 of the item's head: transposed into s.kt (zero past num_keys), or
 // with bfloat16 products paired along the head dimension into s.ktp; and their value rows' addresses
-// (and, paired along the keys, s.vp).
-template <int kD, bool kPairs>
-void load_key_block(const float* cache, const int64_t* blocks, int64_t kv_head, int64_t kb0, int64_t num_keys,
+// (and, paired along the keys, s.vp). A half-precision cache (C) is widened to float32 first.
+template <int kD, bool kPairs, typename C>
+void load_key_block(const C* cache, const int64_t* blocks, int64_t kv_head, int64_t kb0, int64_t num_keys,
                     const PrefillShape& sh, Scratch<kD>& s) {
   float* kt = reinterpret_cast<float*>(s.kt.data());
   auto* ktp = reinterpret_cast<uint32_t*>(s.ktp.data());
+  float* widened = reinterpret_cast<float*>(s.widened.data());
   for (int64_t key = 0; key < kKeys; ++key) {
     const float* k = nullptr;
     if (key < num_keys) {
       const int64_t token = kb0 + key;
-      k = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
-          kv_head * kD;
-      s.values[key] = k + sh.num_kv_heads * kD;
+      const C* row = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
+                     kv_head * kD;
+      k = as_float<kD>(row, widened + key * 2 * kD);
+      s.values[key] = as_float<kD>(row + sh.num_kv_heads * kD, widened + key * 2 * kD + kD);
     }
     if constexpr (kPairs) {
       for (int v = 0; v < (kD / 2 + kLanes - 1) / kLanes; ++v) {  // kLanes pairs at a time (a head of 16: 8)
@@ -329,8 +345,8 @@ void load_queries(const Item& it, const float* q, int64_t query_start, const Pre
   }
 }
 
-template <int kD, bool kPairs>
-void attend_item(const Item& it, const float* q, const float* cache, const int64_t* table, int64_t context_len,
+template <int kD, bool kPairs, typename C>
+void attend_item(const Item& it, const float* q, const C* cache, const int64_t* table, int64_t context_len,
                  int64_t query_start, int64_t query_len, const PrefillShape& sh, Scratch<kD>& s, float* out) {
   constexpr int kDVecs = Scratch<kD>::kDVecs;
   const int64_t rows = it.count * sh.group;
@@ -397,8 +413,8 @@ std::vector<Item> work_items(const int64_t* starts, int64_t num_seqs, int64_t nu
   return items;
 }
 
-template <int kD, bool kPairs>
-void prefill_kernel(const float* q, const float* cache, const int64_t* table, const int64_t* lens,
+template <int kD, bool kPairs, typename C>
+void prefill_kernel(const float* q, const C* cache, const int64_t* table, const int64_t* lens,
                     const int64_t* starts, int64_t num_seqs, const PrefillShape& sh, float* out) {
   const std::vector<Item> items = work_items(starts, num_seqs, sh.num_kv_heads);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
@@ -418,9 +434,10 @@ void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv_cache, const
   }
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kFloat,
               "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && weft::cache_dtype_ok(q, kv_cache) &&
                   kv_cache.size(2) == 2 && kv_cache.size(4) == q.size(2),
-              "paged_prefill_attention: kv_cache must be contiguous float32 [blocks, block_size, 2, KVH, D]");
+              "paged_prefill_attention: kv_cache must be contiguous float32, bfloat16 or float16 "
+              "[blocks, block_size, 2, KVH, D]");
   const int64_t d = q.size(2);
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
               "paged_prefill_attention: head_dim must be 16, 32, 64, 128 or 256 (others take SDPA)");
@@ -456,8 +473,8 @@ void check_prefill_lengths(const at::Tensor& q, const at::Tensor& kv_cache, cons
   }
 }
 
-template <bool kPairs>
-void dispatch_head_dim(int64_t head_dim, const float* qp, const float* cache, const int64_t* table, const int64_t* lens,
+template <bool kPairs, typename C>
+void dispatch_head_dim(int64_t head_dim, const float* qp, const C* cache, const int64_t* table, const int64_t* lens,
                        const int64_t* starts, int64_t num_seqs, const PrefillShape& sh, float* op) {
   switch (head_dim) {
     case 16: prefill_kernel<16, kPairs>(qp, cache, table, lens, starts, num_seqs, sh, op); break;
@@ -496,14 +513,22 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.sinks = weft::attention_sinks(sinks, sh.num_heads, "paged_prefill_attention");
   auto out = at::empty({q.size(0), sh.num_heads, q.size(2)}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* cache = kv_cache.data_ptr<float>();
   const int64_t* table = block_table.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t num_seqs = block_table.size(0);
-  if (bf16_dot) {
-    dispatch_head_dim<true>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
+  const auto attend = [&](const auto* cache) {
+    if (bf16_dot) {
+      dispatch_head_dim<true>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
+    } else {
+      dispatch_head_dim<false>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
+    }
+  };
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    attend(kv_cache.data_ptr<c10::BFloat16>());
+  } else if (kv_cache.scalar_type() == at::kHalf) {
+    attend(kv_cache.data_ptr<c10::Half>());
   } else {
-    dispatch_head_dim<false>(q.size(2), qp, cache, table, lens, starts, num_seqs, sh, op);
+    attend(kv_cache.data_ptr<float>());
   }
   return out;
 }
