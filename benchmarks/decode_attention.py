@@ -1,0 +1,71 @@
+"""The CPU decode attention kernel alone (`torch.ops.weft.paged_decode_attention`) over one
+sequence's paged cache, per KV-cache dtype and context length: milliseconds per layer and the
+GB/s of cache it reads (compare with `weft bench throughput`'s plain read on the same machine).
+The Llama-3.2-1B attention shape by default: 32 query heads over 8 KV heads of 64.
+
+    python benchmarks/decode_attention.py --contexts 1024,4096,8192,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from weft.native import kernels_available
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def attention_ms(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> float:
+    """Best of 5 runs of 10 calls, in ms per call, after 3 untimed ones."""
+    scale = q.shape[-1] ** -0.5
+
+    def step() -> None:
+        torch.ops.weft.paged_decode_attention(q, cache, table, lens, scale)
+
+    return best_ms(step)
+
+
+def best_ms(step: Callable[[], None], repeats: int = 5, calls: int = 10) -> float:
+    for _ in range(3):
+        step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="1024,4096,8192,16384,32768", help="context lengths")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtypes", default="float32,float16,bfloat16")
+    args = p.parse_args()
+    if not kernels_available():
+        raise SystemExit("weft's CPU kernels are not available (see the warning above)")
+    block_size, d = 16, args.head_dim
+    print(f"threads {torch.get_num_threads()}, {args.heads} heads over {args.kv_heads} KV heads of {d}")
+    print("| context | KV cache | ms per layer | GB/s of cache read |")
+    print("|---:|---|---:|---:|")
+    for context in (int(c) for c in args.contexts.split(",")):
+        num_blocks = -(-context // block_size)
+        base = torch.randn(num_blocks, block_size, 2, args.kv_heads, d)  # [blocks, bs, 2, KVH, D]
+        table = torch.arange(num_blocks).view(1, -1)  # [1, blocks]
+        lens, q = torch.tensor([context]), torch.randn(1, args.heads, d)  # [1], [1, H, D]
+        for name in args.dtypes.split(","):
+            cache = base.to(DTYPES[name])
+            ms = attention_ms(q, cache, table, lens)
+            gb = context * 2 * args.kv_heads * d * cache.element_size() / 1e9
+            print(f"| {context} | {name} | {ms:.3f} | {gb / ms * 1e3:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
