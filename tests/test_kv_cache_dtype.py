@@ -202,3 +202,20 @@ def test_the_cache_says_its_dtype_and_size(checkpoint):
 def test_a_bad_kv_cache_dtype_names_the_choices(checkpoint):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
         LLM(checkpoint, show_progress=False, kv_cache_dtype="int4")
+
+
+def test_the_default_context_is_the_models_own_as_far_as_the_kv_budget_holds_it(checkpoint_factory):
+    """A model of 65,536 positions: as many as one sequence's cache fits in the KV budget (twice
+    as many in float16), never fewer than 8,192, the model's own where the budget holds them all;
+    a context asked for is kept."""
+    path = str(checkpoint_factory("llama", max_position_embeddings=65536))
+    config = LLM(path, show_progress=False, max_model_len=64).config.model
+    per_token = 2 * config.num_kv_heads * config.head_dim * config.num_layers * 4  # float32
+    budget = 12000 * per_token / 1024**3  # GiB: 12,000 float32 tokens
+    for dtype, tokens in [("float32", 12000), ("float16", 24000)]:
+        llm = LLM(path, show_progress=False, kv_cache_memory_gb=budget, kv_cache_dtype=dtype)
+        assert abs(llm.config.scheduler.max_model_len - tokens) <= 1
+    small = LLM(path, show_progress=False, kv_cache_memory_gb=budget / 4)
+    assert small.config.scheduler.max_model_len == 8192
+    assert LLM(path, show_progress=False).config.scheduler.max_model_len == 65536  # (2 GiB holds them)
+    assert LLM(path, show_progress=False, max_model_len=1000).config.scheduler.max_model_len == 1000

@@ -55,7 +55,12 @@ class EngineArgs:
         default=None, metadata=cli("cpu or cuda (default: cuda when available)", type=str)
     )
     max_model_len: int | None = field(
-        default=None, metadata=cli("context length (default: the model's, at most 8192)", type=int)
+        default=None,
+        metadata=cli(
+            "context length (default: the model's, as far as one sequence's KV cache fits the KV memory, "
+            "and at least 8192)",
+            type=int,
+        ),
     )
     block_size: int = field(default=16, metadata=cli("tokens per KV-cache block (default: 16)"))
     max_num_seqs: int = field(default=64, metadata=cli("sequences per step (default: 64)"))

@@ -28,7 +28,6 @@ from weft.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
-    kv_cache_dtype,
     resolve_device,
 )
 from weft.engine.args import EngineArgs
@@ -36,7 +35,7 @@ from weft.engine.default_model import default_model_path
 from weft.engine.engine import LLMEngine, Ranks
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import keep_freed_memory, settle_heap
-from weft.engine.loading import load
+from weft.engine.loading import CPU_KV_BUDGET, load
 from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
@@ -89,7 +88,7 @@ def _build(
 ) -> LLMEngine:
     """Steps 2-6, as rank 0 with `ranks`."""
     loaded = load(args, path, device, None if ranks is None else ranks.tp)
-    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, loaded.activations, device)
+    kv_dtype = loaded.kv_dtype
     tokenizer = _load_tokenizer(loaded.source, args.tokenizer)
     cache = CacheConfig(
         block_size=args.block_size,
@@ -243,6 +242,6 @@ def _default_num_blocks(
     elif device.type == "cuda":
         budget = torch.cuda.mem_get_info(device)[0] // 2
     else:
-        budget = 2 * 1024**3
+        budget = CPU_KV_BUDGET
     blocks_per_seq = -(-max_len // args.block_size)
     return max(blocks_per_seq + 1, min(budget // per_block, blocks_per_seq * args.max_num_seqs))

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 
-from weft.config import ConfigError, KernelChoice, ModelConfig, read_optional_json, resolve_dtype
+from weft.config import (
+    ConfigError,
+    KernelChoice,
+    ModelConfig,
+    kv_cache_dtype,
+    read_optional_json,
+    resolve_dtype,
+)
 from weft.engine.args import EngineArgs
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
 from weft.model.gguf_checkpoint import GgufCheckpoint
@@ -20,7 +27,8 @@ from weft.model.quantize import check_quantization
 from weft.native import use_kernels
 from weft.parallel.group import TensorParallel
 
-DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_MODEL_LEN = 8192  # the least default context (a model's own maximum where it is less)
+CPU_KV_BUDGET = 2 * 1024**3  # bytes of KV cache on CPU unless kv_cache_memory_gb says otherwise
 
 
 def kernels_for(device: torch.device) -> TorchKernels:
@@ -51,6 +59,7 @@ class Loaded:
     dtype: torch.dtype  # the weights'
     matmul: torch.dtype  # what the products multiply in
     max_len: int
+    kv_dtype: torch.dtype  # the KV cache's (`kv_cache_dtype`)
 
     @property
     def activations(self) -> torch.dtype:
@@ -73,12 +82,14 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
     quantization = check_quantization(args.quantization)
     quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
-    max_len = _max_model_len(args.max_model_len, model_config)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, kernels.activation_dtype(device, dtype), device)
+    budget = _kv_budget_tokens(args, model_config, kv_dtype, device)
+    max_len = _max_model_len(args.max_model_len, model_config, budget)
     progress = args.show_progress and (tp is None or tp.rank == 0)
     model = load_model(
         source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp
     )
-    return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len)
+    return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len, kv_dtype)
 
 
 def with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
@@ -90,11 +101,27 @@ def with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:
     return replace(config, eos_token_ids=merged)
 
 
-def _max_model_len(requested: int | None, config: ModelConfig) -> int:
-    """The context: as asked, else `DEFAULT_MAX_MODEL_LEN`; within the model's positions."""
+def _max_model_len(requested: int | None, config: ModelConfig, budget_tokens: int | None) -> int:
+    """The context: as asked; else the model's own, as far as one sequence's KV cache fits the KV
+    budget (`budget_tokens`; None where it is known only once the model is loaded: CUDA) but at
+    least `DEFAULT_MAX_MODEL_LEN`; within the model's positions."""
     if requested is not None and requested > config.max_position_embeddings:
         raise ConfigError(
             f"max_model_len={requested} exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings})"
         )
-    return min(requested or DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
+    default = max(DEFAULT_MAX_MODEL_LEN, budget_tokens or 0)
+    return min(requested or default, config.max_position_embeddings)
+
+
+def _kv_budget_tokens(
+    args: EngineArgs, config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
+) -> int | None:
+    """The tokens the KV budget holds (`num_kv_blocks`, `kv_cache_memory_gb`, or on CPU 2 GiB); None
+    on CUDA without either (half the memory left once the model is loaded)."""
+    if args.num_kv_blocks is not None:
+        return args.num_kv_blocks * args.block_size
+    per_token = 2 * config.num_kv_heads * config.head_dim * config.num_layers * kv_dtype.itemsize
+    if args.kv_cache_memory_gb is not None:
+        return int(args.kv_cache_memory_gb * 1024**3) // per_token
+    return CPU_KV_BUDGET // per_token if device.type == "cpu" else None
