@@ -169,10 +169,10 @@ class TorchKernels:
         "bfloat16" or "int8"; `quantized`: the checkpoint has quantized matrices). Plain torch
         multiplies in the weights' dtype (quantized ones dequantized at load), whatever is asked."""
         precision = check_matmul_precision(requested)
-        if precision not in ("auto", _dtype_name(weight_dtype)):
+        if precision not in ("auto", dtype_name(weight_dtype)):
             raise ConfigError(
                 f"matmul_precision={precision!r}: with the {self.name} kernels on {device.type} the matrix "
-                f"products run in the weights' dtype ({_dtype_name(weight_dtype)}); leave it 'auto' or "
+                f"products run in the weights' dtype ({dtype_name(weight_dtype)}); leave it 'auto' or "
                 f"load the weights in {precision}"
             )
         return weight_dtype
@@ -185,9 +185,9 @@ class TorchKernels:
         activations = self.activation_dtype(device, weight_dtype)
         return {
             "kernels": self.name,
-            "weights": _dtype_name(weight_dtype),
-            "activations": _dtype_name(activations),
-            "matmul": _dtype_name(matmul or activations),
+            "weights": dtype_name(weight_dtype),
+            "activations": dtype_name(activations),
+            "matmul": dtype_name(matmul or activations),
             "linear": "torch F.linear"
             if device.type != "cpu" or weight_dtype != torch.float32
             else "torch x @ W",
@@ -493,7 +493,7 @@ class NativeCpuKernels(TorchKernels):
         if precision == "bfloat16" and weight_dtype != torch.bfloat16:
             raise ConfigError(
                 f"matmul_precision='bfloat16' needs bfloat16 weights, and this model loads "
-                f"{_dtype_name(weight_dtype)} weights; pass dtype='bfloat16' or leave matmul_precision 'auto'"
+                f"{dtype_name(weight_dtype)} weights; pass dtype='bfloat16' or leave matmul_precision 'auto'"
             )
         if precision == "auto":
             fast = weight_dtype == torch.bfloat16 and cpu_isa_path() == "avx512_bf16"
@@ -506,7 +506,7 @@ class NativeCpuKernels(TorchKernels):
         info = super().describe(device, weight_dtype, matmul)
         isa = cpu_isa_path()
         if self.packs_linear_weights(device, weight_dtype):
-            info["linear"] = f"weft panels ({_dtype_name(weight_dtype)})"
+            info["linear"] = f"weft panels ({dtype_name(weight_dtype)})"
             if matmul == torch.bfloat16:
                 how = "vdpbf16ps" if isa == "avx512_bf16" else "emulated: this CPU has no AVX512_BF16"
                 what = "bfloat16 products (linear layers, prompt attention), float32 accumulation"
@@ -518,7 +518,7 @@ class NativeCpuKernels(TorchKernels):
                     f"({int8_dot_instructions()}); float32 elsewhere"
                 )
             elif weight_dtype != torch.float32:
-                info["matmul"] = f"float32 ({_dtype_name(weight_dtype)} weights widened exactly)"
+                info["matmul"] = f"float32 ({dtype_name(weight_dtype)} weights widened exactly)"
         info["isa"] = isa
         info["cpu"] = torch.ops.weft.build_info()  # the instruction sets of this build
         return info
@@ -725,7 +725,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 

@@ -38,6 +38,7 @@ from weft.engine.heap import keep_freed_memory, settle_heap
 from weft.engine.loading import CPU_KV_BUDGET, load
 from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
+from weft.kernels import dtype_name
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.loader import load_config, open_source
 from weft.parallel.group import TensorParallel, free_port
@@ -99,7 +100,7 @@ def _build(
     )
     if args.show_progress:  # what runs the model, chosen once here
         info = loaded.kernels.describe(device, loaded.dtype, loaded.matmul)
-        info["kv_cache"] = str(kv_dtype).removeprefix("torch.")
+        info["kv_cache"] = dtype_name(kv_dtype)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
     scheduler = SchedulerConfig(
         args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), loaded.max_len

@@ -19,6 +19,7 @@ from weft.config import (
     resolve_dtype,
 )
 from weft.engine.args import EngineArgs
+from weft.engine.runner import ModelRunner
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
 from weft.model.gguf_checkpoint import GgufCheckpoint
 from weft.model.llama import LlamaForCausalLM
@@ -121,7 +122,7 @@ def _kv_budget_tokens(
     on CUDA without either (half the memory left once the model is loaded)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks * args.block_size
-    per_token = 2 * config.num_kv_heads * config.head_dim * config.num_layers * kv_dtype.itemsize
+    per_token = ModelRunner.kv_bytes_per_block(config, 1, kv_dtype)
     if args.kv_cache_memory_gb is not None:
         return int(args.kv_cache_memory_gb * 1024**3) // per_token
     return CPU_KV_BUDGET // per_token if device.type == "cpu" else None

@@ -120,9 +120,8 @@ class ModelRunner:
         # out, but 0 * garbage could still be NaN.
         self.scratch_block = cache_config.num_blocks
         shape = (cache_config.num_blocks + 1, *shape[1:])
-        self.kv_dtype = (
-            cache_config.dtype or dtype
-        )  # (half precision beside float32 activations: `kv_cache_dtype`)
+        # the cache's dtype: the activations', or half precision beside float32 ones (`kv_cache_dtype`)
+        self.kv_dtype = cache_config.dtype or dtype
         self.kv_caches: list[KVCache] = [
             zeros(shape, self.kv_dtype, device) for _ in range(model_config.num_layers)
         ]
