@@ -406,6 +406,10 @@ class CacheConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     dtype: torch.dtype | None = None  # the keys' and values' dtype (None: the activations'; `kv_cache_dtype`)
+    # The sliding-window layers' own pool (`weft/engine/window_blocks.py`): `num_window_blocks` blocks
+    # where each sequence holds only its last `window` positions; 0: those layers share the pool above
+    window: int = 0
+    num_window_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require(

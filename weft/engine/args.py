@@ -80,6 +80,13 @@ class EngineArgs:
     enable_prefix_caching: bool = field(
         default=True, metadata=cli("reuse the KV blocks of shared prompt prefixes (default: on)")
     )
+    window_kv_pool: bool = field(
+        default=True,
+        metadata=cli(
+            "keep sliding-window layers' KV in a pool of their own, where a sequence holds only its "
+            "window (Gemma, gpt-oss, Mistral with a window; default: on)"
+        ),
+    )
     max_logprobs: int = field(default=20, metadata=cli("most top logprobs a request may ask (default: 20)"))
     seed: int = field(
         default=0, metadata=cli("engine seed: sampling of requests without a seed of their own (default: 0)")

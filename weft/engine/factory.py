@@ -35,6 +35,7 @@ from weft.engine.default_model import default_model_path
 from weft.engine.engine import LLMEngine, Ranks
 from weft.engine.graphs import cuda_capture
 from weft.engine.heap import keep_freed_memory, settle_heap
+from weft.engine.kv_pools import KVPools, has_window_pool, split_pools
 from weft.engine.loading import CPU_KV_BUDGET, load
 from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
@@ -91,20 +92,21 @@ def _build(
     loaded = load(args, path, device, None if ranks is None else ranks.tp)
     kv_dtype = loaded.kv_dtype
     tokenizer = _load_tokenizer(loaded.source, args.tokenizer)
+    max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.block_size)
+    pools = _kv_pools(loaded.model.config, args, kv_dtype, device, loaded.max_len, max_num_batched_tokens)
     cache = CacheConfig(
         block_size=args.block_size,
-        num_blocks=args.num_kv_blocks
-        or _default_num_blocks(loaded.model.config, args, kv_dtype, device, loaded.max_len),
+        num_blocks=pools.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         dtype=kv_dtype,
+        window=pools.window,
+        num_window_blocks=pools.num_window_blocks,
     )
     if args.show_progress:  # what runs the model, chosen once here
         info = loaded.kernels.describe(device, loaded.dtype, loaded.matmul)
         info["kv_cache"] = dtype_name(kv_dtype)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
-    scheduler = SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens or max(2048, args.block_size), loaded.max_len
-    )
+    scheduler = SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, loaded.max_len)
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
     config = EngineConfig(
         loaded.config, cache, scheduler, device, loaded.activations, args.seed, args.max_logprobs,
@@ -231,18 +233,35 @@ def _load_tokenizer(source: Path | GgufCheckpoint, tokenizer: str | Path | None)
     return Tokenizer.from_dir(source)
 
 
-def _default_num_blocks(
-    config: ModelConfig, args: EngineArgs, kv_dtype: torch.dtype, device: torch.device, max_len: int
-) -> int:
-    """As many blocks as the memory budget holds (default: 2 GiB on CPU, half of what is free on
-    CUDA once the model is loaded), but no more than every sequence at full length needs, and at
-    least one full-length sequence."""
+def _kv_pools(
+    config: ModelConfig,
+    args: EngineArgs,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    max_num_batched_tokens: int,
+) -> KVPools:
+    """The KV blocks: `num_kv_blocks`, or as many as the memory budget holds (default: 2 GiB on
+    CPU, half of what is free on CUDA once the model is loaded) but no more than every sequence at
+    full length needs and at least one full-length sequence; with the sliding-window layers' own
+    pool where the model has a window shorter than the context (`weft/engine/kv_pools.py`)."""
+    budget = None
+    if args.num_kv_blocks is None:
+        if args.kv_cache_memory_gb is not None:
+            budget = int(args.kv_cache_memory_gb * 1024**3)
+        elif device.type == "cuda":
+            budget = torch.cuda.mem_get_info(device)[0] // 2
+        else:
+            budget = CPU_KV_BUDGET
+    if has_window_pool(config, max_len, args.window_kv_pool):
+        layer_block = ModelRunner.kv_bytes_per_block(config, args.block_size, kv_dtype) // config.num_layers
+        return split_pools(
+            config, args.block_size, layer_block, budget, args.num_kv_blocks, max_len, args.max_num_seqs,
+            max_num_batched_tokens,
+        )  # fmt: skip
+    if args.num_kv_blocks is not None:
+        return KVPools(args.num_kv_blocks)
+    assert budget is not None
     per_block = ModelRunner.kv_bytes_per_block(config, args.block_size, kv_dtype)
-    if args.kv_cache_memory_gb is not None:
-        budget = int(args.kv_cache_memory_gb * 1024**3)
-    elif device.type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] // 2
-    else:
-        budget = CPU_KV_BUDGET
     blocks_per_seq = -(-max_len // args.block_size)
-    return max(blocks_per_seq + 1, min(budget // per_block, blocks_per_seq * args.max_num_seqs))
+    return KVPools(max(blocks_per_seq + 1, min(budget // per_block, blocks_per_seq * args.max_num_seqs)))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
+        window_scratch: int | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.scratch_block, self.block_size = scratch_block, block_size
@@ -96,6 +97,15 @@ class DecodeGraphs:
         self.block_table = torch.full((max_size, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)  # [Bmax]
         self.query_start = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # [Bmax + 1]
+        # the sliding-window layers' own pool (`window_scratch`: its scratch block), where there is one
+        self.window_scratch = window_scratch
+        self.window_slots, self.window_table = None, None
+        if window_scratch is not None:
+            window_slot = window_scratch * block_size
+            self.window_slots = torch.full((max_size,), window_slot, dtype=torch.int64, device=device)
+            self.window_table = torch.full(
+                (max_size, max_blocks), window_scratch, dtype=torch.int32, device=device
+            )  # [Bmax, max_blocks]
         self.replays: dict[int, Forward] = {}
 
     def capture(self, capture: Capture, pool: Any = None, progress: bool = False) -> CaptureReport:
@@ -132,6 +142,11 @@ class DecodeGraphs:
         self.slot_mapping[:num_rows].copy_(meta.slot_mapping)
         self.block_table[:num_rows, :width].copy_(batch.block_table)
         self.seq_lens[:num_rows].copy_(batch.seq_lens)
+        if self.window_table is not None and self.window_slots is not None:
+            own = meta.sliding
+            assert own is not None and own.ragged is not None, "a window pool's step without its tables"
+            self.window_slots[:num_rows].copy_(own.slot_mapping)
+            self.window_table[:num_rows, : own.ragged.block_table.shape[1]].copy_(own.ragged.block_table)
         self._pad_rows(num_rows, size)
         return self.replays[size]()[:num_rows]
 
@@ -142,10 +157,19 @@ class DecodeGraphs:
         self.slot_mapping[first:end] = self.scratch_block * self.block_size
         self.block_table[first:end, 0] = self.scratch_block
         self.seq_lens[first:end] = 1
+        scratch = self.window_scratch
+        if self.window_table is not None and self.window_slots is not None and scratch is not None:
+            self.window_slots[first:end] = scratch * self.block_size
+            self.window_table[first:end, 0] = scratch
 
     def _forward(self, size: int) -> Forward:
         batch = RaggedBatch(self.block_table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
-        meta = AttentionMetadata(self.slot_mapping[:size], (), batch)
+        sliding = None
+        if self.window_table is not None and self.window_slots is not None:
+            window = self.model.attention.window
+            own = RaggedBatch(self.window_table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
+            sliding = AttentionMetadata(self.window_slots[:size], (), replace(own, window=window))
+        meta = AttentionMetadata(self.slot_mapping[:size], (), batch, sliding)
         input_ids, positions = self.input_ids[:size], self.positions[:size]
         return lambda: self.model(input_ids, positions, self.kv_caches, meta)
 

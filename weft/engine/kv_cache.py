@@ -14,71 +14,20 @@ The KV tensors themselves live in the model runner; this module only hands out b
 - Sequences are known by their integer `seq_id`; the manager keeps one `SeqBlocks` per sequence,
   whose block ids are also one row of a persistent host array (`block_tables`) that a step's model
   inputs take their tables from, written only when the table changes.
+- A model with sliding-window layers keeps those layers' blocks in a second pool, where a sequence
+  holds only its window (`weft/engine/window_blocks.py`); every method here drives both pools, and
+  an allocation happens in both or in neither.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from weft.config import CacheConfig
 from weft.engine.block_table import BlockTableArray
+from weft.engine.kv_blocks import Block, BlockPool
 from weft.engine.sequence import Sequence
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # the tokens of a hashed block, to rule out hash collisions
-
-
-class BlockPool:
-    """All blocks, the LRU free queue and the hash -> block map of cached full blocks."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def allocate(self) -> Block:
-        """Take the least recently freed block, evicting its cached contents."""
-        _, block = self.free_queue.popitem(last=False)
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
-        block.ref_cnt = 1
-        return block
-
-    def touch(self, block: Block) -> None:
-        """Add a reference, taking the block out of the free queue if it was there."""
-        if block.ref_cnt == 0:
-            del self.free_queue[block.block_id]
-        block.ref_cnt += 1
-
-    def release(self, block: Block) -> None:
-        assert block.ref_cnt > 0, f"block {block.block_id} released more often than referenced"
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            self.free_queue[block.block_id] = block
-
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
-            return None
-        return block
-
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        if block.block_hash is not None or block_hash in self.cached:
-            return  # already cached, or an identical block was computed by another request
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached[block_hash] = block
+from weft.engine.window_blocks import WindowBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +36,7 @@ class ComputedBlocks:
 
     blocks: list[Block]
     hashes: list[int]  # the hash chain of those blocks
+    window_blocks: list[Block] = field(default_factory=list)  # the window pool's, for the window before them
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.blocks) * block_size
@@ -100,6 +50,23 @@ class SeqBlocks:
     hashes: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the ids of `blocks`, kept in step with them
     row: int = -1  # its row of `KVCacheManager.block_tables`, which holds `block_ids` too
+    window_row: int = -1  # its row of the window pool's tables (`WindowBlocks.block_tables`)
+
+
+@dataclass(frozen=True, slots=True)
+class Borrowed:
+    """Blocks lent for tokens computed outside any sequence (a scoring pass), in each pool."""
+
+    blocks: list[Block]
+    window_blocks: list[Block]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def window_block_ids(self) -> list[int] | None:
+        return [b.block_id for b in self.window_blocks] if self.window_blocks else None
 
 
 class KVCacheManager:
@@ -114,14 +81,32 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block ids, copy-on-write
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
+        # the sliding-window layers' own blocks (`CacheConfig.num_window_blocks`); None: they share these
+        self.window = (
+            WindowBlocks(config.num_window_blocks, config.block_size, config.window)
+            if config.num_window_blocks
+            else None
+        )
 
     @property
     def num_blocks(self) -> int:
-        return len(self.pool.blocks)
+        """Blocks of both pools."""
+        return len(self.pool.blocks) + (self.window.num_blocks if self.window else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.pool.num_free
+        window_used = self.window.num_used_blocks if self.window else 0
+        return len(self.pool.blocks) - self.pool.num_free + window_used
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Blocks of the pool of the layers that keep every token (a sequence's length is bound by it)."""
+        return len(self.pool.blocks)
+
+    def can_share(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether a fork of the sequence's first `num_tokens` tokens can share its blocks (it holds
+        them, and the window before position `num_tokens`)."""
+        return seq_id in self.tables and (self.window is None or self.window.covers(seq_id, num_tokens))
 
     def holds(self, seq_id: int) -> bool:
         """Whether the sequence has blocks."""
@@ -149,7 +134,10 @@ class KVCacheManager:
                 break
             hits.append(block)
             hashes.append(parent)
-        return ComputedBlocks(hits, hashes)
+        if self.window is None or not hits:
+            return ComputedBlocks(hits, hashes)
+        num_hits, window_blocks = self.window.hits(hashes, [b.token_ids for b in hits])
+        return ComputedBlocks(hits[:num_hits], hashes[:num_hits], window_blocks)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -162,10 +150,16 @@ class KVCacheManager:
         `computed`). Returns the sequence's block table, or None (changing nothing) if there are
         not enough free blocks."""
         table = self.tables.get(seq.seq_id)
+        window = self.window
         if table is not None and not (computed and computed.blocks):  # most often: its blocks have room
-            blocks, write_idx = table.blocks, seq.num_computed_tokens // self.block_size
-            fits = seq.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
-            if fits and (write_idx >= len(blocks) or blocks[write_idx].ref_cnt == 1):
+            start = seq.num_computed_tokens
+            blocks, write_idx = table.blocks, start // self.block_size
+            fits = start + num_new_tokens <= len(blocks) * self.block_size
+            if (
+                fits
+                and (write_idx >= len(blocks) or blocks[write_idx].ref_cnt == 1)
+                and (window is None or window.ready(seq.seq_id, start, start + num_new_tokens))
+            ):
                 return table  # no new block, no copy-on-write
         table = table or SeqBlocks()
         blocks = table.blocks
@@ -178,6 +172,11 @@ class KVCacheManager:
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + int(needs_copy) + num_revived > self.pool.num_free:
             return None
+        window_hits = computed.window_blocks if computed else []
+        end = num_computed + num_new_tokens
+        window_need = 0 if window is None else window.needed(seq.seq_id, num_computed, end, window_hits)
+        if window is not None and window_need > window.pool.num_free:
+            return None  # (the window pool: both pools' blocks, or neither's)
         for block in hits:
             self.pool.touch(block)
         blocks = blocks + hits + [self.pool.allocate() for _ in range(num_new_blocks)]
@@ -191,6 +190,9 @@ class KVCacheManager:
             table.row = self.block_tables.acquire()
         self.block_tables.write(table.row, table.block_ids)
         self.tables[seq.seq_id] = table
+        if window is not None:
+            window.grow(seq.seq_id, num_computed, end, window_hits)
+            table.window_row = window.row(seq.seq_id)
         return table
 
     def _copy_on_write(self, shared: Block) -> Block:
@@ -211,6 +213,8 @@ class KVCacheManager:
             parent = hash((parent, tokens))
             self.pool.register(table.blocks[i], parent, tokens)
             table.hashes.append(parent)
+            if self.window is not None:
+                self.window.register(seq.seq_id, i, parent, tokens)
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int) -> None:
         """Give the child the parent's blocks that hold its first `num_tokens` tokens, shared; the
@@ -224,6 +228,10 @@ class KVCacheManager:
         child = SeqBlocks(list(blocks), hashes, [b.block_id for b in blocks], self.block_tables.acquire())
         self.block_tables.write(child.row, child.block_ids)
         self.tables[child_id] = child
+        if self.window is not None:
+            assert self.window.covers(parent_id, num_tokens), "a fork whose window its parent gave back"
+            self.window.fork(parent_id, child_id, num_tokens)
+            child.window_row = self.window.row(child_id)
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, tail first, so that the tail is evicted first."""
@@ -233,12 +241,16 @@ class KVCacheManager:
         for block in reversed(table.blocks):
             self.pool.release(block)
         self.block_tables.release(table.row)
+        if self.window is not None:
+            self.window.free(seq_id)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Give back the sequence's blocks past those of its first `num_tokens` tokens, tail first
         (the slots of rejected drafts; never a cached block: only computed tokens are hashed)."""
         table = self.tables.get(seq_id)
         keep = -(-num_tokens // self.block_size)
+        if self.window is not None:
+            self.window.truncate(seq_id, num_tokens)
         if table is None or len(table.blocks) <= keep:
             return
         for block in reversed(table.blocks[keep:]):
@@ -246,18 +258,27 @@ class KVCacheManager:
         table.blocks, table.block_ids = table.blocks[:keep], table.block_ids[:keep]
         self.block_tables.write(table.row, table.block_ids)
 
-    def borrow(self, num_tokens: int) -> list[Block] | None:
-        """Private blocks for `num_tokens` tokens computed outside any sequence (a scoring pass);
-        None when there are not enough free blocks. Return them with `give_back`."""
+    def borrow(self, num_tokens: int) -> Borrowed | None:
+        """Private blocks for `num_tokens` tokens computed outside any sequence (a scoring pass), in
+        each pool; None when there are not enough free blocks. Return them with `give_back`."""
         num_blocks = -(-num_tokens // self.block_size)
-        if num_blocks > self.pool.num_free:
+        window = self.window
+        if num_blocks > self.pool.num_free or (window is not None and num_blocks > window.pool.num_free):
             return None
-        return [self.pool.allocate() for _ in range(num_blocks)]
+        blocks = [self.pool.allocate() for _ in range(num_blocks)]
+        return Borrowed(blocks, [window.pool.allocate() for _ in range(num_blocks)] if window else [])
 
-    def give_back(self, blocks: list[Block]) -> None:
-        for block in reversed(blocks):
+    def give_back(self, borrowed: Borrowed) -> None:
+        for block in reversed(borrowed.blocks):
             self.pool.release(block)
+        for block in reversed(borrowed.window_blocks):
+            assert self.window is not None
+            self.window.pool.release(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write in the window pool: (src, dst) block ids there."""
+        return self.window.take_pending_copies() if self.window is not None else []

@@ -19,6 +19,7 @@ from weft.config import (
     resolve_dtype,
 )
 from weft.engine.args import EngineArgs
+from weft.engine.kv_pools import bytes_per_token, has_window_pool
 from weft.engine.runner import ModelRunner
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
 from weft.model.gguf_checkpoint import GgufCheckpoint
@@ -118,11 +119,16 @@ def _max_model_len(requested: int | None, config: ModelConfig, budget_tokens: in
 def _kv_budget_tokens(
     args: EngineArgs, config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
 ) -> int | None:
-    """The tokens the KV budget holds (`num_kv_blocks`, `kv_cache_memory_gb`, or on CPU 2 GiB); None
-    on CUDA without either (half the memory left once the model is loaded)."""
+    """The tokens the KV budget holds for one sequence (`num_kv_blocks`, `kv_cache_memory_gb`, or on
+    CPU 2 GiB; sliding-window layers in their own pool hold only a window); None on CUDA without
+    either (half the memory left once the model is loaded)."""
     if args.num_kv_blocks is not None:
         return args.num_kv_blocks * args.block_size
-    per_token = ModelRunner.kv_bytes_per_block(config, 1, kv_dtype)
+    window_pool = has_window_pool(config, config.max_position_embeddings, args.window_kv_pool)
+    layer_token = ModelRunner.kv_bytes_per_block(config, 1, kv_dtype) // config.num_layers
+    per_token = bytes_per_token(config, layer_token, window_pool)
+    if per_token == 0:  # every layer slides within its own pool: a sequence's length costs nothing more
+        return config.max_position_embeddings
     if args.kv_cache_memory_gb is not None:
         return int(args.kv_cache_memory_gb * 1024**3) // per_token
     return CPU_KV_BUDGET // per_token if device.type == "cpu" else None

@@ -89,6 +89,9 @@ class StepPlan:
     # (first, end) step rows of each sequence's prompt tokens, where it has some: every other row
     # holds a generated token and multiplies through the panels (`StepRows`)
     prompt_token_rows: list[tuple[int, int]]
+    # the sliding-window layers' pool, where the model has one (`CacheConfig.num_window_blocks`)
+    window_tables: np.ndarray | None = None  # [B, max_blocks] int64
+    window_copies: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +122,16 @@ class ModelRunner:
         # padding rows of a replayed decode graph write. Zero-filled: slots never written are masked
         # out, but 0 * garbage could still be NaN.
         self.scratch_block = cache_config.num_blocks
-        shape = (cache_config.num_blocks + 1, *shape[1:])
         # the cache's dtype: the activations', or half precision beside float32 ones (`kv_cache_dtype`)
         self.kv_dtype = cache_config.dtype or dtype
-        self.kv_caches: list[KVCache] = [
-            zeros(shape, self.kv_dtype, device) for _ in range(model_config.num_layers)
-        ]
+        # Sliding-window layers keep their blocks in a pool of their own where the cache config has
+        # one (`weft/engine/window_blocks.py`); its scratch block too is one past its pool.
+        num_window = cache_config.num_window_blocks
+        self.window_scratch = num_window if num_window else None
+        layers = range(model_config.num_layers)
+        self.in_window_pool = [bool(num_window and model_config.layer_window(i)) for i in layers]
+        sizes = [(num_window if w else cache_config.num_blocks) + 1 for w in self.in_window_pool]
+        self.kv_caches: list[KVCache] = [zeros((n, *shape[1:]), self.kv_dtype, device) for n in sizes]
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs (`capture_graphs`)
         self.tp = model.tp  # tensor parallel: the group whose other ranks follow each step
         # whether a step's generated rows need an index (`StepRows`): some matrix may take the GEMM
@@ -134,8 +141,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one token's keys and values take in every layer of this rank's cache."""
-        return sum(cache[0, 0].numel() * cache.element_size() for cache in self.kv_caches)
+        """What one more token's keys and values take in this rank's cache: in every layer, but
+        for the sliding-window layers of a window pool, which hold at most a window's."""
+        return sum(
+            cache[0, 0].numel() * cache.element_size()
+            for cache, windowed in zip(self.kv_caches, self.in_window_pool, strict=True)
+            if not windowed
+        )
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -193,9 +205,13 @@ class ModelRunner:
             elif item.samples:
                 logits_indices.append(len(input_ids) - 1)
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
+        window_tables = None
+        if sched.window_tables is not None:  # [B, max_blocks]
+            window_tables = sched.window_tables.gather([s.table.window_row for s in sched.scheduled])
         plan = StepPlan(
             input_ids, query_lens, context_lens, tables, logits_indices, prompt_rows, prompt_targets,
-            pending, sched.block_copies, generated_rows, prompt_token_rows,
+            pending, sched.block_copies, generated_rows, prompt_token_rows, window_tables,
+            sched.window_copies,
         )  # fmt: skip
         return plan, spans
 
@@ -207,7 +223,7 @@ class ModelRunner:
         put = uploads.begin() if uploads is not None else self._put
         attn, positions = self.attention.build_metadata(
             plan.query_lens, plan.context_lens, plan.block_tables, self.block_size, self.device,
-            plan.generated_rows, put,
+            plan.generated_rows, put, plan.window_tables,
         )  # fmt: skip
         ids = put(np.array(plan.input_ids, dtype=np.int64))
         where = put(np.array(plan.pending, dtype=np.int64)) if plan.pending else None
@@ -253,7 +269,7 @@ class ModelRunner:
         plan, spans = self.plan(sched, in_flight)
         if self.tp is not None:
             self.tp.send(plan)
-        self.copy_blocks(plan.block_copies)
+        self.copy_blocks(plan.block_copies, plan.window_copies)
         inputs = self.inputs(plan, spans, in_flight)
         hidden = self._forward(inputs)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
@@ -264,7 +280,7 @@ class ModelRunner:
     def follow(self, plan: StepPlan) -> None:
         """Another tensor-parallel rank: run the step rank 0 planned, taking part in every collective
         rank 0's `execute` and its prompt logprobs make, in the same order."""
-        self.copy_blocks(plan.block_copies)
+        self.copy_blocks(plan.block_copies, plan.window_copies)
         inputs = self.inputs(plan, [])
         hidden = self._forward(inputs)  # [T, hidden]
         self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
@@ -290,21 +306,27 @@ class ModelRunner:
         if not self.model.kernels.takes_ragged_batch(self.model.config.head_dim, self.block_size):
             return None
         graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.scratch_block, self.block_size, max_model_len, max_num_seqs
-        )
+            self.model, self.kv_caches, self.scratch_block, self.block_size, max_model_len, max_num_seqs,
+            self.window_scratch,
+        )  # fmt: skip
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         report = graphs.capture(capture, pool, progress)
         self.graphs = graphs
         return report
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate shared blocks before a sequence writes into its private copy."""
-        if not copies:
-            return
-        src = column([s for s, _ in copies], np.int64, self.device)  # (pinned, non-blocking on CUDA)
-        dst = column([d for _, d in copies], np.int64, self.device)
-        for kv_cache in self.kv_caches:
-            kv_cache[dst] = kv_cache[src]
+    def copy_blocks(
+        self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Copy-on-write: duplicate shared blocks before a sequence writes into its private copy
+        (`window_copies`: those of the sliding-window layers' pool)."""
+        for pairs, windowed in ((copies, False), (window_copies, True)):
+            if not pairs:
+                continue
+            src = column([s for s, _ in pairs], np.int64, self.device)  # (pinned, non-blocking on CUDA)
+            dst = column([d for _, d in pairs], np.int64, self.device)
+            for kv_cache, in_window in zip(self.kv_caches, self.in_window_pool, strict=True):
+                if in_window == windowed:
+                    kv_cache[dst] = kv_cache[src]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

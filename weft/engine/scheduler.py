@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weft.config import SchedulerConfig
 from weft.engine.block_table import BlockTableArray
@@ -63,6 +63,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward pass
     num_preempted: int
     block_tables: BlockTableArray  # every table, one row each: `table.row` of each scheduled sequence
+    # the sliding-window layers' pool (`KVCacheManager.window`): its copies, and its tables (rows
+    # `table.window_row`); empty and None where the model keeps them in the one pool
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
+    window_tables: BlockTableArray | None = None
 
     @property
     def sampling(self) -> list[Sequence]:
@@ -136,8 +140,8 @@ class Scheduler:
         from the prefix cache."""
         parent, seq.fork_parent = seq.fork_parent, None
         num_shared = seq.num_tokens - seq.num_pending_forced - 1  # forced tokens wanting logprobs: computed
-        if num_shared <= 0 or parent is None or not self.kv.holds(parent.seq_id):
-            return  # nothing to share (a one-token prompt), or nothing held to share it from
+        if num_shared <= 0 or parent is None or not self.kv.can_share(parent.seq_id, num_shared):
+            return  # nothing to share (a one-token prompt), nothing held to share it from (or its window)
         if parent.num_computed_tokens < num_shared:
             return
         self.kv.fork(parent.seq_id, seq.seq_id, num_shared)
@@ -162,6 +166,8 @@ class Scheduler:
             block_copies=self.kv.take_pending_copies(),
             num_preempted=self.num_preemptions - num_preempted_before,
             block_tables=self.kv.block_tables,
+            window_copies=self.kv.take_window_copies(),
+            window_tables=self.kv.window.block_tables if self.kv.window is not None else None,
         )
 
     def _schedule_running(

@@ -128,7 +128,7 @@ class ChoiceScorer:
         try:
             runner = self.runner
             attn, positions = runner.attention.build_tree_metadata(
-                trie.parents, [b.block_id for b in blocks], runner.block_size, runner.device
+                trie.parents, blocks.block_ids, runner.block_size, runner.device, blocks.window_block_ids
             )
             input_ids = column(trie.tokens, np.int64, runner.device)
             hidden = runner.model(input_ids, positions, runner.kv_caches, attn)  # [N, hidden]

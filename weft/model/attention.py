@@ -126,6 +126,7 @@ def build_attention_metadata(
     tokenwise_rows: Sequence[int] = (),
     put: Upload | None = None,
     window: int = 0,
+    window_tables: np.ndarray | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one step, plus the positions of all tokens ([T] int64).
 
@@ -140,7 +141,8 @@ def build_attention_metadata(
     rows attend through the kernel set's `paged_prefill_attention`; with `decode_in_place`,
     single-query groups get no mask (the kernel set's `paged_decode_attention` reads their context
     lengths). With `ragged`, the step is one `RaggedBatch` instead of groups. With `window`, the
-    metadata's `sliding` is the same step for layers that attend over the last `window` keys.
+    metadata's `sliding` is the same step for layers that attend over the last `window` keys, in
+    the blocks of `window_tables` ([B, max_blocks], the sliding layers' own pool) where given.
     Host arrays go to the device by `put` (default: `to_device`, once each); nothing is read back.
     """
     put = put or (lambda array: to_device(array, device))
@@ -151,10 +153,16 @@ def build_attention_metadata(
         block_tables if isinstance(block_tables, np.ndarray) else padded(block_tables, pad=0)
     )  # [B, max_blocks]
     seq_idx, positions = _token_positions(q_lens, ctx_lens, num_tokens)  # [T] each
-    slot_mapping = table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
+    slot_mapping = _slots(table, seq_idx, positions, block_size)  # [T]
     if ragged:
         batch, slots = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put), put(slot_mapping)
-        sliding = AttentionMetadata(slots, (), replace(batch, window=window)) if window > 0 else None
+        sliding = None
+        if window > 0 and window_tables is not None:
+            own = _ragged_batch(window_tables, q_lens, ctx_lens, max(query_lens), put)
+            own_slots = put(_slots(window_tables, seq_idx, positions, block_size))
+            sliding = AttentionMetadata(own_slots, (), replace(own, window=window))
+        elif window > 0:
+            sliding = AttentionMetadata(slots, (), replace(batch, window=window))
         return AttentionMetadata(slots, (), batch, sliding), put(positions)
     shape = _StepShape(
         query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
@@ -167,9 +175,18 @@ def build_attention_metadata(
         short[list(tokenwise_rows)] = True
     slots = put(slot_mapping)
     sliding = None
-    if window > 0:
+    if window > 0 and window_tables is not None:
+        own_slots = put(_slots(window_tables, seq_idx, positions, block_size))
+        own_shape = replace(shape, table=window_tables, window=window)
+        sliding = AttentionMetadata(own_slots, _split_groups(own_shape, short, put))
+    elif window > 0:
         sliding = AttentionMetadata(slots, _split_groups(replace(shape, window=window), short, put))
     return AttentionMetadata(slots, _split_groups(shape, short, put), sliding=sliding), put(positions)
+
+
+def _slots(table: np.ndarray, seq_idx: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The flat cache slot of each token (table: [B, max_blocks]; seq_idx, positions: [T])."""
+    return table[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
 
 
 def _token_positions(
@@ -237,13 +254,19 @@ def _ragged_batch(
 
 
 def build_tree_metadata(
-    parents: list[int], block_ids: list[int], block_size: int, device: torch.device, window: int = 0
+    parents: list[int],
+    block_ids: list[int],
+    block_size: int,
+    device: torch.device,
+    window: int = 0,
+    window_block_ids: list[int] | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for a token tree computed in one pass (scoring options that share prefixes): node
     i ([N], parents before children, `parents[i] < i`, -1 for a root) is written at slot i of the
     blocks `block_ids`, sits at position depth(i), and attends to itself and its ancestors only
     (with `window`, the metadata's `sliding` keeps sliding-window layers to the ancestors less than
-    `window` deep above it). Returns the metadata and the positions ([N] int64)."""
+    `window` deep above it, in the blocks `window_block_ids` of their own pool where given).
+    Returns the metadata and the positions ([N] int64)."""
     num_nodes = len(parents)
     parent = np.array(parents, dtype=np.int64)  # [N]
     depth = np.zeros(num_nodes, dtype=np.int64)  # [N]
@@ -268,7 +291,12 @@ def build_tree_metadata(
     if window > 0:
         near = depth[:, None] - depth[None, :] < window  # [N, N]: within the window above node i
         windowed = replace(group, attn_mask=to_device((mask & near)[None, None], device), window=window)
-        sliding = AttentionMetadata(slot_mapping, (windowed,))
+        own_slots = slot_mapping
+        if window_block_ids is not None:
+            own = np.array([window_block_ids], dtype=np.int64)  # [1, num_blocks]
+            own_slots = to_device(own[0, slots // block_size] * block_size + slots % block_size, device)
+            windowed = replace(windowed, block_table=to_device(own, device))
+        sliding = AttentionMetadata(own_slots, (windowed,))
     return AttentionMetadata(slot_mapping, (group,), sliding=sliding), to_device(depth, device)
 
 
@@ -526,6 +554,7 @@ class PagedAttention:
         device: torch.device,
         tokenwise_rows: Sequence[int] = (),
         put: Upload | None = None,
+        window_tables: np.ndarray | None = None,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """See `build_attention_metadata` (`tokenwise_rows`: rows of generated tokens)."""
         max_tokenwise = self.kernels.max_tokenwise_query_len
@@ -535,7 +564,7 @@ class PagedAttention:
         more, most, within = self._tokenwise_rules() if decode_in_place else (None, None, None)
         return build_attention_metadata(
             query_lens, context_lens, block_tables, block_size, device, max_tokenwise, ragged, in_place,
-            decode_in_place, more, most, within, tokenwise_rows, put, self.window,
+            decode_in_place, more, most, within, tokenwise_rows, put, self.window, window_tables,
         )  # fmt: skip
 
     def _tokenwise_rules(self) -> tuple[tuple[int, int] | None, int | None, int | None]:
@@ -549,10 +578,15 @@ class PagedAttention:
         return more, most, within
 
     def build_tree_metadata(
-        self, parents: list[int], block_ids: list[int], block_size: int, device: torch.device
+        self,
+        parents: list[int],
+        block_ids: list[int],
+        block_size: int,
+        device: torch.device,
+        window_block_ids: list[int] | None = None,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """See `build_tree_metadata`."""
-        return build_tree_metadata(parents, block_ids, block_size, device, self.window)
+        return build_tree_metadata(parents, block_ids, block_size, device, self.window, window_block_ids)
 
     def __call__(
         self,

@@ -114,11 +114,12 @@ class Attention(nn.Module):
         qkv = self.qkv(x, rows).view(num_tokens, num_q + 2 * num_kv, self.head_dim)  # heads: q..., k..., v...
         if self.q_norm is not None and self.k_norm is not None:
             self._norm_qk(qkv, self.q_norm, self.k_norm)
+        meta = meta.windowed(self.window)  # (a sliding-window layer's: its slots may be in a pool of its own)
         # q and k rotated in place, k and v into the cache: one launch where the kernel set fuses them
         self.backend.kernels.rope_write_kv_(qkv, num_q, rope, kv_cache, meta.slot_mapping)
         q = qkv[:, :num_q]  # [T, H, D]
         sinks = None if self.sinks is None else self.sinks.float()
-        out = self.backend(q, None, kv_cache, meta.windowed(self.window), self.scale, sinks, self.softcap)
+        out = self.backend(q, None, kv_cache, meta, self.scale, sinks, self.softcap)
         return self.reduce(self.o(out, rows))
 
     def _norm_qk(self, qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
