@@ -26,7 +26,7 @@ metadata and attends, with the kernel set chosen for the device at load.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -143,45 +143,58 @@ def build_attention_metadata(
     lengths). With `ragged`, the step is one `RaggedBatch` instead of groups. With `window`, the
     metadata's `sliding` is the same step for layers that attend over the last `window` keys, in
     the blocks of `window_tables` ([B, max_blocks], the sliding layers' own pool) where given.
-    Host arrays go to the device by `put` (default: `to_device`, once each); nothing is read back.
-    """
+    Host arrays go to the device by `put` (default: `to_device`, once each); nothing is read back."""
     put = put or (lambda array: to_device(array, device))
     num_tokens = sum(query_lens)
-    q_lens = np.array(query_lens, dtype=np.int64)  # [B]
-    ctx_lens = np.array(context_lens, dtype=np.int64)  # [B]
-    table = (
-        block_tables if isinstance(block_tables, np.ndarray) else padded(block_tables, pad=0)
-    )  # [B, max_blocks]
+    q_lens, ctx_lens = np.array(query_lens, dtype=np.int64), np.array(context_lens, dtype=np.int64)  # [B]
+    table = block_tables if isinstance(block_tables, np.ndarray) else padded(block_tables, pad=0)
     seq_idx, positions = _token_positions(q_lens, ctx_lens, num_tokens)  # [T] each
-    slot_mapping = _slots(table, seq_idx, positions, block_size)  # [T]
+    slots = put(_slots(table, seq_idx, positions, block_size))  # [T]
     if ragged:
-        batch, slots = _ragged_batch(table, q_lens, ctx_lens, max(query_lens), put), put(slot_mapping)
-        sliding = None
-        if window > 0 and window_tables is not None:
-            own = _ragged_batch(window_tables, q_lens, ctx_lens, max(query_lens), put)
-            own_slots = put(_slots(window_tables, seq_idx, positions, block_size))
-            sliding = AttentionMetadata(own_slots, (), replace(own, window=window))
-        elif window > 0:
-            sliding = AttentionMetadata(slots, (), replace(batch, window=window))
-        return AttentionMetadata(slots, (), batch, sliding), put(positions)
-    shape = _StepShape(
-        query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
-        decode_in_place,
-    )  # fmt: skip
-    short = None  # decode only: every row is one query already
-    if num_tokens > len(query_lens):
+        step = _ragged_step(table, q_lens, ctx_lens, max(query_lens), slots, put)
+    else:
+        shape = _StepShape(
+            query_lens, context_lens, q_lens, ctx_lens, seq_idx, table, block_size, prefill_in_place,
+            decode_in_place,
+        )  # fmt: skip
         rules = (max_tokenwise_query_len, tokenwise_more, tokenwise_within, tokenwise_most)
-        short = _tokenwise_rows(q_lens, ctx_lens, *rules)
-        short[list(tokenwise_rows)] = True
-    slots = put(slot_mapping)
-    sliding = None
-    if window > 0 and window_tables is not None:
-        own_slots = put(_slots(window_tables, seq_idx, positions, block_size))
-        own_shape = replace(shape, table=window_tables, window=window)
-        sliding = AttentionMetadata(own_slots, _split_groups(own_shape, short, put))
-    elif window > 0:
-        sliding = AttentionMetadata(slots, _split_groups(replace(shape, window=window), short, put))
-    return AttentionMetadata(slots, _split_groups(shape, short, put), sliding=sliding), put(positions)
+        short = None  # decode only: every row is one query already
+        if num_tokens > len(query_lens):
+            short = _tokenwise_rows(q_lens, ctx_lens, *rules)
+            short[list(tokenwise_rows)] = True
+        step = _grouped_step(shape, short, slots, put)
+    main = step(table, 0)
+    if window > 0:  # the sliding layers' step, in their own pool where it has tables
+        own = _slots(window_tables, seq_idx, positions, block_size) if window_tables is not None else None
+        sliding = step(table if window_tables is None else window_tables, window)
+        main = replace(main, sliding=sliding if own is None else replace(sliding, slot_mapping=put(own)))
+    return main, put(positions)
+
+
+def _ragged_step(
+    table: np.ndarray, q_lens: np.ndarray, ctx_lens: np.ndarray, max_q: int, slots: torch.Tensor, put: Upload
+) -> Callable[[np.ndarray, int], AttentionMetadata]:
+    """The step as one `RaggedBatch` over the block tables given (`table`'s batch built once)."""
+    batch = _ragged_batch(table, q_lens, ctx_lens, max_q, put)
+
+    def step(tables: np.ndarray, window: int) -> AttentionMetadata:
+        own = batch if tables is table else _ragged_batch(tables, q_lens, ctx_lens, max_q, put)
+        return AttentionMetadata(slots, (), replace(own, window=window))
+
+    return step
+
+
+def _grouped_step(
+    shape: _StepShape, short: np.ndarray | None, slots: torch.Tensor, put: Upload
+) -> Callable[[np.ndarray, int], AttentionMetadata]:
+    """The step as groups of rows (`_split_groups`) over the block tables given."""
+
+    def step(tables: np.ndarray, window: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slots, _split_groups(replace(shape, table=tables, window=window), short, put)
+        )
+
+    return step
 
 
 def _slots(table: np.ndarray, seq_idx: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
