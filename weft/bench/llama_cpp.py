@@ -8,6 +8,7 @@ the machine that runs the benchmark, so that llama.cpp uses that CPU's instructi
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class LlamaCppReference:
         self.threads = threads
         self.kv_type = _KV_TYPES[kv_cache_dtype]  # its default is float16
         self.ctx, self.ctx_shape = None, (0, 0)
+        self.kv_bytes: int | None = None  # the context's KV cache, as llama.cpp logs it
 
     def time(self, prompts: list[list[int]], output_len: int) -> Timing:
         batch, prompt_len = len(prompts), len(prompts[0])
@@ -63,7 +65,7 @@ class LlamaCppReference:
         prefill = time.perf_counter() - start
         for step in range(output_len - 1):
             tokens = self._decode(ctx, [[t] for t in tokens], [prompt_len + step] * batch)
-        return Timing(prefill_s=prefill, total_s=time.perf_counter() - start)
+        return Timing(prefill_s=prefill, total_s=time.perf_counter() - start, kv_bytes=self.kv_bytes)
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -82,11 +84,15 @@ class LlamaCppReference:
         params.n_seq_max = batch
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = False  # a cache stream per sequence: each attends over its own tokens only
+        params.swa_full = False  # sliding-window layers keep their window only, as llama-server does
         params.type_k = params.type_v = self.kv_type
         params.flash_attn_type = (
             1  # on (its default, auto, turns it on where the backend has it: the CPU does)
         )
-        self.ctx, self.ctx_shape = self.ll.llama_init_from_model(self.model, params), (batch, seq_len)
+        with _LogLines(self.ll) as lines:
+            self.ctx, self.ctx_shape = self.ll.llama_init_from_model(self.model, params), (batch, seq_len)
+        sizes = [float(m) for m in re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", "".join(lines))]
+        self.kv_bytes = int(sum(sizes) * 2**20) if sizes else None
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {batch} x {seq_len} tokens")
         return self.ctx
@@ -111,3 +117,26 @@ class LlamaCppReference:
             return rows.argmax(axis=1).tolist()
         finally:
             ll.llama_batch_free(b)
+
+
+class _LogLines(list):
+    """llama.cpp's log lines while in the block (its quiet logger put back after)."""
+
+    def __init__(self, ll: Any) -> None:
+        super().__init__()
+        self.ll = ll
+
+        @ll.llama_log_callback
+        def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+            self.append(text.decode("utf-8", "replace"))
+
+        self.callback = keep
+
+    def __enter__(self) -> _LogLines:
+        self.ll.llama_log_set(self.callback, ctypes.c_void_p(0))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import llama_cpp._logger
+
+        self.ll.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))

@@ -183,10 +183,11 @@ def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     request_ids = [f"bench-{next(_RUN_IDS)}" for _ in prompts]
     started, lengths = set(), {}
-    start, prefill = time.perf_counter(), None
+    start, prefill, kv_bytes = time.perf_counter(), None, 0
     for request_id, prompt in zip(request_ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
+        kv_bytes = max(kv_bytes, engine.kv_bytes_held)  # (before the step: its last tokens' blocks count)
         for out in engine.step():
             if out.outputs[0].token_ids:
                 started.add(out.request_id)
@@ -199,7 +200,7 @@ def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
         raise RuntimeError(
             f"weft generated {sorted(set(lengths.values()))} tokens per sequence, not {output_len}"
         )
-    return Timing(prefill_s=prefill, total_s=total)
+    return Timing(prefill_s=prefill, total_s=total, kv_bytes=kv_bytes)
 
 
 def time_transformers(model, prompts: list[list[int]], output_len: int, **options) -> Timing:
@@ -447,6 +448,10 @@ def _measure_all(
             r = Timing.best(ref_runs)
             row["ref_prefill_tps"] = r.prefill_tps(batch, args.prompt_len)
             row["ref_decode_tps"] = r.decode_tps(batch, args.output_len)
+            if r.kv_bytes is not None:
+                row["ref_kv_bytes"] = r.kv_bytes
+        if w.kv_bytes is not None:
+            row["weft_kv_bytes"] = w.kv_bytes
         ref_text = f", reference {row['ref_decode_tps']:.1f}" if "ref_decode_tps" in row else ""
         print(f" done: weft decode {decode_tps:.1f} tok/s{ref_text}", flush=True)  # kept if cut short
         results.append(row)
@@ -479,6 +484,12 @@ def _print_table(
             f"| {r['batch']} | {r['weft_prefill_tps']:.0f} | {ref_p_text} | {p_ratio} "
             f"| {r['weft_decode_tps']:.1f} | {ref_d_text} | {d_ratio} |"
         )
+    kv = [r for r in results if "weft_kv_bytes" in r]
+    if kv:
+        print(f"\nKV memory (MiB), weft's blocks held at most / {reference}'s cache:")
+        for r in kv:
+            theirs = f"{r['ref_kv_bytes'] / 2**20:.1f}" if "ref_kv_bytes" in r else "-"
+            print(f"  batch {r['batch']}: {r['weft_kv_bytes'] / 2**20:.1f} / {theirs}")
     batch1 = next((r for r in results if r["batch"] == 1), None)
     if batch1 is not None:
         achieved = weight_bytes / batch1["weft_decode_step_s"] / 1e9

@@ -526,6 +526,13 @@ class LLMEngine:
                 del self.groups[group.request_id]
         return outputs
 
+    @property
+    def kv_bytes_held(self) -> int:
+        """The KV memory of the blocks sequences hold now, in both pools (this rank's part)."""
+        main, window = self.kv.used_blocks_per_pool
+        main_bytes, window_bytes = self.runner.kv_block_bytes
+        return main * main_bytes + window * window_bytes
+
     def stats(self) -> EngineStats:
         running = self.scheduler.running
         running_requests = len({s.request_id for s in running if s.request_id is not None})

@@ -99,9 +99,9 @@ class KVCacheManager:
         return len(self.pool.blocks) - self.pool.num_free + window_used
 
     @property
-    def num_full_blocks(self) -> int:
-        """Blocks of the pool of the layers that keep every token (a sequence's length is bound by it)."""
-        return len(self.pool.blocks)
+    def used_blocks_per_pool(self) -> tuple[int, int]:
+        """(the main pool's blocks in use, the window pool's)."""
+        return len(self.pool.blocks) - self.pool.num_free, self.window.num_used_blocks if self.window else 0
 
     def can_share(self, seq_id: int, num_tokens: int) -> bool:
         """Whether a fork of the sequence's first `num_tokens` tokens can share its blocks (it holds

@@ -149,6 +149,14 @@ class ModelRunner:
             if not windowed
         )
 
+    @property
+    def kv_block_bytes(self) -> tuple[int, int]:
+        """(a main-pool block's bytes over its layers, a window-pool block's over its layers)."""
+        sizes = [0, 0]
+        for cache, in_window in zip(self.kv_caches, self.in_window_pool, strict=True):
+            sizes[in_window] += cache[0].numel() * cache.element_size()
+        return sizes[0], sizes[1]
+
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         shape = PagedAttention.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim)
