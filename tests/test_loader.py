@@ -42,6 +42,17 @@ def test_unknown_architecture(ckpt):
         LLM(str(ckpt), show_progress=False)
 
 
+def test_partial_rotary_with_qk_biases_or_norms_is_refused(ckpt):
+    """Such a model would need its biases and norms reordered as q's and k's rows are: refused, by
+    name, before any weight is read."""
+    edit_config(ckpt, partial_rotary_factor=0.5, attention_bias=True)
+    with pytest.raises(ConfigError, match=r"partial rotary embedding .*0\.5.* q/k/v biases is not supported"):
+        LLM(str(ckpt), show_progress=False)
+    edit_config(ckpt, architectures=["Qwen3ForCausalLM"], attention_bias=False)
+    with pytest.raises(ConfigError, match=r"q/k norms is not supported"):
+        LLM(str(ckpt), show_progress=False)
+
+
 def test_shape_mismatch_names_tensor_and_file(ckpt):
     edit_config(ckpt, intermediate_size=96)
     with pytest.raises(

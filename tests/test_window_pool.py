@@ -194,3 +194,26 @@ def test_decode_graphs_read_the_window_pool():
     assert replayed.sliding.slot_mapping.tolist() == [12 * 4 + 2, 14 * 4 + 2, 15 * 4 + 1, 20 * 4]
     assert replayed.sliding.ragged.block_table[:3, :5].tolist() == window_tables.tolist()
     assert replayed.sliding.ragged.block_table[3, 0] == 20  # the padding row reads the scratch block
+
+
+def test_the_default_context_counts_the_layers_that_keep_every_token():
+    """gpt-oss-20b's shape (every other layer slides over 128 keys): the CPU's 2 GiB of float32 KV
+    hold twice the context for one sequence with the window pool; a model whose layers all slide
+    is held to no KV budget at all."""
+    import torch
+
+    from weft.engine.args import EngineArgs
+    from weft.engine.loading import _kv_budget_tokens
+
+    config = ModelConfig.from_dict(read_json(shared_data("configs/gpt-oss-20b/config.json")))
+    cpu = torch.device("cpu")
+    with_pool = _kv_budget_tokens(EngineArgs(), config, torch.float32, cpu)
+    one_pool = _kv_budget_tokens(EngineArgs(window_kv_pool=False), config, torch.float32, cpu)
+    assert one_pool == 2 * 1024**3 // (24 * 2 * 8 * 64 * 4) and with_pool == 2 * one_pool
+    every_layer = ModelConfig.from_dict(
+        {
+            **read_json(shared_data("configs/gpt-oss-20b/config.json")),
+            "layer_types": ["sliding_attention"] * 24,
+        }
+    )
+    assert _kv_budget_tokens(EngineArgs(), every_layer, torch.float32, cpu) == config.max_position_embeddings

@@ -47,9 +47,23 @@ def resolve_architecture(config: ModelConfig) -> Architecture:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ConfigError(f"architecture {config.architecture!r} is not supported; supported: {supported}")
     if arch is _LLAMA and config.attention_bias:
-        return _LLAMA_BIAS
-    if config.attention_bias and not arch.spec.qkv_bias:
-        return Architecture(
+        arch = _LLAMA_BIAS
+    elif config.attention_bias and not arch.spec.qkv_bias:
+        arch = Architecture(
             arch.model_class, DecoderSpec(qkv_bias=True, o_bias=True, qk_norm=arch.spec.qk_norm)
         )
+    _check_partial_rotary(config, arch.spec)
     return arch
+
+
+def _check_partial_rotary(config: ModelConfig, spec: DecoderSpec) -> None:
+    """A partial rotary embedding runs as a whole-head rotation after the loader reorders q's and k's
+    head dimensions (`partial_rotary_order`); q/k biases and q/k norms would need that order too."""
+    if config.rope.partial_rotary_factor >= 1.0 or not (spec.qkv_bias or spec.qk_norm):
+        return
+    what = "q/k/v biases" if spec.qkv_bias else "q/k norms"
+    raise ConfigError(
+        f"{config.architecture}: a partial rotary embedding (partial_rotary_factor="
+        f"{config.rope.partial_rotary_factor}) together with {what} is not supported; weft runs "
+        "partial rotary embeddings without them (Phi-3, Phi-4-mini)"
+    )
