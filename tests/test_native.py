@@ -374,6 +374,39 @@ def test_silu_mul_matches_torch():
     torch.testing.assert_close(strided, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_normed_is_the_norm_the_add_and_the_next_norm(dtype):
+    """A post-norm residual (Gemma, OLMo 2) in one pass: bit for bit what the separate norm, the
+    in-place add and the next norm compute, with and without the next norm."""
+    gen = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn(7, 130, generator=gen).to(dtype) for _ in range(2))
+    w_delta, w_next = (torch.rand(130, generator=gen).to(dtype) + 0.5 for _ in range(2))
+    expected_x = x + NATIVE_CPU_KERNELS.rms_norm(delta, w_delta, 1e-6)
+    expected = NATIVE_CPU_KERNELS.rms_norm(expected_x, w_next, 1e-6)
+    fused_x = x.clone()
+    out = NATIVE_CPU_KERNELS.add_normed_(fused_x, delta, w_delta, w_next, 1e-6)
+    assert torch.equal(fused_x, expected_x) and torch.equal(out, expected)
+    alone = x.clone()
+    assert NATIVE_CPU_KERNELS.add_normed_(alone, delta, w_delta, None, 1e-6) is alone
+    assert torch.equal(alone, expected_x)
+    torch_x = x.clone()
+    torch.testing.assert_close(TORCH_KERNELS.add_normed_(torch_x, delta, w_delta, w_next, 1e-6), expected)
+
+
+def test_gelu_mul_matches_torch():
+    """GeGLU with tanh's GELU (Gemma): x * sigmoid(2u) for 0.5 x (1 + tanh(u)), every lane width and
+    a tail, exp's range ends and zero."""
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(5, 2 * 300, generator=gen) * 4
+    gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.0])
+    gate, up = gate_up.split(300, dim=-1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(TORCH_KERNELS.gelu_mul(gate_up), expected)
+    torch.testing.assert_close(NATIVE_CPU_KERNELS.gelu_mul(gate_up), expected, rtol=2e-6, atol=2e-6)
+    strided = torch.ops.weft.gelu_mul(torch.cat([gate_up, gate_up], dim=1)[:, :600])  # rows 1200 apart
+    torch.testing.assert_close(strided, expected, rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 8, 12, 13, 16, 40])
 @pytest.mark.parametrize("last", [5, 21])
 @pytest.mark.parametrize("bias", [True, False])

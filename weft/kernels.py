@@ -204,6 +204,11 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate | up) -> [T, I]
+        """GeGLU with tanh's GELU (Gemma)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
     def rope_tables(
         self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
     ) -> RopeTables:
@@ -288,6 +293,19 @@ class TorchKernels:
         """The residual add and the next norm: x += delta in place ([T, dim]); returns RMSNorm(x)."""
         x.add_(delta)
         return self.rms_norm(x, weight, eps)
+
+    def add_normed_(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        delta_weight: torch.Tensor,
+        next_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """A post-norm residual (Gemma, OLMo 2): x += RMSNorm(delta) in place ([T, dim]); returns the
+        next branch's input, RMSNorm(x) with `next_weight`, else x."""
+        x.add_(self.rms_norm(delta, delta_weight, eps))
+        return x if next_weight is None else self.rms_norm(x, next_weight, eps)
 
     def write_kv_(
         self,
@@ -537,6 +555,18 @@ class NativeCpuKernels(TorchKernels):
             return torch.ops.weft.add_rms_norm_(x, delta, weight, eps)  # one pass over each row
         return super().add_rms_norm_(x, delta, weight, eps)
 
+    def add_normed_(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        delta_weight: torch.Tensor,
+        next_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and delta.is_contiguous() and delta.dtype == x.dtype:
+            return torch.ops.weft.add_normed_(x, delta, delta_weight, next_weight, eps)  # one pass a row
+        return super().add_normed_(x, delta, delta_weight, next_weight, eps)
+
     def write_kv_(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if kv_cache.dtype in _CACHE_DTYPES and kv.dtype == torch.float32 and kv_cache.is_contiguous():
             # a row per token from the q|k|v output's rows, rounded to the cache's dtype (index_copy_ of
@@ -549,6 +579,11 @@ class NativeCpuKernels(TorchKernels):
         if gate_up.dtype == torch.float32:
             return torch.ops.weft.silu_mul(gate_up)
         return super().silu_mul(gate_up)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1:
+            return torch.ops.weft.gelu_mul(gate_up)
+        return super().gelu_mul(gate_up)
 
     def rope_tables(
         self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype

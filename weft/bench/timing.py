@@ -10,6 +10,7 @@ class Timing:
     prefill_s: float
     total_s: float
     kv_bytes: int | None = None  # the KV memory the run used: weft's blocks held at most, llama.cpp's cache
+    kv_decode_bytes: int | None = None  # weft's blocks held at most once every prompt was in
 
     def prefill_tps(self, batch: int, prompt_len: int) -> float:
         return batch * prompt_len / self.prefill_s
@@ -22,4 +23,5 @@ class Timing:
         """The fastest prefill and the fastest decode (total - prefill) of several runs."""
         prefill = min(r.prefill_s for r in runs)
         kv_bytes = max((r.kv_bytes for r in runs if r.kv_bytes is not None), default=None)
-        return Timing(prefill, prefill + min(r.total_s - r.prefill_s for r in runs), kv_bytes)
+        decode = max((r.kv_decode_bytes for r in runs if r.kv_decode_bytes is not None), default=None)
+        return Timing(prefill, prefill + min(r.total_s - r.prefill_s for r in runs), kv_bytes, decode)

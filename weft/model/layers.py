@@ -267,6 +267,12 @@ class RMSNorm(nn.Module):
         kernel where the kernel set fuses them)."""
         return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
 
+    def add_normed_(self, x: torch.Tensor, delta: torch.Tensor, next_norm: RMSNorm | None) -> torch.Tensor:
+        """x += this norm of delta in place ([T, dim], a post-norm branch's output into the residual
+        stream); returns `next_norm` of the sum, or x itself without one (one kernel where fused)."""
+        next_weight = None if next_norm is None else next_norm.weight
+        return self.kernels.add_normed_(x, delta, self.weight, next_weight, self.eps)
+
     def pairs_(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> BFloat16Pairs:
         """This norm of x (after x += delta in place, where delta is given) as the bfloat16 pairs of
         the bfloat16 products after it: float32 [T, dim] rows, weft's CPU kernels."""

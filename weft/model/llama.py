@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weft.config import ModelConfig, RopeConfig
@@ -181,11 +180,7 @@ class MLP(nn.Module):
         if self._fuses():  # bfloat16 products: in two passes (weft/model/glu.py)
             return self.reduce(glu.glu_down(self.gate_up, self.down, x))
         gate_up = self.gate_up(x, rows)  # [T, 2I]: gate | up
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh").mul_(up)  # [T, I]
-        else:
-            act = self.kernels.silu_mul(gate_up)  # [T, I]
+        act = self.kernels.gelu_mul(gate_up) if self.gelu else self.kernels.silu_mul(gate_up)  # [T, I]
         return self.reduce(self.down(act, rows))  # [T, hidden]
 
 
@@ -247,15 +242,16 @@ class PostNormLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden], the residual stream, updated in place
+        branch_in: torch.Tensor,  # [T, hidden], input_norm(x), or x itself (OLMo 2)
+        next_norm: RMSNorm | None,  # the next layer's input norm (None: it has none), or the final norm
         rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         rows: StepRows | None = None,
-    ) -> None:
-        branch_in = x if self.input_norm is None else self.input_norm(x)
-        x.add_(self.attn_out_norm(self.attn(branch_in, rope, kv_cache, meta, rows)))
-        branch_in = x if self.mlp_norm is None else self.mlp_norm(x)
-        x.add_(self.mlp_out_norm(self.mlp(branch_in, rows)))
+    ) -> torch.Tensor:  # [T, hidden], the next branch's input: next_norm(x) after this layer, or x
+        attn = self.attn(branch_in, rope, kv_cache, meta, rows)
+        branch_in = self.attn_out_norm.add_normed_(x, attn, self.mlp_norm)  # x += norm(attn); mlp_norm(x)
+        return self.mlp_out_norm.add_normed_(x, self.mlp(branch_in, rows), next_norm)
 
     def takes_pairs(self, num_tokens: int) -> bool:
         return False  # its products read the residual stream or a norm's float output
@@ -330,9 +326,8 @@ class LlamaForCausalLM(nn.Module):
             )
             return self.norm(x)
         if isinstance(self.layers[0], PostNormLayer):
-            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                layer(x, rope if ropes is None else ropes[i], kv_cache, meta, rows)
-            return self.norm(x)
+            layer_ropes = ropes or [rope] * len(self.layers)
+            return self._post_norm_layers(x, layer_ropes, kv_caches, meta, rows)
         layers = cast(list[DecoderLayer], list(self.layers))
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         pairs = self._norms_write_pairs(x.shape[0])
@@ -344,6 +339,23 @@ class LlamaForCausalLM(nn.Module):
                 x, normed, next_norm, layer_rope, kv_cache, meta, (pairs, pairs and i < last), rows
             )
         return cast(torch.Tensor, normed)  # the final norm's output is float
+
+    def _post_norm_layers(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        ropes: list[RopeTables],
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        rows: StepRows | None,
+    ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
+        """OLMo 2's and Gemma's layers, each branch's output normed into the residual stream
+        together with the next branch's input norm (`RMSNorm.add_normed_`)."""
+        layers = cast(list[PostNormLayer], list(self.layers))
+        norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        branch_in = x if layers[0].input_norm is None else layers[0].input_norm(x)
+        for layer, norm, rope, kv_cache in zip(layers, norms, ropes, kv_caches, strict=True):
+            branch_in = layer(x, branch_in, norm, rope, kv_cache, meta, rows)
+        return branch_in
 
     def build_rotaries(self, max_positions: int, device: torch.device | None = None) -> None:
         """The rotary embeddings' tables on `device` (the loader builds the model on the meta device)."""

@@ -40,11 +40,13 @@ using weft::vmath::exp_approx;
 using weft::vmath::silu;
 #if defined(__AVX512F__)
 using weft::vmath::exp16;
+using weft::vmath::gelu16;
 using weft::vmath::silu16;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 using weft::vmath::exp8;
+using weft::vmath::gelu8;
 using weft::vmath::silu8;
 
 inline float reduce_add8(__m256 v) {
@@ -122,6 +124,44 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   return out;
 }
 
+// A branch's output normalised and added to the residual stream (Gemma's and OLMo 2's layers):
+// x[t] += rms_norm(delta[t]) * w_delta in place, then, with w_next, out[t] = rms_norm(x[t]) * w_next,
+// the next branch's input: in one pass over each row what rms_norm, x.add_ and rms_norm compute.
+template <typename T>
+void add_normed_kernel(T* xp, const T* dp, const T* wd, const T* wn, T* op, int64_t rows, int64_t hidden,
+                       float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> normed(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * hidden;
+      weft::vmath::rms_norm_row(dp + t * hidden, wd, normed.data(), hidden, eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(normed[i]));
+      if (wn != nullptr) weft::vmath::rms_norm_row(row, wn, op + t * hidden, hidden, eps);
+    }
+  });
+}
+
+at::Tensor add_normed_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& delta_weight,
+                       const std::optional<at::Tensor>& next_weight, double eps) {
+  TORCH_CHECK(on_cpu({x, delta, delta_weight}), "add_normed_: x, delta and the weights must be CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
+                  delta.scalar_type() == x.scalar_type(),
+              "add_normed_: x and delta must be contiguous [T, H] of one dtype");
+  for (const auto* w : {&delta_weight, next_weight ? &*next_weight : &delta_weight}) {
+    TORCH_CHECK(w->dim() == 1 && w->is_contiguous() && w->size(0) == x.size(1) && w->scalar_type() == x.scalar_type() &&
+                    w->device().is_cpu(),
+                "add_normed_: the weights must be [H] of x's dtype");
+  }
+  auto out = next_weight ? at::empty({x.size(0), x.size(1)}, x.options()) : x;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "weft_add_normed_", [&] {
+    add_normed_kernel<scalar_t>(x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), delta_weight.data_ptr<scalar_t>(),
+                                next_weight ? next_weight->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
+                                x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
 // out[t] = silu(gate[t]) * up[t], where a row of the fused projection is [gate | up] ([T, 2I]).
 void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
   int64_t i = 0;
@@ -148,6 +188,36 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
+  });
+  return out;
+}
+
+// out[t] = gelu_tanh(gate[t]) * up[t] (GeGLU: Gemma's MLP), as silu_mul.
+void gelu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(gelu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+  }
+#elif defined(WEFT_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(gelu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = weft::vmath::gelu_tanh(gate[i]) * up[i];
+}
+
+at::Tensor gelu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(on_cpu({gate_up}), "gelu_mul: gate_up must be a CPU tensor");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kFloat,
+              "gelu_mul: gate_up must be float32 [T, 2 * I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = at::empty({rows, inter}, gate_up.options());
+  const float* xp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) gelu_mul_row(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
   });
   return out;
 }
@@ -1501,7 +1571,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 TORCH_LIBRARY(weft, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("add_normed_(Tensor(a!) x, Tensor delta, Tensor delta_weight, Tensor? next_weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, float scale, "
@@ -1519,7 +1591,9 @@ TORCH_LIBRARY(weft, m) {
 TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("add_normed_", &add_normed_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_mul", &gelu_mul);
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);

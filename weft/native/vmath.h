@@ -107,4 +107,35 @@ inline __m256 silu8(__m256 x) {
 }
 #endif
 
+// gelu with tanh (Gemma's GeGLU): 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), which is
+// x * sigmoid(2u); the sigmoid from exp(-|2u|) as silu's. gelu8 and gelu16 the same on 8 and 16 lanes.
+constexpr float kGeluA = 1.5957691216057308f;          // 2 sqrt(2/pi)
+constexpr float kGeluB = 1.5957691216057308f * 0.044715f;  // 2 sqrt(2/pi) 0.044715
+
+inline float gelu_tanh(float x) {
+  const float z = x * (kGeluA + kGeluB * x * x);
+  const float e = exp_approx(-std::fabs(z));
+  return x * (z >= 0.f ? 1.f : e) / (1.f + e);
+}
+
+#if defined(__AVX512F__)
+inline __m512 gelu16(__m512 x) {
+  const __m512 z = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(kGeluB), _mm512_set1_ps(kGeluA)));
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
+  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+inline __m256 gelu8(__m256 x) {
+  const __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(kGeluB), _mm256_set1_ps(kGeluA)));
+  const __m256 e = exp8(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));  // exp(-|z|)
+  const __m256 negative = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif
+
 }  // namespace weft::vmath
