@@ -67,6 +67,17 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [0],
         },
     ),
+    # Qwen2-MoE: q/k/v biases, weights not normalised, a shared expert of 48 columns with its gate
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        },
+    ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
     "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
     # gpt-oss: 4 experts with biases and clamped SwiGLU, attention sinks, windows of 8 keys in every

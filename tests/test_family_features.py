@@ -26,6 +26,7 @@ FAMILIES = {  # name -> (checkpoint arch, overrides)
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "qwen3moe": ("qwen3moe", {}),
+    "qwen2moe": ("qwen2moe", {}),
     "mixtral": ("mixtral", {}),
     "olmoe": ("olmoe", {}),
     "gptoss": ("gptoss", {}),

@@ -27,6 +27,7 @@ ARCHS = [
     "gemma2",
     "gemma3",
     "qwen3moe",
+    "qwen2moe",
     "mixtral",
     "olmoe",
     "gptoss",

@@ -104,6 +104,9 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert beside the routed ones, of this many columns, its output scaled by
+    # sigmoid(a learned [1, hidden] gate . x); 0: none
+    shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
     # gpt-oss's: biases on the router and the experts' matrices, the experts' clamped SwiGLU
     # (`swiglu_limit`; None: plain SwiGLU), a learned sink logit per head in every attention softmax
@@ -196,14 +199,13 @@ def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
 
 
 def _experts(raw: dict[str, Any]) -> dict[str, Any]:
-    """The mixture of experts: Qwen3-MoE's and OLMoE's `num_experts` (experts of
+    """The mixture of experts: Qwen2/3-MoE's and OLMoE's `num_experts` (experts of
     `moe_intermediate_size`, else `intermediate_size`), Mixtral's `num_local_experts` (weights always
-    normalised); Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`)."""
+    normalised); Qwen2/3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`), Qwen2-MoE's
+    shared expert."""
     count = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     if count == 0:
         return {}
-    if raw.get("shared_expert_intermediate_size"):
-        raise ValueError("a shared expert (Qwen2-MoE's shared_expert_intermediate_size) is not supported yet")
     layers, dense = int(raw["num_hidden_layers"]), set(raw.get("mlp_only_layers") or [])
     step = int(raw.get("decoder_sparse_step") or 1)
     moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
@@ -213,6 +215,7 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", "num_local_experts" in raw)),
         "moe_layers": () if all(moe_layers) else moe_layers,
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
     }
     if "GptOssForCausalLM" in (raw.get("architectures") or []):  # softmax over its top-k logits
         experts.update(

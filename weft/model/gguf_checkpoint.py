@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
@@ -103,6 +104,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    # Qwen2-MoE's shared expert and its gate (a vector in the file, a [1, hidden] matrix here)
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # A mixture of experts' matrices, all experts in one [experts, out, in] tensor: each expert's under
 # Qwen3-MoE's names
@@ -269,13 +275,15 @@ class GgufCheckpoint:
 
     def _expert_keys(self) -> dict[str, Any]:
         """A mixture of experts as llama.cpp runs Qwen3-MoE and Mixtral (a llama file with experts):
-        softmax over the experts, the top `expert_used_count`, their weights normalised."""
+        softmax over the experts, the top `expert_used_count`, their weights normalised; Qwen2-MoE's
+        not normalised, with its shared expert."""
         keys: dict[str, Any] = {
             "num_experts": self._key("expert_count"),
             "num_experts_per_tok": self._key("expert_used_count"),
             "moe_intermediate_size": self._key("expert_feed_forward_length")
             or self._key("feed_forward_length"),
-            "norm_topk_prob": True,
+            "norm_topk_prob": self.arch != "qwen2moe",
+            "shared_expert_intermediate_size": self._key("expert_shared_feed_forward_length") or 0,
         }
         if self.arch == "llama":
             keys["architectures"] = ["MixtralForCausalLM"]
@@ -352,6 +360,8 @@ class GgufCheckpoint:
                 weight = _unpermuted(weight, kv_heads)
             elif self.arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
                 weight = cast(torch.Tensor, weight) - 1.0  # (the loader adds it back)
+            elif name.endswith("shared_expert_gate.weight"):
+                weight = cast(torch.Tensor, weight).reshape(1, -1)
             yield name, weight
 
     def _experts(

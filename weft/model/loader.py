@@ -471,9 +471,10 @@ def _mlp_weights(weights: _Weights, src: str, dst: str, h: int, inter: int) -> d
 
 
 def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) -> dict[str, Weight]:
-    """A mixture of experts' router and each expert's gate|up and down matrices: Qwen3-MoE's and
-    OLMoE's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.gate`
-    and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down)."""
+    """A mixture of experts' router and each expert's gate|up and down matrices: Qwen2/3-MoE's and
+    OLMoE's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj` (and Qwen2-MoE's
+    `mlp.shared_expert` and `mlp.shared_expert_gate`), Mixtral's `block_sparse_moe.gate` and
+    `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down)."""
     h, inter, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
     state: dict[str, Weight] = {}
     if src + "block_sparse_moe.gate.weight" in weights.tensors:  # Mixtral's names
@@ -488,6 +489,10 @@ def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) 
     state[dst + "router.weight"] = weights.take(router + "weight", (count, h))
     if config.expert_bias:
         state[dst + "router.bias"] = weights.take(router + "bias", (count,))
+    shared = config.shared_expert_intermediate_size
+    if shared:  # Qwen2-MoE's shared expert and its gate
+        state.update(_mlp_weights(weights, src + "mlp.shared_expert.", dst + "shared_expert.", h, shared))
+        state[dst + "shared_gate.weight"] = weights.take(src + "mlp.shared_expert_gate.weight", (1, h))
     if src + "mlp.experts.gate_up_proj" in weights.tensors:  # gpt-oss's experts, in three tensors each
         return {**state, **_fused_experts(weights, src + "mlp.experts.", dst + "experts.", config)}
     for e in range(count):

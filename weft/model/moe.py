@@ -1,4 +1,4 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, OLMoE, gpt-oss).
+"""A mixture of experts in place of a layer's MLP (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss).
 
 The router scores every expert for each row (a small [E, hidden] matrix), takes the softmax over
 the experts, keeps the `experts_per_token` most probable and, where the family says so
@@ -7,7 +7,8 @@ sum; Mixtral's and gpt-oss's softmax over the top-k logits is the same thing. A 
 its rows by expert: each expert routed to multiplies its own gate|up and down matrices once, for
 all the rows routed to it, so only the active experts' weights are read (batch 1 reads its
 `experts_per_token` experts and no more), and their outputs, each scaled by its routing weight,
-are added into the rows they came from.
+are added into the rows they came from. Qwen2-MoE adds a shared expert that every row runs, its
+output scaled by sigmoid(gate . x) with a gate vector of its own.
 Each expert is an ordinary pair of `Linear` layers, so quantized experts run through the same
 panels as dense matrices.
 """
@@ -27,10 +28,11 @@ class Expert(nn.Module):
     (gate clamped above and up on both sides at `swiglu_limit`, then (up + 1) * gate *
     sigmoid(alpha * gate)) over matrices with biases."""
 
-    def __init__(self, config: ModelConfig, kernels: TorchKernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: TorchKernels, intermediate: int = 0) -> None:
         super().__init__()
         self.kernels = kernels
-        hidden, inter, bias = config.hidden_size, config.moe_intermediate_size, config.expert_bias
+        hidden, bias = config.hidden_size, config.expert_bias
+        inter = intermediate or config.moe_intermediate_size
         self.gate_up = Linear(hidden, 2 * inter, bias=bias)
         self.down = Linear(inter, hidden, bias=bias)
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
@@ -52,6 +54,9 @@ class SparseMoE(nn.Module):
         self.normalize = config.norm_topk_prob
         self.router = Linear(config.hidden_size, config.num_experts, bias=config.expert_bias)
         self.experts = nn.ModuleList(Expert(config, kernels) for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = Expert(config, kernels, shared) if shared else None
+        self.shared_gate = Linear(config.hidden_size, 1) if shared else None
 
     def forward(self, x: torch.Tensor | BFloat16Pairs, rows: object = None) -> torch.Tensor:  # [T, hidden]
         assert isinstance(x, torch.Tensor)  # (its norm writes floats: `takes_pairs` is False)
@@ -69,6 +74,8 @@ class SparseMoE(nn.Module):
                 y = expert(x.index_select(0, rows_e))  # [n, hidden]
                 out.index_add_(0, rows_e, y.mul_(scale[start : start + count, None].to(y.dtype)))
             start += count
+        if self.shared_expert is not None and self.shared_gate is not None:  # [T, hidden], scaled by [T, 1]
+            out.add_(self.shared_expert(x).mul_(torch.sigmoid(self.shared_gate(x))))
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] float32, [T, k] int64

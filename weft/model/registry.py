@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         LlamaForCausalLM, DecoderSpec(qk_norm=True, sandwich_norms=True, norms_plus_one=True)
     ),
     "Qwen3MoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True)),
+    "Qwen2MoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qkv_bias=True)),
     "MixtralForCausalLM": _LLAMA,  # its experts are values of the configuration
     "OlmoeForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qk_norm=True, qk_norm_all_heads=True)),
     "GptOssForCausalLM": Architecture(LlamaForCausalLM, DecoderSpec(qkv_bias=True, o_bias=True)),

@@ -1,0 +1,99 @@
+"""Make tests/data/qwen2moe: a tiny random Qwen2-MoE checkpoint (transformers), converted to a
+float16 GGUF file by llama.cpp's own converter, with llama.cpp's greedy tokens and teacher-forced
+logprobs on it (the format of ../shared/data/gguf-families/llama_cpp_reference.json).
+
+    python benchmarks/make_qwen2moe_file.py LLAMA_CPP_DIR [OUT_DIR]
+
+LLAMA_CPP_DIR is a llama.cpp source tree (the llama-cpp-python sdist's vendor/llama.cpp carries
+it): its convert_hf_to_gguf.py and gguf-py. Needs llama-cpp-python and transformers beside weft.
+The checkpoint is the tests' tiny one (tests/checkpoints.py: hidden 64, 4 heads over 2 KV heads,
+a byte-level BPE of 384 ids) with 4 layers of 8 experts, 2 per token, weights not normalised, and
+a shared expert of 48 columns, and an output matrix of its own (llama.cpp's qwen2moe ties none).
+The converter knows no hash of that tokenizer's pre-tokenizer, so it is told "gpt-2" (the ids are
+what the tests compare, never text).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_NEW = 16
+
+
+def checkpoint(out: Path) -> Path:
+    """The tests' tiny checkpoint, its matrices scaled back to transformers' own initial spread
+    (0.02) and its final norm set to 8 so that the logits are spread, as ../shared/data's family
+    files are: float16 activations (llama.cpp's) then stay as close to float32 as there."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import build_checkpoint
+
+    build_checkpoint(out, "qwen2moe", seed=99, num_hidden_layers=4, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.mul_(0.1)
+        model.model.norm.weight.fill_(8.0)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def convert(llama_cpp: Path, model: Path, out: Path) -> None:
+    """llama.cpp's convert_hf_to_gguf.py, run here with its own gguf-py."""
+    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+    for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+        del sys.modules[name]  # (the installed gguf may be older than the converter's)
+    import convert_hf_to_gguf as converter
+    from conversion import base
+
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", "f16", "--outfile", str(out)]
+    converter.main()
+
+
+def record(path: Path) -> dict:
+    """Six prompts of token ids (five of 80, one of 5); llama.cpp's greedy tokens after each and
+    their teacher-forced logprobs."""
+    import llama_cpp
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 384) for _ in range(80)] for _ in range(5)] + [[5, 17, 42, 99, 100]]
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    files = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        tokens, logprobs = [], []
+        for _ in range(NUM_NEW):
+            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+            row = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            token = int(row.argmax())
+            tokens.append(token)
+            logprobs.append(float(row[token]))
+            llm.eval([token])
+        files.append({"tokens": tokens, "tf_logprobs": logprobs})
+    return {"prompts": prompts, "n_new": NUM_NEW, "files": {"qwen2moe-f16": files}}
+
+
+def main() -> None:
+    llama_cpp_dir = Path(sys.argv[1])
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "data" / "qwen2moe"
+    out.mkdir(parents=True, exist_ok=True)
+    model = checkpoint(out / "hf")
+    gguf_path = out / "qwen2moe-f16.gguf"
+    convert(llama_cpp_dir, model, gguf_path)
+    (out / "llama_cpp.json").write_text(json.dumps(record(gguf_path)))
+    print(f"wrote {gguf_path} and {out / 'llama_cpp.json'}; remove {out / 'hf'} before committing")
+
+
+if __name__ == "__main__":
+    main()
