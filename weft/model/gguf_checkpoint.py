@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
@@ -120,6 +121,12 @@ _SANDWICH_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# OLMo 2's norms after each branch (it has none before them), by their place
+_OLMO2_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # gpt-oss's: llama.cpp names its norm before the MLP by its place after attention, its router by
 # its role, and its sinks as a weight
 _GPT_OSS_NAMES = {
@@ -155,9 +162,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = {"gemma2": _SANDWICH_NAMES, "gemma3": _SANDWICH_NAMES, "gpt-oss": _GPT_OSS_NAMES}.get(
-        arch, _LAYER_NAMES
-    )
+    names = {
+        "gemma2": _SANDWICH_NAMES,
+        "gemma3": _SANDWICH_NAMES,
+        "gpt-oss": _GPT_OSS_NAMES,
+        "olmo2": _OLMO2_NAMES,
+    }.get(arch, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or match[2] not in names:
         return None

@@ -24,9 +24,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_NEW = 16
+FAMILIES = {  # file -> the tests' checkpoint arch
+    "qwen2moe-f16": "qwen2moe",  # 8 experts, 2 per token, not normalised, a shared expert of 48 columns
+    "olmo2-f16": "olmo2",  # norms after each branch, q/k norms over all heads
+}
 
 
-def checkpoint(out: Path) -> Path:
+def checkpoint(out: Path, arch: str) -> Path:
     """The tests' tiny checkpoint, its matrices scaled back to transformers' own initial spread
     (0.02) and its final norm set to 8 so that the logits are spread, as ../shared/data's family
     files are: float16 activations (llama.cpp's) then stay as close to float32 as there."""
@@ -36,7 +40,7 @@ def checkpoint(out: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoints import build_checkpoint
 
-    build_checkpoint(out, "qwen2moe", seed=99, num_hidden_layers=4, tie_word_embeddings=False)
+    build_checkpoint(out, arch, seed=99, num_hidden_layers=4, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         for param in model.parameters():
@@ -49,9 +53,10 @@ def checkpoint(out: Path) -> Path:
 
 def convert(llama_cpp: Path, model: Path, out: Path) -> None:
     """llama.cpp's convert_hf_to_gguf.py, run here with its own gguf-py."""
-    sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
-    for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
-        del sys.modules[name]  # (the installed gguf may be older than the converter's)
+    if str(llama_cpp) not in sys.path:
+        sys.path[:0] = [str(llama_cpp / "gguf-py"), str(llama_cpp)]
+        for name in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+            del sys.modules[name]  # (the installed gguf may be older than the converter's)
     import convert_hf_to_gguf as converter
     from conversion import base
 
@@ -60,13 +65,10 @@ def convert(llama_cpp: Path, model: Path, out: Path) -> None:
     converter.main()
 
 
-def record(path: Path) -> dict:
-    """Six prompts of token ids (five of 80, one of 5); llama.cpp's greedy tokens after each and
-    their teacher-forced logprobs."""
+def record(path: Path, prompts: list[list[int]]) -> list[dict]:
+    """llama.cpp's greedy tokens after each prompt and their logprobs."""
     import llama_cpp
 
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 384) for _ in range(80)] for _ in range(5)] + [[5, 17, 42, 99, 100]]
     llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
     files = []
     for prompt in prompts:
@@ -81,18 +83,22 @@ def record(path: Path) -> dict:
             logprobs.append(float(row[token]))
             llm.eval([token])
         files.append({"tokens": tokens, "tf_logprobs": logprobs})
-    return {"prompts": prompts, "n_new": NUM_NEW, "files": {"qwen2moe-f16": files}}
+    return files
 
 
 def main() -> None:
     llama_cpp_dir = Path(sys.argv[1])
-    out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "data" / "qwen2moe"
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "data" / "families"
     out.mkdir(parents=True, exist_ok=True)
-    model = checkpoint(out / "hf")
-    gguf_path = out / "qwen2moe-f16.gguf"
-    convert(llama_cpp_dir, model, gguf_path)
-    (out / "llama_cpp.json").write_text(json.dumps(record(gguf_path)))
-    print(f"wrote {gguf_path} and {out / 'llama_cpp.json'}; remove {out / 'hf'} before committing")
+    rng = random.Random(7)  # six prompts of token ids: five of 80, one of 5
+    prompts = [[rng.randrange(3, 384) for _ in range(80)] for _ in range(5)] + [[5, 17, 42, 99, 100]]
+    reference: dict = {"prompts": prompts, "n_new": NUM_NEW, "files": {}}
+    for name, arch in FAMILIES.items():
+        model = checkpoint(out / f"hf-{arch}", arch)
+        convert(llama_cpp_dir, model, out / f"{name}.gguf")
+        reference["files"][name] = record(out / f"{name}.gguf", prompts)
+    (out / "llama_cpp.json").write_text(json.dumps(reference))
+    print(f"wrote {out}; remove its hf-* folders before committing")
 
 
 if __name__ == "__main__":
