@@ -77,6 +77,7 @@ GGUF_ARCHS = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "SmolLM3ForCausalLM": "smollm3",  # llama's tensors; every 4th layer without rotary embedding
 }
 
 
