@@ -177,20 +177,24 @@ void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = silu(gate[i]) * up[i];
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(on_cpu({gate_up}), "silu_mul: gate_up must be a CPU tensor");
+// A gated unit's activation times its up half, row by row: out [T, I] from gate_up [T, 2I] (gate | up).
+template <typename RowFn>
+at::Tensor glu_rows(const at::Tensor& gate_up, const char* name, RowFn row_fn) {
+  TORCH_CHECK(on_cpu({gate_up}), name, ": gate_up must be a CPU tensor");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
                   gate_up.scalar_type() == at::kFloat,
-              "silu_mul: gate_up must be float32 [T, 2 * I] with contiguous rows");
+              name, ": gate_up must be float32 [T, 2 * I] with contiguous rows");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   auto out = at::empty({rows, inter}, gate_up.options());
   const float* xp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
+    for (int64_t t = begin; t < end; ++t) row_fn(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return glu_rows(gate_up, "silu_mul", silu_mul_row); }
 
 // out[t] = gelu_tanh(gate[t]) * up[t] (GeGLU: Gemma's MLP), as silu_mul.
 void gelu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
@@ -207,20 +211,7 @@ void gelu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = weft::vmath::gelu_tanh(gate[i]) * up[i];
 }
 
-at::Tensor gelu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(on_cpu({gate_up}), "gelu_mul: gate_up must be a CPU tensor");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0 &&
-                  gate_up.scalar_type() == at::kFloat,
-              "gelu_mul: gate_up must be float32 [T, 2 * I] with contiguous rows");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = at::empty({rows, inter}, gate_up.options());
-  const float* xp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(inter, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) gelu_mul_row(xp + t * stride, xp + t * stride + inter, op + t * inter, inter);
-  });
-  return out;
-}
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return glu_rows(gate_up, "gelu_mul", gelu_mul_row); }
 
 // Rotary embedding in place, half-split layout, on the first `num_heads` heads of x [T, heads, D]
 // (a view into the fused q/k/v output). cos/sin: float32 tables [max_positions, D/2].
