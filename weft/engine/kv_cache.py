@@ -95,8 +95,8 @@ class KVCacheManager:
 
     @property
     def num_used_blocks(self) -> int:
-        window_used = self.window.num_used_blocks if self.window else 0
-        return len(self.pool.blocks) - self.pool.num_free + window_used
+        """Blocks in use in both pools."""
+        return sum(self.used_blocks_per_pool)
 
     @property
     def used_blocks_per_pool(self) -> tuple[int, int]:
