@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from weft.agents.harmony import is_harmony
 from weft.agents.tool_grammar import lark_literal
 from weft.agents.tool_reader import marker_start_at_end
 
@@ -77,10 +78,15 @@ def takes_budget(fmt: ReasoningFormat, special_tokens: Mapping[str, int]) -> boo
 
 
 REASONING_FORMATS = {name: ReasoningFormat(name) for name in ("deepseek_r1", "qwen3")}
+# gpt-oss's analysis channel (its replies are read as harmony messages: weft/agents/harmony.py)
+REASONING_FORMATS["harmony"] = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>")
 
 
 def detect_reasoning_format(chat_template: str | None) -> ReasoningFormat | None:
-    """The thinking section a chat template knows of (it strips or opens `</think>`), or None."""
+    """The thinking section a chat template knows of (it strips or opens `</think>`; harmony's
+    analysis channel), or None."""
+    if is_harmony(chat_template):
+        return REASONING_FORMATS["harmony"]
     if chat_template and "</think>" in chat_template:
         return REASONING_FORMATS["deepseek_r1"]
     return None

@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weft.agents.harmony import END, HarmonyStream, harmony_lark, harmony_message
 from weft.agents.reasoning import ReasoningFormat, takes_budget
-from weft.agents.tool_formats import ToolCallFormat, ToolSpec
+from weft.agents.tool_formats import CallShape, ToolCallFormat, ToolSpec
 from weft.agents.tool_grammar import forced_call_lark, grammar_text, lark_json, tool_call_lark
 from weft.agents.tool_reader import ToolCallStream, final_calls
 from weft.outputs import AssistantMessage, ToolCall, new_call_id
@@ -49,14 +50,17 @@ class ReplyPlan:
     inside: bool = False  # the reply starts inside the reasoning section
     short_ids: bool = False  # tool call ids of 9 letters and digits (the format's templates ask it)
     tools: tuple[ToolSpec, ...] = ()  # the tools its calls may name (their parameters' types)
+    harmony: bool = False  # the reply is harmony messages (gpt-oss: weft/agents/harmony.py)
 
     @property
     def reads_special_tokens(self) -> bool:
         """Whether the reply's text must keep special tokens (markers the reader looks for)."""
-        return self.tool_format is not None or self.reasoning is not None
+        return self.tool_format is not None or self.reasoning is not None or self.harmony
 
     def message(self, text: str, finished: bool = True) -> AssistantMessage:
         """The message of a reply; `finished` False: one cut short, whose calls are not read."""
+        if self.harmony:
+            return harmony_message(text, self.tools)
         reasoning, rest = self._split(text)
         if self.forced is not None:
             call = self.forced.read(rest, self.short_ids) if finished else None
@@ -82,7 +86,10 @@ class ReplyStream:
 
     def __init__(self, plan: ReplyPlan) -> None:
         self.plan = plan
-        self.plain = plan.reasoning is None and plan.forced is None and plan.tool_format is None
+        self.harmony = HarmonyStream() if plan.harmony else None
+        self.plain = (
+            plan.reasoning is None and plan.forced is None and plan.tool_format is None and not plan.harmony
+        )
         self.text = ""  # the reply so far, kept only where it is read as a whole (not plain)
         self.reasoning_sent = 0
         self.content_sent = 0  # characters of the answer sent, where no tool calls are read
@@ -94,6 +101,10 @@ class ReplyStream:
         plan = self.plan
         if self.plain:
             return [{"content": new_text}] if new_text else []  # plain text: passed straight on
+        if self.harmony is not None:
+            said = self.harmony.feed(new_text, finished)
+            self.sent_calls = self.sent_calls or any("tool_calls" in d for d in said)
+            return said
         self.text += new_text
         rest = self.text
         deltas: list[dict[str, Any]] = []
@@ -166,6 +177,11 @@ def plan_reply(
     most tokens of the reasoning section, where its end marker is one token (`takes_budget`).
     Raises ValueError for a combination weft cannot constrain."""
     specials = added_tokens or {}
+    if (tool_format is not None and tool_format.shape == CallShape.HARMONY) or (
+        reasoning is not None and reasoning.name == "harmony"
+    ):
+        chosen = tools if forced is None else ()
+        return _harmony_plan(constraint, forced, chosen, forced_tools, specials, mode, thinking_budget)
     budget = thinking_budget if reasoning is not None and takes_budget(reasoning, specials) else None
     inside = reasoning is not None and reasoning.opens_inside(prompt)
     short_ids = tool_format is not None and tool_format.short_ids
@@ -197,6 +213,28 @@ def plan_reply(
     return ReplyPlan(
         grammar, tool_format if auto else None, forced, reasoning, inside, short_ids, tuple(tools)
     )
+
+
+def _harmony_plan(
+    constraint: dict[str, Any],
+    forced: ForcedCall | None,
+    tools: Sequence[ToolSpec],
+    forced_tools: Sequence[ToolSpec],
+    specials: Mapping[str, int],
+    mode: JsonSchemaMode,
+    thinking_budget: int | None,
+) -> ReplyPlan:
+    """A gpt-oss reply: harmony messages, constrained where there are tools, a forced call, an
+    answer's schema or a thinking budget (weft/agents/harmony.py)."""
+    calls = tuple(forced_tools if forced is not None else tools)
+    answer = _answer_rule(constraint, mode) if constraint and forced is None else None
+    budget = thinking_budget if END in specials else None
+    if not calls and answer is None and budget is None:
+        return ReplyPlan({}, tools=calls, harmony=True)
+    rules = harmony_lark(
+        specials, tools=calls, forced=forced is not None, answer=answer, mode=mode, budget=budget
+    )
+    return ReplyPlan({"grammar": grammar_text(rules), "grammar_syntax": "lark"}, tools=calls, harmony=True)
 
 
 def _answer_rule(constraint: dict[str, Any], mode: JsonSchemaMode) -> str:

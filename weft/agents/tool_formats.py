@@ -20,6 +20,7 @@ class CallShape(StrEnum):
     JSON = "json"  # {"name": "NAME", "<arguments_key>": {...}}
     TAG = "tag"  # <function=NAME>{...}</function>
     XML = "xml"  # <function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function> (Qwen3-Coder)
+    HARMONY = "harmony"  # a message to functions.NAME (gpt-oss: weft/agents/harmony.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,16 @@ class ToolCallFormat:
 FORMATS: dict[str, ToolCallFormat] = {
     f.name: f
     for f in (
+        # gpt-oss's harmony: calls are messages of their own, `<|channel|>commentary
+        # to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (weft/agents/harmony.py)
+        ToolCallFormat(
+            "harmony",
+            "",
+            "<|start|>assistant",
+            "",
+            shape=CallShape.HARMONY,
+            markers=("<|channel|>", "<|message|>", "<|start|>"),
+        ),
         # Qwen3-Coder (and Qwen3.5): a tag per call and per parameter, values as plain text; its
         # template also holds "<tool_call>" and "<function=", so it is told apart first
         ToolCallFormat(
