@@ -82,59 +82,45 @@ inline void rms_norm_row(const T* row, const T* wp, T* dst, int64_t hidden, floa
   }
 }
 
-// silu(x) = x * sigmoid(x), with sigmoid from exp(-|x|) so that exp never overflows; silu16 and
-// silu8 the same on 16 and 8 lanes (silu_mul, and the fused gate|up projection of linear.cpp).
-inline float silu(float x) {
-  const float e = exp_approx(-std::fabs(x));
-  return x * (x >= 0.f ? 1.f : e) / (1.f + e);
-}
-
-#if defined(__AVX512F__)
-inline __m512 silu16(__m512 x) {
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
-  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-inline __m256 silu8(__m256 x) {
-  const __m256 e = exp8(_mm256_or_ps(x, _mm256_set1_ps(-0.f)));  // exp(-|x|)
-  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
-  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-}
-#endif
-
-// gelu with tanh (Gemma's GeGLU): 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), which is
-// x * sigmoid(2u); the sigmoid from exp(-|2u|) as silu's. gelu8 and gelu16 the same on 8 and 16 lanes.
-constexpr float kGeluA = 1.5957691216057308f;          // 2 sqrt(2/pi)
+// x * sigmoid(z), with sigmoid from exp(-|z|) so that exp never overflows: silu(x) = x * sigmoid(x),
+// and gelu with tanh (Gemma's GeGLU), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3),
+// which is x * sigmoid(2u). The 16- and 8-lane versions step for step the same (silu_mul, gelu_mul,
+// and the fused gate|up projection of linear.cpp).
+constexpr float kGeluA = 1.5957691216057308f;              // 2 sqrt(2/pi)
 constexpr float kGeluB = 1.5957691216057308f * 0.044715f;  // 2 sqrt(2/pi) 0.044715
 
-inline float gelu_tanh(float x) {
-  const float z = x * (kGeluA + kGeluB * x * x);
+inline float x_sigmoid(float x, float z) {
   const float e = exp_approx(-std::fabs(z));
   return x * (z >= 0.f ? 1.f : e) / (1.f + e);
 }
+inline float silu(float x) { return x_sigmoid(x, x); }
+inline float gelu_tanh(float x) { return x_sigmoid(x, x * (kGeluA + kGeluB * x * x)); }
 
 #if defined(__AVX512F__)
-inline __m512 gelu16(__m512 x) {
-  const __m512 z = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(kGeluB), _mm512_set1_ps(kGeluA)));
+inline __m512 x_sigmoid16(__m512 x, __m512 z) {
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
   const __mmask16 negative = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);
   return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
+inline __m512 silu16(__m512 x) { return x_sigmoid16(x, x); }
+inline __m512 gelu16(__m512 x) {
+  return x_sigmoid16(x, _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(kGeluB),
+                                                         _mm512_set1_ps(kGeluA))));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-inline __m256 gelu8(__m256 x) {
-  const __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(kGeluB), _mm256_set1_ps(kGeluA)));
+inline __m256 x_sigmoid8(__m256 x, __m256 z) {
   const __m256 e = exp8(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));  // exp(-|z|)
   const __m256 negative = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
   const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), negative);
   return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+inline __m256 silu8(__m256 x) { return x_sigmoid8(x, x); }
+inline __m256 gelu8(__m256 x) {
+  return x_sigmoid8(x, _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(kGeluB),
+                                                        _mm256_set1_ps(kGeluA))));
 }
 #endif
 
