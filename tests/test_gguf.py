@@ -425,10 +425,11 @@ def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkey
             assert abs(logprob.logprob - expected[len(ids) - 1 + step, token].item()) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe", "smollm3", "granite"])
 def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, arch):
-    """`weft bench throughput --gguf-type` files of Gemma 3 and Qwen3-MoE shapes (the first layer of
-    two): weft reads their configuration back and runs them from their blocks."""
+    """`weft bench throughput --gguf-type` files of Gemma, Qwen3-MoE, SmolLM3 and Granite shapes (the
+    first layer of two): weft reads their configuration back (Granite's scales too) and runs them
+    from their blocks."""
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 
     config = checkpoint_factory(arch) / "config.json"
@@ -438,6 +439,8 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
     source = json.loads(config.read_text())
     assert llm.config.model.num_layers == 1 and llm.config.model.architecture == source["architectures"][0]
     assert llm.config.model.num_experts == (source.get("num_local_experts") or 0)
+    if arch == "granite":
+        assert (llm.config.model.embedding_multiplier, llm.config.model.logits_scaling) == (3.0, 2.0)
     assert "Q8_0" in llm.kernels["linear"]
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4

@@ -78,6 +78,14 @@ GGUF_ARCHS = {
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "SmolLM3ForCausalLM": "smollm3",  # llama's tensors; every 4th layer without rotary embedding
+    "GraniteForCausalLM": "granite",  # llama's tensors, and its four scales
+}
+# Granite's scales: config.json key -> llama.cpp's key (under the architecture's name)
+GRANITE_SCALES = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention.scale",
+    "logits_scaling": "logit_scale",
 }
 
 
@@ -135,6 +143,9 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    for key, gguf_key in GRANITE_SCALES.items():
+        if key in config:
+            writer.add_float32(f"{writer.arch}.{gguf_key}", float(config[key]))
     if _num_experts(config):
         writer.add_expert_count(_num_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
