@@ -7,8 +7,8 @@ sum; Mixtral's and gpt-oss's softmax over the top-k logits is the same thing. A 
 its rows by expert: each expert routed to multiplies its own gate|up and down matrices once, for
 all the rows routed to it, so only the active experts' weights are read (batch 1 reads its
 `experts_per_token` experts and no more); their outputs, each scaled by its routing weight, are
-put back in their rows' order with one scatter and each row's summed. Qwen2-MoE adds a shared expert that every row runs, its
-output scaled by sigmoid(gate . x) with a gate vector of its own.
+put back in their rows' order with one scatter and each row's summed. Qwen2-MoE adds a shared
+expert that every row runs, its output scaled by sigmoid(gate . x) with a gate vector of its own.
 Each expert is an ordinary pair of `Linear` layers, so quantized experts run through the same
 panels as dense matrices.
 """
