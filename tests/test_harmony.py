@@ -1,17 +1,16 @@
 """gpt-oss's harmony replies (weft/agents/harmony.py): analysis as reasoning, final as content,
 messages to functions as tool calls, whole and streamed; the grammar that holds calls, forced
 calls, a JSON answer and a thinking budget to the format, on a vocabulary with harmony's tokens;
-and a chat through `LLM.chat` on a tiny model whose template writes harmony."""
+and a chat through `LLM.chat` on a tiny model whose template writes harmony. The vocabulary is the
+tests' byte-level BPE with harmony's tokens added as special tokens."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import shared_data
 from test_agents import SCHEMAS, TOOLS, force_prefix
 
 from weft import LLM, SamplingParams
@@ -84,13 +83,12 @@ def test_a_reply_reads_as_reasoning_content_and_calls(text, reasoning, content, 
         assert names == (["get_time"] if "to=functions" in text else [])
 
 
-@functools.cache
 def harmony_tokenizer_dir(out: Path) -> Path:
-    """SmolLM2's tokenizer with harmony's tokens added and the template above."""
+    """The tests' byte-level BPE with harmony's tokens added and the template above."""
+    from checkpoints import train_tiny_tokenizer
     from tokenizers import AddedToken
-    from tokenizers import Tokenizer as RawTokenizer
 
-    raw = RawTokenizer.from_file(str(shared_data("tokenizers/smollm2/tokenizer.json")))
+    raw = train_tiny_tokenizer()
     raw.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
     out.mkdir(parents=True, exist_ok=True)
     raw.save(str(out / "tokenizer.json"))
@@ -149,20 +147,24 @@ def test_the_grammar_writes_harmony(tokenizer_dir):
 
 
 def test_a_harmony_chat_calls_a_tool(tokenizer_dir, tmp_path):
-    """A tiny random model whose template writes harmony: a required call comes back as the tool's
-    call with valid arguments, whole and through the server's reading of special tokens."""
+    """A tiny random model whose template writes harmony: a named tool's call comes back as that
+    tool's call with valid arguments; a final answer as content without control-token text."""
     from checkpoints import build_chat_checkpoint
 
     out = build_chat_checkpoint(tmp_path / "model", tokenizer_dir)
     llm = LLM(str(out), max_model_len=1024, show_progress=False)
     messages = [{"role": "user", "content": "What time is it?"}]
     named = {"type": "function", "function": {"name": "get_time"}}
-    (reply,) = llm.chat(messages, SamplingParams(max_tokens=60, seed=0), tools=TOOLS, tool_choice=named)
+    skip_analysis = force_prefix(llm.tokenizer.encode("<|channel|>commentary", add_special_tokens=False))
+    params = SamplingParams(
+        max_tokens=60, seed=0, logits_processors=[skip_analysis]
+    )  # (random: it would muse)
+    (reply,) = llm.chat(messages, params, tools=TOOLS, tool_choice=named)
     (completion,) = reply.outputs
     assert completion.message is not None and [c.name for c in completion.message.tool_calls] == ["get_time"]
     jsonschema.validate(json.loads(completion.message.tool_calls[0].arguments), SCHEMAS["get_time"])
     opener = llm.tokenizer.encode(FINAL, add_special_tokens=False)
-    params = SamplingParams(max_tokens=8, seed=0, logits_processors=[force_prefix(opener)])
+    params = SamplingParams(max_tokens=len(opener) + 4, seed=0, logits_processors=[force_prefix(opener)])
     (reply,) = llm.chat(messages, params, tools=TOOLS)
     message = reply.outputs[0].message
     assert message is not None and not message.tool_calls and message.content.startswith("It is noon.")
