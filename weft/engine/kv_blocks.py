@@ -55,6 +55,14 @@ class BlockPool:
         if block.ref_cnt == 0:
             self.free_queue[block.block_id] = block
 
+    def copy_on_write(self, shared: Block, pending: list[tuple[int, int]]) -> Block:
+        """A private block in place of `shared` for a sequence about to write into it; the (src,
+        dst) pair for the runner to copy goes to `pending`."""
+        private = self.allocate()
+        pending.append((shared.block_id, private.block_id))
+        self.release(shared)
+        return private
+
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != token_ids:

@@ -174,14 +174,16 @@ class KVCacheManager:
             return None
         window_hits = computed.window_blocks if computed else []
         end = num_computed + num_new_tokens
-        window_need = 0 if window is None else window.needed(seq.seq_id, num_computed, end, window_hits)
-        if window is not None and window_need > window.pool.num_free:
+        if (
+            window is not None
+            and window.needed(seq.seq_id, num_computed, end, window_hits) > window.pool.num_free
+        ):
             return None  # (the window pool: both pools' blocks, or neither's)
         for block in hits:
             self.pool.touch(block)
         blocks = blocks + hits + [self.pool.allocate() for _ in range(num_new_blocks)]
         if needs_copy:
-            blocks[write_idx] = self._copy_on_write(blocks[write_idx])
+            blocks[write_idx] = self.pool.copy_on_write(blocks[write_idx], self.pending_copies)
         table.blocks = blocks
         table.block_ids = [b.block_id for b in blocks]
         if computed is not None:
@@ -194,12 +196,6 @@ class KVCacheManager:
             window.grow(seq.seq_id, num_computed, end, window_hits)
             table.window_row = window.row(seq.seq_id)
         return table
-
-    def _copy_on_write(self, shared: Block) -> Block:
-        private = self.pool.allocate()
-        self.pending_copies.append((shared.block_id, private.block_id))
-        self.pool.release(shared)
-        return private
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block that is now full of computed tokens under its hash chain."""

@@ -143,11 +143,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """What one more token's keys and values take in this rank's cache: in every layer, but
         for the sliding-window layers of a window pool, which hold at most a window's."""
-        return sum(
-            cache[0, 0].numel() * cache.element_size()
-            for cache, windowed in zip(self.kv_caches, self.in_window_pool, strict=True)
-            if not windowed
-        )
+        return self.kv_block_bytes[0] // self.block_size
 
     @property
     def kv_block_bytes(self) -> tuple[int, int]:

@@ -103,7 +103,8 @@ class WindowBlocks:
         table = self.tables.get(seq_id)
         if table is None or end > len(table.blocks) * self.block_size:
             return False
-        self._pass(table, start)
+        if self._pass(table, start):
+            self._write(table)
         write = start // self.block_size
         return write >= len(table.blocks) or not _shared(table.blocks[write])
 
@@ -123,30 +124,25 @@ class WindowBlocks:
         num_new = max(0, -(-end // self.block_size) - len(table.blocks))
         table.blocks += [self.pool.allocate() for _ in range(num_new)]
         write = start // self.block_size
-        if write < len(table.blocks) and _shared(table.blocks[write]):
-            table.blocks[write] = self._copy_on_write(table.blocks[write])
+        shared = table.blocks[write] if write < len(table.blocks) else None
+        if shared is not None and shared.ref_cnt > 1:
+            table.blocks[write] = self.pool.copy_on_write(shared, self.pending_copies)
         self._pass(table, start)
         self._write(table)
 
-    def _pass(self, table: WindowTable, start: int) -> None:
-        """Give back the blocks behind the window of position `start`, oldest first."""
+    def _pass(self, table: WindowTable, start: int) -> bool:
+        """Give back the blocks behind the window of position `start`, oldest first; whether any
+        went (the table's row is then the caller's to write)."""
         first = min(self.first_needed(start), len(table.blocks))
         if first <= table.first_held:
-            return
+            return False
         for i in range(table.first_held, first):
             block = table.blocks[i]
             if block is not None:
                 self.pool.release(block)
                 table.blocks[i] = None
         table.first_held = first
-        self._write(table)
-
-    def _copy_on_write(self, shared: Block | None) -> Block:
-        assert shared is not None
-        private = self.pool.allocate()
-        self.pending_copies.append((shared.block_id, private.block_id))
-        self.pool.release(shared)
-        return private
+        return True
 
     def _write(self, table: WindowTable) -> None:
         self.block_tables.write(table.row, table.block_ids(self.null))

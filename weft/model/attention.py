@@ -289,8 +289,8 @@ def build_tree_metadata(
             depth[i] = depth[parent[i]] + 1
             mask[i] |= mask[parent[i]]
     table = np.array([block_ids], dtype=np.int64)  # [1, num_blocks]
-    slots = np.arange(num_nodes)
-    slot_mapping = to_device(table[0, slots // block_size] * block_size + slots % block_size, device)  # [N]
+    slots, rows = np.arange(num_nodes), np.zeros(num_nodes, dtype=np.int64)  # [N] each: node i at slot i
+    slot_mapping = to_device(_slots(table, rows, slots, block_size), device)  # [N]
     group = AttentionGroup(
         token_idx=None,
         block_table=to_device(table, device),
@@ -307,7 +307,7 @@ def build_tree_metadata(
         own_slots = slot_mapping
         if window_block_ids is not None:
             own = np.array([window_block_ids], dtype=np.int64)  # [1, num_blocks]
-            own_slots = to_device(own[0, slots // block_size] * block_size + slots % block_size, device)
+            own_slots = to_device(_slots(own, rows, slots, block_size), device)
             windowed = replace(windowed, block_table=to_device(own, device))
         sliding = AttentionMetadata(own_slots, (windowed,))
     return AttentionMetadata(slot_mapping, (group,), sliding=sliding), to_device(depth, device)
