@@ -14,9 +14,15 @@ from collections.abc import Callable
 
 import torch
 
+from weft.kv_format import quantize_q8_0
 from weft.native import kernels_available
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "float32": lambda x: x,
+    "float16": torch.Tensor.half,
+    "bfloat16": torch.Tensor.bfloat16,
+    "q8_0": quantize_q8_0,  # [..., D] -> [..., D / 32 * 34] uint8
+}
 
 
 def attention_ms(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> float:
@@ -47,7 +53,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtypes", default="float32,float16,bfloat16")
+    p.add_argument("--dtypes", default="float32,float16,bfloat16,q8_0")
     args = p.parse_args()
     if not kernels_available():
         raise SystemExit("weft's CPU kernels are not available (see the warning above)")
@@ -61,9 +67,9 @@ def main() -> None:
         table = torch.arange(num_blocks).view(1, -1)  # [1, blocks]
         lens, q = torch.tensor([context]), torch.randn(1, args.heads, d)  # [1], [1, H, D]
         for name in args.dtypes.split(","):
-            cache = base.to(DTYPES[name])
+            cache = DTYPES[name](base)
             ms = attention_ms(q, cache, table, lens)
-            gb = context * 2 * args.kv_heads * d * cache.element_size() / 1e9
+            gb = cache.nbytes / num_blocks / block_size * context / 1e9
             print(f"| {context} | {name} | {ms:.3f} | {gb / ms * 1e3:.1f} |", flush=True)
 
 

@@ -1,7 +1,7 @@
 """What the KV cache's precision does to a real model's numbers: teacher-forced along llama.cpp's
 recorded greedy continuations on the default model's file (tests/data/smollm2_q4_1_llama_cpp.json,
 made by benchmarks/record_llama_cpp.py), weft's logprob of each of llama.cpp's tokens with a
-float32, float16 and bfloat16 cache: the mean |difference| from llama.cpp's own and from the
+float32, float16, bfloat16 and Q8_0 cache: the mean |difference| from llama.cpp's own and from the
 float32 cache's.
 
     python benchmarks/kv_cache_drift.py [--model FILE.gguf] [--record JSON]
@@ -51,7 +51,7 @@ def main() -> None:
     ours = {}
     print("| KV cache | mean abs dlogp vs llama.cpp | vs a float32 cache |")
     print("|---|---:|---:|")
-    for dtype in ("float32", "float16", "bfloat16"):
+    for dtype in ("float32", "float16", "bfloat16", "q8_0"):
         llm = LLM(str(model), show_progress=False, max_logprobs=5, kv_cache_dtype=dtype)
         ours[dtype] = teacher_forced(llm, runs)
         to_llama_cpp, to_float32 = mean_gap(ours[dtype], theirs), mean_gap(ours[dtype], ours["float32"])

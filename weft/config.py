@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from weft.kv_format import Q8_0
+
 
 class ConfigError(ValueError):
     """A configuration file or option that weft cannot use; the message names the file or option."""
@@ -426,13 +428,14 @@ class CacheConfig:
         )
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 KV_CACHE_DTYPE_HELP = (
     "the KV cache's element type: float32, bfloat16 or float16 (half the memory and half the bytes "
-    "a long context's decode step reads; attention widens them to float32 as it reads); default auto: "
-    "the activations' dtype (float32 on CPU)"
+    "a long context's decode step reads), or q8_0 (CPU: llama.cpp's 8-bit blocks, 34 bytes for 32 "
+    "elements); attention widens them to float32 as it reads; default auto: the activations' dtype "
+    "(float32 on CPU)"
 )
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "q8_0": Q8_0}
 
 
 def kv_cache_dtype(
@@ -440,7 +443,8 @@ def kv_cache_dtype(
 ) -> torch.dtype:
     """The KV cache's dtype for `kv_cache_dtype=value` beside these activations on `device`: auto
     keeps the activations' (docs/architecture.md, "The KV cache's precision", says why); on CPU a
-    cache of another dtype is half precision beside float32 activations; on CUDA any of the three."""
+    cache of another dtype is half precision or Q8_0 (`weft/kv_format.py`) beside float32
+    activations; on CUDA any of the three float dtypes."""
     if value is None or value == "auto":
         return activations
     dtype = _KV_DTYPES.get(value) if isinstance(value, str) else value
@@ -448,6 +452,11 @@ def kv_cache_dtype(
         choices = ", ".join(KV_CACHE_DTYPES)
         raise ConfigError(f"kv_cache_dtype must be one of {choices}, got {value!r}")
     assert dtype is not None
+    if dtype == Q8_0 and device.type != "cpu":
+        raise ConfigError(
+            f"kv_cache_dtype='q8_0' is a CPU cache; on {device.type} use float16 or bfloat16 (half the "
+            "memory of float32)"
+        )
     if device.type == "cpu" and dtype != activations and activations != torch.float32:
         raise ConfigError(
             f"kv_cache_dtype={value!r} beside {str(activations).removeprefix('torch.')} activations: on CPU "

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from weft import ops
 from weft.config import ConfigError, check_matmul_precision
+from weft.kv_format import Q8_0, to_cache_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +317,7 @@ class TorchKernels:
         """The step's keys and values into the cache at their slots."""
         num_blocks, block_size = kv_cache.shape[:2]
         kv_cache.view(num_blocks * block_size, *kv_cache.shape[2:]).index_copy_(
-            0, slot_mapping, kv.to(kv_cache.dtype)
+            0, slot_mapping, to_cache_rows(kv, kv_cache.dtype)
         )
 
     def rope_write_kv_(
@@ -441,7 +442,7 @@ class TorchKernels:
 
 
 # the KV caches the CPU kernels read and write beside float32 activations (`kv_cache_dtype`)
-_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, Q8_0)
 
 
 class NativeCpuKernels(TorchKernels):

@@ -17,7 +17,7 @@ from weft.engine.args import EngineArgs
 from weft.engine.beam import beam_score
 from weft.engine.default_model import bundled_model_path, default_model_path
 from weft.engine.factory import build_engine
-from weft.kernels import dtype_name
+from weft.kv_format import kv_dtype_name
 from weft.model.prefill_gemm import NEVER
 from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, RequestOutput
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
@@ -98,7 +98,7 @@ class LLM:
                 panels = "int8 dot panels" if config.matmul_dtype == torch.int8 else "exact quantized panels"
             info["linear"] += f"; {kinds} ({panels})"
         kv_bytes = self.engine.kv_bytes_per_token
-        info["kv_cache"] = f"{dtype_name(self.engine.runner.kv_dtype)} ({kv_bytes:,} bytes a token)"
+        info["kv_cache"] = f"{kv_dtype_name(self.engine.runner.kv_dtype)} ({kv_bytes:,} bytes a token)"
         if self.engine.model.huge_page_bytes:
             info["pages"] = f"weights in 2 MB pages ({self.engine.model.huge_page_bytes / 1e6:.0f} MB)"
         thresholds = sorted(set(self.engine.model.dense_rows.values()))

@@ -33,7 +33,7 @@ def import_llama_cpp() -> Any:
 
 
 # llama.cpp's type of a KV cache of weft's dtype (ggml_type: F32 0, F16 1, BF16 30)
-_KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}
+_KV_TYPES = {"float32": 0, "float16": 1, "q8_0": 8, "bfloat16": 30}  # ggml_type
 
 
 class LlamaCppReference:

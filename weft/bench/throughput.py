@@ -43,7 +43,7 @@ import torch
 
 from weft.bench.timing import Timing
 from weft.engine.factory import describe_kernels
-from weft.kernels import dtype_name
+from weft.kv_format import kv_dtype_name
 from weft.model.huge_pages import HugePageArena, huge_pages_available
 from weft.model.llama import LlamaForCausalLM
 from weft.model.moe import SparseMoE
@@ -310,7 +310,7 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             show_progress=False,
             kv_cache_dtype=args.kv_cache_dtype,
         )
-        kv_dtype = dtype_name(llm.engine.runner.kv_dtype)
+        kv_dtype = kv_dtype_name(llm.engine.runner.kv_dtype)
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)
         reference = None
         if not args.no_reference:

@@ -39,7 +39,7 @@ from weft.engine.kv_pools import KVPools, has_window_pool, split_pools
 from weft.engine.loading import CPU_KV_BUDGET, load
 from weft.engine.rank import worker_main
 from weft.engine.runner import ModelRunner
-from weft.kernels import dtype_name
+from weft.kv_format import kv_dtype_name
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
 from weft.model.loader import load_config, open_source
 from weft.parallel.group import TensorParallel, free_port
@@ -104,7 +104,7 @@ def _build(
     )
     if args.show_progress:  # what runs the model, chosen once here
         info = loaded.kernels.describe(device, loaded.dtype, loaded.matmul)
-        info["kv_cache"] = dtype_name(kv_dtype)
+        info["kv_cache"] = kv_dtype_name(kv_dtype)
         print(f"weft: {describe_kernels(info)}", file=sys.stderr, flush=True)
     scheduler = SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, loaded.max_len)
     async_scheduling = device.type == "cuda" if args.async_scheduling is None else args.async_scheduling

@@ -22,6 +22,7 @@ from weft.engine.args import EngineArgs
 from weft.engine.kv_pools import bytes_per_token, has_window_pool
 from weft.engine.runner import ModelRunner
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
+from weft.kv_format import Q8_0, Q8_ELEMENTS
 from weft.model.gguf_checkpoint import GgufCheckpoint
 from weft.model.llama import LlamaForCausalLM
 from weft.model.loader import Source, load_config, load_model, open_source
@@ -85,6 +86,11 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
     quantized = (isinstance(source, GgufCheckpoint) and source.quantized) or quantization is not None
     matmul = kernels.matmul_dtype(device, dtype, args.matmul_precision, quantized)
     kv_dtype = kv_cache_dtype(args.kv_cache_dtype, kernels.activation_dtype(device, dtype), device)
+    if kv_dtype == Q8_0 and model_config.head_dim % Q8_ELEMENTS:
+        raise ConfigError(
+            f"kv_cache_dtype='q8_0' keeps each head in blocks of {Q8_ELEMENTS}, and this model's heads have "
+            f"{model_config.head_dim} elements: use float16 or bfloat16"
+        )
     budget = _kv_budget_tokens(args, model_config, kv_dtype, device)
     max_len = _max_model_len(args.max_model_len, model_config, budget)
     progress = args.show_progress and (tp is None or tp.rank == 0)

@@ -115,15 +115,17 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_config.block_size
         self.attention = model.attention  # the backend: the cache layout and the step's metadata
+        # the cache's dtype: the activations', or half precision or Q8_0 beside float32 ones
+        # (`kv_cache_dtype`)
+        self.kv_dtype = cache_config.dtype or dtype
+        heads, head_dim = model_config.num_kv_heads, model_config.head_dim
         shape = self.attention.kv_cache_shape(
-            cache_config.num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim
+            cache_config.num_blocks, cache_config.block_size, heads, head_dim, self.kv_dtype
         )
         # One block more than the pool: the scratch block, never given to a sequence, where the
         # padding rows of a replayed decode graph write. Zero-filled: slots never written are masked
         # out, but 0 * garbage could still be NaN.
         self.scratch_block = cache_config.num_blocks
-        # the cache's dtype: the activations', or half precision beside float32 ones (`kv_cache_dtype`)
-        self.kv_dtype = cache_config.dtype or dtype
         # Sliding-window layers keep their blocks in a pool of their own where the cache config has
         # one (`weft/engine/window_blocks.py`); its scratch block too is one past its pool.
         num_window = cache_config.num_window_blocks
@@ -155,7 +157,9 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        shape = PagedAttention.kv_cache_shape(1, block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = PagedAttention.kv_cache_shape(
+            1, block_size, model_config.num_kv_heads, model_config.head_dim, dtype
+        )  # fmt: skip
         return math.prod(shape) * model_config.num_layers * torch.tensor([], dtype=dtype).element_size()
 
     def prepare(self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None) -> ModelInput:

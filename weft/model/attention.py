@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from weft.arrays import Upload, padded, to_device
 from weft.kernels import TORCH_KERNELS, RaggedBatch, TorchKernels
+from weft.kv_format import cache_row_size, widened
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,9 +470,9 @@ def _attend(
             group.window, sinks, softcap,
         )  # fmt: skip
         return out.view(-1, num_heads * head_dim)  # [Tg, H * D]
-    gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, D]
+    gathered = kv_cache.index_select(0, group.block_table.flatten())  # [Bg * max_blocks, bs, 2, KVH, row]
+    gathered = widened(gathered, q.dtype)  # [Bg * max_blocks, bs, 2, KVH, D] (a half or Q8_0 cache: widened)
     gathered = gathered.view(num_seqs, -1, 2, num_kv_heads, head_dim)[:, : group.kv_len]  # [Bg, L, 2, KVH, D]
-    gathered = gathered.to(q.dtype)  # (a half-precision cache beside float32 queries: widened)
     keys = gathered[:, :, 0].transpose(1, 2)  # [Bg, KVH, L, D]
     values = gathered[:, :, 1].transpose(1, 2)  # [Bg, KVH, L, D]
     if group.query_scatter_idx is None:  # one query per sequence, or equal unpadded ones
@@ -554,9 +555,12 @@ class PagedAttention:
         self.bf16_dot = False  # prefill attention's products in bfloat16 (set at load with the linears')
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """One layer's cache: keys and values side by side, so a step writes them in one copy."""
-        return (num_blocks, block_size, 2, num_kv_heads, head_dim)
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> tuple[int, ...]:
+        """One layer's cache: keys and values side by side, so a step writes them in one copy; a
+        head's row in the cache's format (`weft/kv_format.py`: D elements, or Q8_0 blocks' bytes)."""
+        return (num_blocks, block_size, 2, num_kv_heads, cache_row_size(head_dim, dtype))
 
     def build_metadata(
         self,

@@ -38,27 +38,33 @@ std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
 }
 
 // One token's keys and values into its slot, rounded to the cache's type C (to nearest even, as
-// torch's conversions round).
+// torch's conversions round; Q8_0 blocks as llama.cpp quantizes them).
 template <typename C>
 inline void store_row(const float* src, C* dst, int64_t width) {
   if constexpr (std::is_same_v<C, float>) {
     std::memcpy(dst, src, sizeof(float) * width);
+  } else if constexpr (std::is_same_v<C, weft::BlockQ8>) {
+    weft::quantize_q8_row(src, dst, width);
   } else {
     for (int64_t i = 0; i < width; ++i) dst[i] = static_cast<C>(src[i]);
   }
 }
 
 // kv [T, 2 * KVH * D] float32 (keys then values of each token, rows strided) -> cache slots `slots`
-// (float32, bfloat16 or float16), in runs of tokens per thread; `op` names the caller in errors.
+// (float32, bfloat16, float16 or Q8_0 blocks), in runs of tokens per thread; `op` names the caller
+// in errors.
 void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots, const char* op) {
   const int64_t tokens = kv.size(0), width = kv.size(1);
   const int64_t num_slots = cache.size(0) * cache.size(1);
   const auto type = cache.scalar_type();
+  const bool q8 = type == at::kByte;
+  const int64_t row = q8 ? width / 32 : width;  // a slot's units in the cache
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() &&
-                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) &&
-                  width == cache[0][0].numel() && kv.scalar_type() == at::kFloat && kv.stride(1) == 1,
-              op, ": the KV cache must be contiguous float32, bfloat16 or float16 [blocks, block_size, 2, KVH, D] "
-              "and kv float32 [T, 2, KVH, D] of its heads");
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || q8) &&
+                  (!q8 || width % 32 == 0) && row * (q8 ? 34 : 1) == cache[0][0].numel() &&
+                  kv.scalar_type() == at::kFloat && kv.stride(1) == 1,
+              op, ": the KV cache must be contiguous float32, bfloat16, float16 or Q8_0 (uint8) "
+              "[blocks, block_size, 2, KVH, D] and kv float32 [T, 2, KVH, D] of its heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
               op, ": slots must be [T] int64, one per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -67,13 +73,15 @@ void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots, 
   const float* src = kv.data_ptr<float>();
   const auto write = [&](auto* dst) {
     at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) store_row(src + t * kv.stride(0), dst + sp[t] * width, width);
+      for (int64_t t = begin; t < end; ++t) store_row(src + t * kv.stride(0), dst + sp[t] * row, width);
     });
   };
   if (type == at::kBFloat16) {
     write(cache.data_ptr<c10::BFloat16>());
   } else if (type == at::kHalf) {
     write(cache.data_ptr<c10::Half>());
+  } else if (q8) {
+    write(reinterpret_cast<weft::BlockQ8*>(cache.data_ptr<uint8_t>()));
   } else {
     write(cache.data_ptr<float>());
   }

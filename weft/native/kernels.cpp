@@ -292,6 +292,15 @@ inline __m512 load16(const c10::BFloat16* p) {  // a bfloat16 is a float32's upp
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// Elements i .. i + 15 of a cache row (i a multiple of 16; a Q8_0 row's scaled by their block's scale).
+template <typename C>
+inline __m512 load16_at(const C* row, int64_t i) { return load16(row + i); }
+inline __m512 load16_at(const weft::BlockQ8* row, int64_t i) {
+  const weft::BlockQ8& block = row[i / 32];
+  const __m512i ints = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs + i % 32)));
+  const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<int16_t>(block.d)));  // broadcast, widened
+  return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(ints));
+}
 #endif
 #if defined(WEFT_AVX2) && defined(__F16C__)
 #define WEFT_AVX2_CACHE 1  // the cache's vector paths on AVX2 (a float16 cache's vcvtph2ps is F16C's)
@@ -301,7 +310,21 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
 }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// Elements i .. i + 7 of a cache row (i a multiple of 8; a Q8_0 row's scaled by their block's scale).
+template <typename C>
+inline __m256 load8_at(const C* row, int64_t i) { return load8(row + i); }
+inline __m256 load8_at(const weft::BlockQ8* row, int64_t i) {
+  const weft::BlockQ8& block = row[i / 32];
+  const __m256i ints = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.qs + i % 32)));
+  const __m256 scale = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(block.d)));  // broadcast, widened
+  return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(ints));
+}
 #endif
+
+// Element i of a cache row as float32.
+template <typename C>
+inline float value_at(const C* row, int64_t i) { return static_cast<float>(row[i]); }
+inline float value_at(const weft::BlockQ8* row, int64_t i) { return weft::q8_value(row, i); }
 
 struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* m;
@@ -333,7 +356,7 @@ inline void dot16(const C* keys, int64_t token_stride, const float* query, float
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t d = 0; d < kD; d += 16) {
     const __m512 q = _mm512_loadu_ps(query + d);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load16(keys + t * token_stride + d), q, acc[t]);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load16_at(keys + t * token_stride, d), q, acc[t]);
   }
   __m512 c[8], e[4], f[2];
   for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
@@ -405,9 +428,14 @@ inline float exp_shifted(float* scores, int64_t n, float max) {
 #endif
 }
 
-// Whether C is one of the half-precision cache types (as opposed to the queries' own type).
+// Whether C is one of the cache types that are widened as they are read (as opposed to the queries'
+// own type): half precision, or Q8_0 blocks.
 template <typename C>
-constexpr bool kHalfCache = std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
+constexpr bool kWidenedCache =
+    std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half> || std::is_same_v<C, weft::BlockQ8>;
+// Whether the vector loops read a cache of type C (float32 or a widened one).
+template <typename C>
+constexpr bool kVectorCache = std::is_same_v<C, float> || kWidenedCache<C>;
 
 #if defined(WEFT_AVX2_CACHE)
 // scores[t] = q . k_t for 8 consecutive tokens (keys `token_stride` elements apart, kD a multiple
@@ -419,7 +447,7 @@ inline void dot8(const C* keys, int64_t token_stride, const float* query, float*
   for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t d = 0; d < kD; d += 8) {
     const __m256 q = _mm256_loadu_ps(query + d);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load8(keys + t * token_stride + d), q, acc[t]);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load8_at(keys + t * token_stride, d), q, acc[t]);
   }
   const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
   const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -429,13 +457,13 @@ inline void dot8(const C* keys, int64_t token_stride, const float* query, float*
 }
 #endif
 
-// q . k for one key of D <= 256 elements, a half-precision one widened first: the float32 loop's
-// sums in its order, so that a half cache computes what a float32 cache of its values does.
+// q . k for one key of D <= 256 elements, a half-precision or Q8_0 one widened first: the float32
+// loop's sums in its order, so that such a cache computes what a float32 cache of its values does.
 template <typename C>
 inline float dot_widened(const C* key, const float* query, int64_t D) {
-  if constexpr (kHalfCache<C>) {
+  if constexpr (kWidenedCache<C>) {
     float row[256];
-    for (int64_t i = 0; i < D; ++i) row[i] = static_cast<float>(key[i]);
+    for (int64_t i = 0; i < D; ++i) row[i] = value_at(key, i);
     return dot(row, query, D);
   } else {
     return dot(key, query, D);
@@ -448,11 +476,11 @@ inline void block_scores(const C* keys, int64_t num_tokens, int64_t token_stride
                          float* scores) {
   int64_t t = 0;
 #if defined(__AVX512F__)
-  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 16 == 0) {
+  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 16 == 0) {
     for (; t + 16 <= num_tokens; t += 16) dot16<kHeadDim>(keys + t * token_stride, token_stride, query, scores + t);
   }
 #elif defined(WEFT_AVX2_CACHE)
-  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 8 == 0) {
+  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 8 == 0) {
     for (; t + 8 <= num_tokens; t += 8) dot8<kHeadDim>(keys + t * token_stride, token_stride, query, scores + t);
   }
 #endif
@@ -466,26 +494,26 @@ inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t tok
                                 const float* p, float* acc_out) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;
 #if defined(__AVX512F__)
-  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 16 == 0) {  // sums in registers
+  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 16 == 0) {  // sums in registers
     constexpr int kVecs = kHeadDim / 16;
     __m512 sums[kVecs];
     for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_loadu_ps(acc_out + 16 * j);
     for (int64_t t = 0; t < num_tokens; ++t) {
       const __m512 weight = _mm512_set1_ps(p[t]);
-      for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_fmadd_ps(weight, load16(values + t * token_stride + 16 * j), sums[j]);
+      for (int j = 0; j < kVecs; ++j) sums[j] = _mm512_fmadd_ps(weight, load16_at(values + t * token_stride, 16 * j), sums[j]);
     }
     for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc_out + 16 * j, sums[j]);
     return;
   }
 #elif defined(WEFT_AVX2_CACHE)
-  if constexpr ((std::is_same_v<C, float> || kHalfCache<C>) && kHeadDim > 0 && kHeadDim % 8 == 0 &&
+  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 8 == 0 &&
                 kHeadDim <= 128) {  // sums in registers
     constexpr int kVecs = kHeadDim / 8;
     __m256 sums[kVecs];
     for (int j = 0; j < kVecs; ++j) sums[j] = _mm256_loadu_ps(acc_out + 8 * j);
     for (int64_t t = 0; t < num_tokens; ++t) {
       const __m256 weight = _mm256_set1_ps(p[t]);
-      for (int j = 0; j < kVecs; ++j) sums[j] = _mm256_fmadd_ps(weight, load8(values + t * token_stride + 8 * j), sums[j]);
+      for (int j = 0; j < kVecs; ++j) sums[j] = _mm256_fmadd_ps(weight, load8_at(values + t * token_stride, 8 * j), sums[j]);
     }
     for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(acc_out + 8 * j, sums[j]);
     return;
@@ -498,7 +526,7 @@ inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t tok
     const C* v = values + t * token_stride;
     const float weight = p[t];
 #pragma omp simd
-    for (int64_t i = 0; i < D; ++i) acc[i] += weight * static_cast<float>(v[i]);
+    for (int64_t i = 0; i < D; ++i) acc[i] += weight * value_at(v, i);
   }
 #pragma omp simd
   for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
@@ -542,7 +570,7 @@ void attend_chunk(const C* cache, const int64_t* blocks, int64_t begin, int64_t 
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
         if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
-        block_scores<C, kHeadDim>(block + kvh * D, num_tokens, sh.token_stride, D, queries + h * D,
+        block_scores<C, kHeadDim>(block + kvh * (D / weft::kPerUnit<C>), num_tokens, sh.token_stride, D, queries + h * D,
                                   scores + h * chunk + (t0 - begin));
       }
     }
@@ -566,7 +594,7 @@ void attend_chunk(const C* cache, const int64_t* blocks, int64_t begin, int64_t 
     const C* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
     const int64_t num_tokens = stop - t0;
     for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      const C* values = block + (sh.num_kv_heads + kvh) * D;
+      const C* values = block + (sh.num_kv_heads + kvh) * (D / weft::kPerUnit<C>);
       for (int64_t g = 0; g < sh.group; ++g, ++h) {
         add_weighted_values<C, kHeadDim>(values, num_tokens, sh.token_stride, D, scores + h * chunk + (t0 - begin),
                                          part.acc + h * D);
@@ -692,7 +720,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && weft::cache_dtype_ok(q, kv_cache),
               "paged_decode_attention: kv_cache must be contiguous [blocks, block_size, 2, KVH, D] of q's dtype, "
-              "or bfloat16 or float16 beside float32 q");
+              "or bfloat16, float16 or Q8_0 (uint8) beside float32 q");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2 &&
                   block_table.size(0) == q.size(0),
               "paged_decode_attention: block_table must be contiguous [B, max_blocks] int64");
@@ -706,12 +734,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   sh.num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(sh.num_kv_heads > 0 && sh.block_size > 0 && sh.head_dim > 0 && kv_cache.size(2) == 2,
               "paged_decode_attention: kv_cache has an empty dimension");
-  TORCH_CHECK(kv_cache.size(4) == sh.head_dim && sh.num_heads % sh.num_kv_heads == 0,
+  const bool q8 = kv_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(!q8 || sh.head_dim % 32 == 0, "paged_decode_attention: a Q8_0 cache needs head_dim a multiple of 32");
+  TORCH_CHECK(kv_cache.size(4) == weft::cache_row_size(kv_cache, sh.head_dim) && sh.num_heads % sh.num_kv_heads == 0,
               "paged_decode_attention: q and kv_cache disagree on head_dim or head counts");
   TORCH_CHECK(sh.head_dim <= 256, "paged_decode_attention: head_dim above 256 is not supported");
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.max_blocks = block_table.size(1);
-  sh.token_stride = 2 * sh.num_kv_heads * sh.head_dim;
+  sh.token_stride = 2 * sh.num_kv_heads * (q8 ? sh.head_dim / 32 : sh.head_dim);  // in the cache's units
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.q_seq_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);
@@ -734,7 +764,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   // and costs where they are in cache (10-25% at the bundled model's 0.2-12 MB): the bytes decide.
   int64_t tokens = 0;
   for (int64_t b = 0; b < q.size(0); ++b) tokens += lens[b] - window_start(lens[b], sh);
-  sh.prefetch = tokens * sh.token_stride * static_cast<int64_t>(kv_cache.element_size()) > (int64_t{16} << 20);
+  const int64_t token_bytes = kv_cache[0].nbytes() / sh.block_size;
+  sh.prefetch = tokens * token_bytes > (int64_t{16} << 20);
   auto out = at::empty({q.size(0), sh.num_heads, sh.head_dim}, q.options());
   const int64_t* table = block_table.data_ptr<int64_t>();
   const auto s = static_cast<float>(scale);
@@ -742,6 +773,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     decode_kernel(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(), table, lens, q.size(0), sh, s, out.data_ptr<float>());
   } else if (kv_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
     decode_kernel(q.data_ptr<float>(), kv_cache.data_ptr<c10::Half>(), table, lens, q.size(0), sh, s, out.data_ptr<float>());
+  } else if (q8) {
+    const auto* cache = reinterpret_cast<const weft::BlockQ8*>(kv_cache.data_ptr<uint8_t>());
+    decode_kernel(q.data_ptr<float>(), cache, table, lens, q.size(0), sh, s, out.data_ptr<float>());
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "weft_paged_decode_attention", [&] {
       decode_kernel(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), table, lens, q.size(0), sh, s,

@@ -5,8 +5,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 namespace weft {
 
@@ -28,11 +31,52 @@ inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, int6
               op, ": sinks must be float32 [H] on the CPU");
   return sinks->data_ptr<float>();
 }
-// Whether a KV cache of kv_cache's dtype may serve queries of q's: the same dtype, or a bfloat16 or
-// float16 cache beside float32 queries (`kv_cache_dtype`; widened to float32 as it is read).
+// Whether a KV cache of kv_cache's dtype may serve queries of q's: the same dtype, or a bfloat16,
+// float16 or Q8_0 (uint8) cache beside float32 queries (`kv_cache_dtype`; widened to float32 as it
+// is read).
 inline bool cache_dtype_ok(const at::Tensor& q, const at::Tensor& kv_cache) {
   const auto c = kv_cache.scalar_type();
-  return c == q.scalar_type() || (q.scalar_type() == at::kFloat && (c == at::kBFloat16 || c == at::kHalf));
+  return c == q.scalar_type() ||
+         (q.scalar_type() == at::kFloat && (c == at::kBFloat16 || c == at::kHalf || c == at::kByte));
+}
+
+// A KV cache in Q8_0 blocks (`kv_cache_dtype="q8_0"`): llama.cpp's block_q8_0, 32 consecutive
+// elements of a head as int8 times one float16 scale. Such a cache is a uint8 tensor [blocks,
+// block_size, 2, KVH, D / 32 * 34]; its kernels address it in blocks, as the others in elements.
+struct BlockQ8 {
+  uint16_t d;  // float16 bits
+  int8_t qs[32];
+};
+static_assert(sizeof(BlockQ8) == 34, "a Q8_0 block is 34 bytes");
+
+// The elements one unit of a cache of type C holds: 32 for a Q8_0 block, else 1.
+template <typename C>
+constexpr int64_t kPerUnit = std::is_same_v<C, BlockQ8> ? 32 : 1;
+
+// The last dimension of a cache tensor for heads of `head_dim` elements (a Q8_0 cache: bytes).
+inline int64_t cache_row_size(const at::Tensor& kv_cache, int64_t head_dim) {
+  return kv_cache.scalar_type() == at::kByte ? head_dim / 32 * static_cast<int64_t>(sizeof(BlockQ8)) : head_dim;
+}
+
+inline float q8_scale(const BlockQ8& block) {
+  return static_cast<float>(c10::Half(block.d, c10::Half::from_bits()));
+}
+
+// A Q8_0 block's element i as float32: its scale times its int8, as gguf's dequantization computes it.
+inline float q8_value(const BlockQ8* row, int64_t i) { return q8_scale(row[i / 32]) * row[i / 32].qs[i % 32]; }
+
+// n floats (a multiple of 32) as Q8_0 blocks, as llama.cpp's quantize_row_q8_0_ref rounds them: the
+// scale is the block's largest magnitude / 127 (stored as float16), each element round(x / scale)
+// (to nearest, halves away from zero) with the unrounded scale.
+inline void quantize_q8_row(const float* x, BlockQ8* out, int64_t n) {
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* v = x + 32 * b;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    out[b].d = c10::Half(d).x;
+    for (int i = 0; i < 32; ++i) out[b].qs[i] = static_cast<int8_t>(std::round(v[i] * id));
+  }
 }
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,

@@ -275,11 +275,18 @@ void add_value_pairs(Scratch<kD>& s, int64_t tile_row, int64_t num_keys) {
   }
 }
 
-// A key's (or value's) row of the cache as float32: in place for a float32 cache, else widened into `out`.
+// A key's (or value's) row of the cache as float32: in place for a float32 cache, else widened into
+// `out` (a Q8_0 row: each block's scale times its int8s, as gguf's dequantization computes them).
 template <int kD, typename C>
 inline const float* as_float(const C* row, float* out) {
   if constexpr (std::is_same_v<C, float>) {
     return row;
+  } else if constexpr (std::is_same_v<C, weft::BlockQ8>) {
+    for (int b = 0; b < kD / 32; ++b) {
+      const float scale = weft::q8_scale(row[b]);
+      for (int i = 0; i < 32; ++i) out[32 * b + i] = scale * row[b].qs[i];
+    }
+    return out;
   } else {
     for (int d = 0; d < kD; ++d) out[d] = static_cast<float>(row[d]);
     return out;
@@ -300,9 +307,9 @@ void load_key_block(const C* cache, const int64_t* blocks, int64_t kv_head, int6
     if (key < num_keys) {
       const int64_t token = kb0 + key;
       const C* row = cache + blocks[token / sh.block_size] * sh.block_stride + (token % sh.block_size) * sh.token_stride +
-                     kv_head * kD;
+                     kv_head * (kD / weft::kPerUnit<C>);
       k = as_float<kD>(row, widened + key * 2 * kD);
-      s.values[key] = as_float<kD>(row + sh.num_kv_heads * kD, widened + key * 2 * kD + kD);
+      s.values[key] = as_float<kD>(row + sh.num_kv_heads * (kD / weft::kPerUnit<C>), widened + key * 2 * kD + kD);
     }
     if constexpr (kPairs) {
       for (int v = 0; v < (kD / 2 + kLanes - 1) / kLanes; ++v) {  // kLanes pairs at a time (a head of 16: 8)
@@ -434,11 +441,13 @@ void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv_cache, const
   }
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kFloat,
               "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && weft::cache_dtype_ok(q, kv_cache) &&
-                  kv_cache.size(2) == 2 && kv_cache.size(4) == q.size(2),
-              "paged_prefill_attention: kv_cache must be contiguous float32, bfloat16 or float16 "
-              "[blocks, block_size, 2, KVH, D]");
   const int64_t d = q.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && weft::cache_dtype_ok(q, kv_cache) &&
+                  kv_cache.size(2) == 2 && kv_cache.size(4) == weft::cache_row_size(kv_cache, d),
+              "paged_prefill_attention: kv_cache must be contiguous float32, bfloat16, float16 or Q8_0 (uint8) "
+              "[blocks, block_size, 2, KVH, D]");
+  TORCH_CHECK(kv_cache.scalar_type() != at::kByte || d % 32 == 0,
+              "paged_prefill_attention: a Q8_0 cache needs head_dim a multiple of 32");
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
               "paged_prefill_attention: head_dim must be 16, 32, 64, 128 or 256 (others take SDPA)");
   TORCH_CHECK(kv_cache.size(3) > 0 && q.size(1) % kv_cache.size(3) == 0,
@@ -500,7 +509,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.num_kv_heads = kv_cache.size(3);
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.block_size = kv_cache.size(1);
-  sh.token_stride = 2 * sh.num_kv_heads * q.size(2);
+  sh.token_stride = 2 * sh.num_kv_heads * q.size(2) / (kv_cache.scalar_type() == at::kByte ? 32 : 1);  // in units
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.max_blocks = block_table.size(1);
   sh.q_token_stride = q.stride(0);
@@ -527,6 +536,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
     attend(kv_cache.data_ptr<c10::BFloat16>());
   } else if (kv_cache.scalar_type() == at::kHalf) {
     attend(kv_cache.data_ptr<c10::Half>());
+  } else if (kv_cache.scalar_type() == at::kByte) {
+    attend(reinterpret_cast<const weft::BlockQ8*>(kv_cache.data_ptr<uint8_t>()));
   } else {
     attend(kv_cache.data_ptr<float>());
   }
