@@ -532,6 +532,41 @@ inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t tok
   for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
 }
 
+// One KV head's rows of a block (keys or values, `token_stride` units apart) as float32 rows D apart
+// in `out`.
+template <typename C, int64_t kHeadDim>
+inline void widen_rows(const C* rows, int64_t num_tokens, int64_t token_stride, int64_t D, float* out) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const C* row = rows + t * token_stride;
+    float* dst = out + t * D;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+      for (; i < kHeadDim; i += 16) _mm512_storeu_ps(dst + i, load16_at(row, i));
+    }
+#elif defined(WEFT_AVX2_CACHE)
+    if constexpr (kHeadDim > 0 && kHeadDim % 8 == 0) {
+      for (; i < kHeadDim; i += 8) _mm256_storeu_ps(dst + i, load8_at(row, i));
+    }
+#endif
+    for (; i < D; ++i) dst[i] = value_at(row, i);
+  }
+}
+
+// Calls each(rows, token_stride) with one KV head's rows of a block for the query heads of its
+// group to read: in place, or those of a Q8_0 cache widened once into `wide` ([block_size, D]). (A
+// Q8_0 row costs a sign extension, a conversion and a scaling per 8 elements, which 4 query heads
+// repeating took 2x the time at 4k tokens; a half one's single vcvtph2ps or shift is left in place.)
+template <typename C, int64_t kHeadDim, typename Each>
+inline void for_kv_head(const C* rows, int64_t num_tokens, int64_t token_stride, int64_t D, float* wide, Each&& each) {
+  if constexpr (std::is_same_v<C, weft::BlockQ8>) {
+    widen_rows<C, kHeadDim>(rows, num_tokens, token_stride, D, wide);
+    each(static_cast<const float*>(wide), D);
+  } else {
+    each(rows, token_stride);
+  }
+}
+
 // Asks for part `part` of `parts` of the next block of the cache, ahead of its use: blocks are
 // scattered in memory, so the hardware prefetcher cannot run ahead across them on its own, and
 // asking for a whole block at once would stall on the CPU's few outstanding-miss slots.
@@ -560,19 +595,23 @@ inline int64_t chunk_tokens(const DecodeShape& sh) {
 // 32, 150 tokens) that bookkeeping was most of the time.
 template <typename C, int64_t kHeadDim>
 void attend_chunk(const C* cache, const int64_t* blocks, int64_t begin, int64_t end, int64_t range_end,
-                  const float* queries, const DecodeShape& sh, int64_t chunk, float* scores, Partial part) {
+                  const float* queries, const DecodeShape& sh, int64_t chunk, float* scores, float* wide, Partial part) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : sh.head_dim, bs = sh.block_size, n = end - begin;
+  const int64_t head_units = D / weft::kPerUnit<C>;  // a head's row in the cache's units
   for (int64_t t0 = begin, stop = 0; t0 < end; t0 = stop) {  // pass 1: scores
     stop = std::min(end, (t0 / bs + 1) * bs);  // the rest of t0's block (a window starts mid-block)
     const C* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
     const C* next = stop < range_end ? cache + blocks[t0 / bs + 1] * sh.block_stride : nullptr;
     const int64_t num_tokens = stop - t0;
-    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      for (int64_t g = 0; g < sh.group; ++g, ++h) {
-        if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
-        block_scores<C, kHeadDim>(block + kvh * (D / weft::kPerUnit<C>), num_tokens, sh.token_stride, D, queries + h * D,
-                                  scores + h * chunk + (t0 - begin));
-      }
+    for (int64_t kvh = 0; kvh < sh.num_kv_heads; ++kvh) {
+      for_kv_head<C, kHeadDim>(block + kvh * head_units, num_tokens, sh.token_stride, D, wide,
+                               [&](const auto* keys, int64_t stride) {
+        using R = std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>;
+        for (int64_t h = kvh * sh.group; h < (kvh + 1) * sh.group; ++h) {
+          if (sh.prefetch) prefetch_part(next, sh.block_stride, h, sh.num_heads);
+          block_scores<R, kHeadDim>(keys, num_tokens, stride, D, queries + h * D, scores + h * chunk + (t0 - begin));
+        }
+      });
     }
   }
   for (int64_t h = 0; h < sh.num_heads; ++h) {  // the running softmax, once per head
@@ -593,12 +632,15 @@ void attend_chunk(const C* cache, const int64_t* blocks, int64_t begin, int64_t 
     stop = std::min(end, (t0 / bs + 1) * bs);
     const C* block = cache + blocks[t0 / bs] * sh.block_stride + (t0 % bs) * sh.token_stride;
     const int64_t num_tokens = stop - t0;
-    for (int64_t kvh = 0, h = 0; kvh < sh.num_kv_heads; ++kvh) {
-      const C* values = block + (sh.num_kv_heads + kvh) * (D / weft::kPerUnit<C>);
-      for (int64_t g = 0; g < sh.group; ++g, ++h) {
-        add_weighted_values<C, kHeadDim>(values, num_tokens, sh.token_stride, D, scores + h * chunk + (t0 - begin),
-                                         part.acc + h * D);
-      }
+    for (int64_t kvh = 0; kvh < sh.num_kv_heads; ++kvh) {
+      for_kv_head<C, kHeadDim>(block + (sh.num_kv_heads + kvh) * head_units, num_tokens, sh.token_stride, D, wide,
+                               [&](const auto* values, int64_t stride) {
+        using R = std::remove_cv_t<std::remove_pointer_t<decltype(values)>>;
+        for (int64_t h = kvh * sh.group; h < (kvh + 1) * sh.group; ++h) {
+          add_weighted_values<R, kHeadDim>(values, num_tokens, stride, D, scores + h * chunk + (t0 - begin),
+                                           part.acc + h * D);
+        }
+      });
     }
   }
 }
@@ -607,10 +649,12 @@ template <typename C, int64_t kHeadDim>
 void attend_range(const C* cache, const int64_t* blocks, int64_t begin, int64_t end, const float* queries,
                   const DecodeShape& sh, std::vector<float>& scores, Partial part) {
   const int64_t chunk = chunk_tokens<C>(sh);
-  if (static_cast<int64_t>(scores.size()) < sh.num_heads * chunk) scores.resize(sh.num_heads * chunk);
+  // the chunk's scores [H, chunk], then a block's rows of one KV head widened to float32 [block_size, D]
+  const int64_t size = sh.num_heads * chunk + sh.block_size * sh.head_dim;
+  if (static_cast<int64_t>(scores.size()) < size) scores.resize(size);
   for (int64_t first = begin; first < end; first += chunk) {
     attend_chunk<C, kHeadDim>(cache, blocks, first, std::min(end, first + chunk), end, queries, sh, chunk,
-                              scores.data(), part);
+                              scores.data(), scores.data() + sh.num_heads * chunk, part);
   }
 }
 
