@@ -98,14 +98,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)  # [Bmax]
         self.query_start = torch.arange(max_size + 1, dtype=torch.int32, device=device)  # [Bmax + 1]
         # the sliding-window layers' own pool (`window_scratch`: its scratch block), where there is one
-        self.window_scratch = window_scratch
-        self.window_slots, self.window_table = None, None
+        self.window: WindowBuffers | None = None
         if window_scratch is not None:
-            window_slot = window_scratch * block_size
-            self.window_slots = torch.full((max_size,), window_slot, dtype=torch.int64, device=device)
-            self.window_table = torch.full(
-                (max_size, max_blocks), window_scratch, dtype=torch.int32, device=device
-            )  # [Bmax, max_blocks]
+            self.window = WindowBuffers.full(window_scratch, block_size, max_blocks, max_size, device)
         self.replays: dict[int, Forward] = {}
 
     def capture(self, capture: Capture, pool: Any = None, progress: bool = False) -> CaptureReport:
@@ -142,11 +137,8 @@ class DecodeGraphs:
         self.slot_mapping[:num_rows].copy_(meta.slot_mapping)
         self.block_table[:num_rows, :width].copy_(batch.block_table)
         self.seq_lens[:num_rows].copy_(batch.seq_lens)
-        if self.window_table is not None and self.window_slots is not None:
-            own = meta.sliding
-            assert own is not None and own.ragged is not None, "a window pool's step without its tables"
-            self.window_slots[:num_rows].copy_(own.slot_mapping)
-            self.window_table[:num_rows, : own.ragged.block_table.shape[1]].copy_(own.ragged.block_table)
+        if self.window is not None:
+            self.window.load(meta.sliding, num_rows)
         self._pad_rows(num_rows, size)
         return self.replays[size]()[:num_rows]
 
@@ -157,21 +149,44 @@ class DecodeGraphs:
         self.slot_mapping[first:end] = self.scratch_block * self.block_size
         self.block_table[first:end, 0] = self.scratch_block
         self.seq_lens[first:end] = 1
-        scratch = self.window_scratch
-        if self.window_table is not None and self.window_slots is not None and scratch is not None:
-            self.window_slots[first:end] = scratch * self.block_size
-            self.window_table[first:end, 0] = scratch
+        if self.window is not None:
+            self.window.slots[first:end] = self.window.scratch * self.block_size
+            self.window.table[first:end, 0] = self.window.scratch
 
     def _forward(self, size: int) -> Forward:
         batch = RaggedBatch(self.block_table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
         sliding = None
-        if self.window_table is not None and self.window_slots is not None:
+        if self.window is not None:
             window = self.model.attention.window
-            own = RaggedBatch(self.window_table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
-            sliding = AttentionMetadata(self.window_slots[:size], (), replace(own, window=window))
+            own = RaggedBatch(self.window.table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
+            sliding = AttentionMetadata(self.window.slots[:size], (), replace(own, window=window))
         meta = AttentionMetadata(self.slot_mapping[:size], (), batch, sliding)
         input_ids, positions = self.input_ids[:size], self.positions[:size]
         return lambda: self.model(input_ids, positions, self.kv_caches, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowBuffers:
+    """The static inputs of the sliding-window layers' own pool (`weft/engine/window_blocks.py`):
+    each row's slot and block table there, padding rows on the pool's `scratch` block."""
+
+    scratch: int
+    slots: torch.Tensor  # [Bmax] int64
+    table: torch.Tensor  # [Bmax, max_blocks] int32
+
+    @staticmethod
+    def full(
+        scratch: int, block_size: int, max_blocks: int, max_size: int, device: torch.device
+    ) -> WindowBuffers:
+        slots = torch.full((max_size,), scratch * block_size, dtype=torch.int64, device=device)
+        table = torch.full((max_size, max_blocks), scratch, dtype=torch.int32, device=device)
+        return WindowBuffers(scratch, slots, table)
+
+    def load(self, sliding: AttentionMetadata | None, num_rows: int) -> None:
+        """This step's rows from its sliding-window metadata."""
+        assert sliding is not None and sliding.ragged is not None, "a window pool's step without its tables"
+        self.slots[:num_rows].copy_(sliding.slot_mapping)
+        self.table[:num_rows, : sliding.ragged.block_table.shape[1]].copy_(sliding.ragged.block_table)
 
 
 def _memory_in_use(device: torch.device) -> int:
