@@ -1,6 +1,10 @@
-"""Make tests/data/qwen2moe: a tiny random Qwen2-MoE checkpoint (transformers), converted to a
-float16 GGUF file by llama.cpp's own converter, with llama.cpp's greedy tokens and teacher-forced
-logprobs on it (the format of ../shared/data/gguf-families/llama_cpp_reference.json).
+"""Make tests/data/families: tiny random checkpoints (transformers) of the families
+../shared/data/gguf-families has none of, converted to float16 GGUF files by llama.cpp's own
+converter, with llama.cpp's greedy tokens and teacher-forced logprobs on each (the format of
+../shared/data/gguf-families/llama_cpp_reference.json, in llama_cpp.json). Phi-3's file, which
+llama.cpp 0.3.36 converts but will not load over this tokenizer ("error loading model vocabulary:
+unordered_map::at"), has transformers' on the checkpoint it was converted from instead
+(transformers.json).
 
     python benchmarks/make_qwen2moe_file.py LLAMA_CPP_DIR [OUT_DIR]
 
@@ -27,6 +31,10 @@ NUM_NEW = 16
 FAMILIES = {  # file -> the tests' checkpoint arch
     "qwen2moe-f16": "qwen2moe",  # 8 experts, 2 per token, not normalised, a shared expert of 48 columns
     "olmo2-f16": "olmo2",  # norms after each branch, q/k norms over all heads
+}
+# files whose reference is transformers' (the checkpoint in float32), not llama.cpp's
+TRANSFORMERS_REFERENCE = {
+    "phi3-f16": "phi3",  # fused q|k|v and gate|up, 3/4 of each head rotating, LongRoPE's factors
 }
 
 
@@ -86,6 +94,35 @@ def record(path: Path, prompts: list[list[int]]) -> list[dict]:
     return files
 
 
+def record_transformers(model: Path, prompts: list[list[int]]) -> list[dict]:
+    """transformers' greedy tokens after each prompt (each a forward over everything before it, past
+    any end-of-sequence token) and their teacher-forced logprobs (one forward over the prompt and
+    its tokens), the checkpoint in float32."""
+    import torch
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    runs = []
+    for prompt in prompts:
+        ids = torch.tensor(prompt)
+        with torch.no_grad():
+            for _ in range(NUM_NEW):
+                ids = torch.cat([ids, reference(ids[None]).logits[0, -1].argmax().view(1)])
+            tokens = ids[len(prompt) :].tolist()
+            logits = reference(ids[None]).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        logprobs = [float(logits[i, token]) for i, token in enumerate(tokens)]
+        runs.append({"tokens": tokens, "tf_logprobs": logprobs})
+    return runs
+
+
+def gpt2_vocabulary(model: Path) -> None:
+    """Have the converter write the checkpoint's byte-level BPE as such (its Phi-3 class reads a
+    SentencePiece model unless the tokenizer says it is GPT-2's)."""
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config_file.write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+
+
 def main() -> None:
     llama_cpp_dir = Path(sys.argv[1])
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "tests" / "data" / "families"
@@ -98,6 +135,13 @@ def main() -> None:
         convert(llama_cpp_dir, model, out / f"{name}.gguf")
         reference["files"][name] = record(out / f"{name}.gguf", prompts)
     (out / "llama_cpp.json").write_text(json.dumps(reference))
+    others: dict = {"prompts": prompts, "n_new": NUM_NEW, "files": {}}
+    for name, arch in TRANSFORMERS_REFERENCE.items():
+        model = checkpoint(out / f"hf-{arch}", arch)
+        gpt2_vocabulary(model)
+        convert(llama_cpp_dir, model, out / f"{name}.gguf")
+        others["files"][name] = record_transformers(model, prompts)
+    (out / "transformers.json").write_text(json.dumps(others))
     print(f"wrote {out}; remove its hf-* folders before committing")
 
 

@@ -412,3 +412,22 @@ def test_logprobs_do_not_change_the_tokens(llm):
     mixed = llm.generate(PROMPTS, asking, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]
     assert mixed[0].outputs[0].logprobs and mixed[1].outputs[0].logprobs is None
+
+
+def test_vllm_prompt_dicts_are_their_text_or_token_ids(llm):
+    """vLLM's TextPrompt and TokensPrompt ({"prompt": ...}, {"prompt_token_ids": ...}) are the
+    prompts they hold, alone or in a list, in generate, stream and score; anything else in a
+    prompt dict is refused with the keys weft reads."""
+    ids = llm.tokenizer.encode("First Citizen:", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    (want,) = llm.generate([ids], greedy)
+    for prompt in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], {"prompt": "First Citizen:"}):
+        (got,) = llm.generate(prompt, greedy)
+        assert (got.prompt_token_ids, got.outputs[0].token_ids) == (ids, want.outputs[0].token_ids)
+    streamed = [t for out in llm.stream({"prompt_token_ids": ids}, greedy) for t in out.outputs[0].token_ids]
+    assert streamed == want.outputs[0].token_ids
+    assert llm.score({"prompt_token_ids": ids}, [" a"]) == llm.score(ids, [" a"])
+    with pytest.raises(ValueError, match=r"'prompt' \(text\) or 'prompt_token_ids'.*multi_modal_data"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, greedy)
+    with pytest.raises(ValueError, match="'prompt_token_ids' must be a list of ints"):
+        llm.generate({"prompt_token_ids": "First"}, greedy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,10 @@ from weft.outputs import BeamSearchOutput, BeamSearchSequence, ChoiceScore, Requ
 from weft.params import BeamSearchParams, OutputKind, SamplingParams
 from weft.tokenizer import Message, Tokenizer
 
-PromptInput = str | Sequence[int]
+# a prompt: its text, its token ids, or vLLM's TextPrompt / TokensPrompt ({"prompt": text} or
+# {"prompt_token_ids": ids})
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+PlainPrompt = str | Sequence[int]
 
 __all__ = ["LLM", "OutputRouter", "bundled_model_path", "default_model_path"]
 
@@ -117,8 +120,9 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids) and return the outputs in
-        prompt order. Requests run batched; a list of params gives each prompt its own.
+        """Generate for every prompt (a string, a list of token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts) and return the outputs in prompt order. Requests run
+        batched; a list of params gives each prompt its own.
         `use_tqdm`: a progress bar over the prompts (default: as `LLM(show_progress=...)`)."""
         prompt_list = _as_prompt_list(prompts)
         param_list = _as_param_list(params, len(prompt_list))
@@ -209,7 +213,7 @@ class LLM:
         """Yield `RequestOutput`s carrying only what is new (text and tokens) as they are produced.
         Other calls on this `LLM` may run between two deltas; no delta is lost."""
         params = (params or SamplingParams()).replace(output_kind=OutputKind.DELTA)
-        (request_id,) = self._add_all([prompt], [params])
+        (request_id,) = self._add_all([_plain_prompt(prompt)], [params])
         try:
             while True:
                 outputs = self.router.take(request_id)
@@ -240,7 +244,7 @@ class LLM:
     def score(self, prompt: PromptInput, options: Sequence[str]) -> list[ChoiceScore]:
         """The total logprob of each option after `prompt` (and each token's), computed exactly in
         one batched pass that runs the prompt and every prefix the options share once."""
-        return self.engine.score(prompt, options)  # type: ignore[arg-type]
+        return self.engine.score(_plain_prompt(prompt), options)  # type: ignore[arg-type]
 
     def _bar(self, use_tqdm: bool | None, num_prompts: int) -> bool:
         """Whether a call shows a progress bar: asked (default: `show_progress`), over several prompts."""
@@ -250,7 +254,7 @@ class LLM:
         return self.engine.stats().as_dict()
 
     def _add_all(
-        self, prompts: list[PromptInput], params: Sequence[SamplingParams | BeamSearchParams]
+        self, prompts: list[PlainPrompt], params: Sequence[SamplingParams | BeamSearchParams]
     ) -> list[str]:
         added: list[str] = []
         try:
@@ -309,13 +313,37 @@ def _beam_output(out: RequestOutput, length_penalty: float) -> BeamSearchOutput:
     return BeamSearchOutput(sequences)
 
 
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PlainPrompt]:
+    if isinstance(prompts, (str, Mapping)):
+        return [_plain_prompt(prompts)]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # type: ignore[list-item]  # one prompt of token ids
-    return items  # type: ignore[return-value]
+    return [_plain_prompt(item) for item in items]  # type: ignore[arg-type]
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _plain_prompt(prompt: PromptInput) -> PlainPrompt:
+    """A prompt's text or token ids; vLLM's TextPrompt and TokensPrompt dicts give theirs (the
+    token ids where both are given). Any other key is refused: weft runs text-only models."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown or not any(key in prompt for key in PROMPT_KEYS):
+        raise ValueError(
+            f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (a list of ints); got keys "
+            f"{sorted(prompt)}" + (" (weft runs text-only models)" if unknown else "")
+        )
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str) or not isinstance(ids, Sequence) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("a prompt dict's 'prompt_token_ids' must be a list of ints")
+        return ids
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError("a prompt dict's 'prompt' must be a string")
+    return prompt["prompt"]
 
 
 def _json_answer(params: SamplingParams) -> dict[str, Any]:

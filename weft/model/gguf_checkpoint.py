@@ -8,8 +8,9 @@ Steps of `GgufCheckpoint(path)`:
   2. `model_config()`: the `{arch}.*` keys as a Hugging Face config (sizes, heads, rope base and
      linear or YaRN scaling, norm epsilon, context length, tied embeddings when there is no
      `output` tensor, the tokenizer's BOS/EOS ids, Granite's scales, SmolLM3's layers without
-     rotary embedding, Gemma 3's sliding layers and their rope base), and the per-frequency rope
-     factors of a `rope_freqs` tensor (Llama 3.1 and later);
+     rotary embedding, Gemma 3's sliding layers and their rope base, Phi-3's partial rotary
+     embedding and LongRoPE factors), and the per-frequency rope factors of a `rope_freqs` tensor
+     (Llama 3.1 and later);
   3. `read_tensors()`: every tensor under its Hugging Face name, checked against the types weft
      reads (`SUPPORTED_TYPES`): a quantized matrix kept in its blocks where asked
      (`KEPT_IN_BLOCKS`), anything else dequantized exactly to float32 (`gguf.quants.dequantize`), with
@@ -50,6 +51,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Architectures whose converter (llama.cpp's LlamaModel and its subclasses) interleaves each head's
 # two rotary halves in the rows of attn_q and attn_k.
@@ -135,6 +137,10 @@ _GPT_OSS_NAMES = {
     "ffn_gate_inp": "mlp.router",
     "attn_sinks": "self_attn.sinks",
 }
+# Phi-3's and Phi-4-mini's fused matrices, kept fused as Hugging Face's names have them
+_PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# LongRoPE's per-frequency factors (Phi-3 and Phi-4-mini files): part of the configuration
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp's gpt-oss: every other layer slides (`set_swa_pattern(2)`), its SwiGLU clamped at 7
 GPT_OSS_SLIDING_PATTERN = 2
 # llama.cpp's converter stores Gemma's norms as (1 + w), their scale; Hugging Face's as w
@@ -167,6 +173,7 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
         "gemma3": _SANDWICH_NAMES,
         "gpt-oss": _GPT_OSS_NAMES,
         "olmo2": _OLMO2_NAMES,
+        "phi3": _PHI3_NAMES,
     }.get(arch, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(name)
     if match is None or match[2] not in names:
@@ -281,7 +288,29 @@ class GgufCheckpoint:
             raw.update(self._gemma_keys())
         if self._key("expert_count"):
             raw.update(self._expert_keys())
+        if self.arch == "phi3":
+            raw.update(self._phi3_keys())
         return raw
+
+    def _phi3_keys(self) -> dict[str, Any]:
+        """Phi-3's and Phi-4-mini's rotary embedding as llama.cpp's converter writes it: the rotating
+        share of each head (`rope.dimension_count`), and LongRoPE where the file has its factors (as
+        tensors), with the attention factor the converter computed."""
+        heads, hidden = self._key("attention.head_count"), self._key("embedding_length")
+        head_dim = self._key("attention.key_length") or hidden // heads
+        rotary = self._key("rope.dimension_count", head_dim)
+        keys: dict[str, Any] = {"partial_rotary_factor": rotary / head_dim}
+        factors = {t.name: t for t in self.reader.tensors if t.name in ROPE_FACTORS}
+        if len(factors) == len(ROPE_FACTORS):
+            long, short = (self.dequantized(factors[name]).tolist() for name in ROPE_FACTORS)
+            keys["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": long,
+                "short_factor": short,
+                "original_max_position_embeddings": self._key("rope.scaling.original_context_length"),
+                "attention_factor": self._key("rope.scaling.attn_factor"),
+            }
+        return keys
 
     def _expert_keys(self) -> dict[str, Any]:
         """A mixture of experts as llama.cpp runs Qwen3-MoE and Mixtral (a llama file with experts):
@@ -346,7 +375,7 @@ class GgufCheckpoint:
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:
-            if tensor.name == ROPE_FREQS:  # part of the configuration (`model_config`)
+            if tensor.name == ROPE_FREQS or tensor.name in ROPE_FACTORS:  # part of the configuration
                 continue
             match = _LAYER_TENSOR.fullmatch(tensor.name)
             if match is not None and match[2] in _EXPERT_NAMES:

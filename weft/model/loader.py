@@ -541,11 +541,11 @@ def _qkv_rows(weights: _Weights, src: str, config: ModelConfig) -> list[Weight]:
     fused = src + "self_attn.qkv_proj.weight"
     if fused in weights.tensors:
         whole = weights.take(fused, (sum(sizes), h))
-        if not isinstance(whole, torch.Tensor):
-            raise CheckpointError(
-                f"{weights.files.get(fused, fused)}: a fused qkv_proj in blocks is not supported"
-            )
-        parts: list[Weight] = list(torch.split(whole, list(sizes)))
+        if isinstance(whole, QuantizedRows):  # (a GGUF file's attn_qkv: its rows are whole blocks)
+            split = torch.split(whole.rows, list(sizes))
+            parts: list[Weight] = [QuantizedRows(whole.kind, rows) for rows in split]
+        else:
+            parts = list(torch.split(dequantized(whole), list(sizes)))
     else:
         parts = [
             weights.take(src + f"self_attn.{p}_proj.weight", (n, h))
@@ -558,9 +558,14 @@ def _qkv_rows(weights: _Weights, src: str, config: ModelConfig) -> list[Weight]:
     return [_heads_reordered(parts[0], order), _heads_reordered(parts[1], order), parts[2]]
 
 
-def _heads_reordered(weight: Weight, order: torch.Tensor) -> torch.Tensor:  # [heads * D, in]
-    """Each head's rows of a q or k matrix in `order`."""
-    rows = dequantized(weight) if not isinstance(weight, torch.Tensor) else weight
+def _heads_reordered(weight: Weight, order: torch.Tensor) -> Weight:  # [heads * D, in]
+    """Each head's rows of a q or k matrix in `order` (a matrix in blocks: its rows of blocks)."""
+    if isinstance(weight, QuantizedRows):
+        return QuantizedRows(weight.kind, _rows_reordered(weight.rows, order))
+    return _rows_reordered(dequantized(weight), order)
+
+
+def _rows_reordered(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # [heads * D, ...]
     head_dim = order.numel()
     return rows.view(-1, head_dim, rows.shape[-1])[:, order].reshape(rows.shape)
 
