@@ -62,6 +62,7 @@ CORE = [
     "tokenizer.py",
     "detokenize.py",
     "kernels.py",
+    "kv_format.py",
     "ops.py",
     "native/__init__.py",
 ]
