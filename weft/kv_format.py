@@ -6,11 +6,13 @@ cache is a uint8 tensor [blocks, block_size, 2, KVH, D / 32 * 34]: every operati
 and slots (copy-on-write, forks, the pools' scratch blocks) is unchanged, and only the kernels that
 write and read a head's row know the layout (weft/native/ops.h, `BlockQ8`). Writing rounds as
 llama.cpp's `quantize_row_q8_0_ref`; reading computes scale * q in float32, as gguf's reference
-dequantization does, so that the native kernels and this torch path read the same numbers.
+dequantization does, so that the native kernels and this torch path (gguf's own quantizer and
+dequantizer) read the same numbers.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 Q8_0 = torch.uint8  # the dtype of a KV cache kept in Q8_0 blocks
@@ -28,26 +30,22 @@ def cache_row_size(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:  # [..., D] float -> [..., D / 32 * 34] uint8
-    """Q8_0 blocks of x's last dimension (a multiple of 32), rounded as llama.cpp rounds them:
-    scale = the block's largest magnitude / 127, stored as float16; each element round(x / scale)
-    with the unrounded scale, halves away from zero (C's roundf, not torch's round to even)."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, Q8_ELEMENTS)  # [..., nb, 32]
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127  # [..., nb, 1]
-    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
-    scaled = blocks * inverse
-    truncated = scaled.trunc()
-    halfway = (scaled - truncated).abs() == 0.5
-    quants = torch.where(halfway, truncated + scaled.sign(), scaled.round()).to(torch.int8)  # [..., nb, 32]
-    scale_bytes = scale.half().view(torch.uint8)  # [..., nb, 2], little-endian float16
-    packed = torch.cat([scale_bytes, quants.view(torch.uint8)], dim=-1)  # [..., nb, 34]
-    return packed.reshape(*x.shape[:-1], -1)
+    """Q8_0 blocks of x's last dimension (a multiple of 32): gguf's reference quantizer, llama.cpp's
+    quantize_row_q8_0_ref (as weft/model/quantize.py quantizes matrices)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = quantize(x.detach().float().contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(blocks))
 
 
 def dequantize_q8_0(data: torch.Tensor) -> torch.Tensor:  # [..., nb * 34] uint8 -> [..., nb * 32] float32
-    blocks = data.reshape(*data.shape[:-1], -1, Q8_BYTES)  # [..., nb, 34]
-    scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [..., nb, 1]
-    quants = blocks[..., 2:].contiguous().view(torch.int8).float()  # [..., nb, 32]
-    return (scale * quants).reshape(*data.shape[:-1], -1)
+    """gguf's dequantization: each block's float16 scale times its int8s, in float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(data.contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
 def widened(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -58,10 +58,11 @@ void write_kv(const at::Tensor& kv, at::Tensor& cache, const at::Tensor& slots, 
   const int64_t num_slots = cache.size(0) * cache.size(1);
   const auto type = cache.scalar_type();
   const bool q8 = type == at::kByte;
-  const int64_t row = q8 ? width / 32 : width;  // a slot's units in the cache
+  const int64_t row = weft::cache_units(cache, width);  // a slot's units in the cache
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() &&
                   (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || q8) &&
-                  (!q8 || width % 32 == 0) && row * (q8 ? 34 : 1) == cache[0][0].numel() &&
+                  (!q8 || width % weft::kQ8Elements == 0) &&
+                  row * (q8 ? static_cast<int64_t>(sizeof(weft::BlockQ8)) : 1) == cache[0][0].numel() &&
                   kv.scalar_type() == at::kFloat && kv.stride(1) == 1,
               op, ": the KV cache must be contiguous float32, bfloat16, float16 or Q8_0 (uint8) "
               "[blocks, block_size, 2, KVH, D] and kv float32 [T, 2, KVH, D] of its heads");

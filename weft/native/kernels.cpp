@@ -649,8 +649,10 @@ template <typename C, int64_t kHeadDim>
 void attend_range(const C* cache, const int64_t* blocks, int64_t begin, int64_t end, const float* queries,
                   const DecodeShape& sh, std::vector<float>& scores, Partial part) {
   const int64_t chunk = chunk_tokens<C>(sh);
-  // the chunk's scores [H, chunk], then a block's rows of one KV head widened to float32 [block_size, D]
-  const int64_t size = sh.num_heads * chunk + sh.block_size * sh.head_dim;
+  // the chunk's scores [H, chunk], then (a Q8_0 cache) a block's rows of one KV head widened to
+  // float32 [block_size, D] (`for_kv_head`)
+  const int64_t wide = std::is_same_v<C, weft::BlockQ8> ? sh.block_size * sh.head_dim : 0;
+  const int64_t size = sh.num_heads * chunk + wide;
   if (static_cast<int64_t>(scores.size()) < size) scores.resize(size);
   for (int64_t first = begin; first < end; first += chunk) {
     attend_chunk<C, kHeadDim>(cache, blocks, first, std::min(end, first + chunk), end, queries, sh, chunk,
@@ -779,13 +781,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(sh.num_kv_heads > 0 && sh.block_size > 0 && sh.head_dim > 0 && kv_cache.size(2) == 2,
               "paged_decode_attention: kv_cache has an empty dimension");
   const bool q8 = kv_cache.scalar_type() == at::kByte;
-  TORCH_CHECK(!q8 || sh.head_dim % 32 == 0, "paged_decode_attention: a Q8_0 cache needs head_dim a multiple of 32");
+  TORCH_CHECK(!q8 || sh.head_dim % weft::kQ8Elements == 0,
+              "paged_decode_attention: a Q8_0 cache needs head_dim a multiple of 32");
   TORCH_CHECK(kv_cache.size(4) == weft::cache_row_size(kv_cache, sh.head_dim) && sh.num_heads % sh.num_kv_heads == 0,
               "paged_decode_attention: q and kv_cache disagree on head_dim or head counts");
   TORCH_CHECK(sh.head_dim <= 256, "paged_decode_attention: head_dim above 256 is not supported");
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.max_blocks = block_table.size(1);
-  sh.token_stride = 2 * sh.num_kv_heads * (q8 ? sh.head_dim / 32 : sh.head_dim);  // in the cache's units
+  sh.token_stride = 2 * sh.num_kv_heads * weft::cache_units(kv_cache, sh.head_dim);  // in the cache's units
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.q_seq_stride = q.stride(0);
   sh.q_head_stride = q.stride(1);

@@ -43,19 +43,27 @@ inline bool cache_dtype_ok(const at::Tensor& q, const at::Tensor& kv_cache) {
 // A KV cache in Q8_0 blocks (`kv_cache_dtype="q8_0"`): llama.cpp's block_q8_0, 32 consecutive
 // elements of a head as int8 times one float16 scale. Such a cache is a uint8 tensor [blocks,
 // block_size, 2, KVH, D / 32 * 34]; its kernels address it in blocks, as the others in elements.
+constexpr int64_t kQ8Elements = 32;
 struct BlockQ8 {
   uint16_t d;  // float16 bits
-  int8_t qs[32];
+  int8_t qs[kQ8Elements];
 };
 static_assert(sizeof(BlockQ8) == 34, "a Q8_0 block is 34 bytes");
 
 // The elements one unit of a cache of type C holds: 32 for a Q8_0 block, else 1.
 template <typename C>
-constexpr int64_t kPerUnit = std::is_same_v<C, BlockQ8> ? 32 : 1;
+constexpr int64_t kPerUnit = std::is_same_v<C, BlockQ8> ? kQ8Elements : 1;
+
+// The units of a cache tensor that hold `elements` consecutive elements of a head (a Q8_0 cache's
+// blocks), for strides in the cache's own units.
+inline int64_t cache_units(const at::Tensor& kv_cache, int64_t elements) {
+  return kv_cache.scalar_type() == at::kByte ? elements / kQ8Elements : elements;
+}
 
 // The last dimension of a cache tensor for heads of `head_dim` elements (a Q8_0 cache: bytes).
 inline int64_t cache_row_size(const at::Tensor& kv_cache, int64_t head_dim) {
-  return kv_cache.scalar_type() == at::kByte ? head_dim / 32 * static_cast<int64_t>(sizeof(BlockQ8)) : head_dim;
+  const int64_t unit_bytes = kv_cache.scalar_type() == at::kByte ? sizeof(BlockQ8) : 1;
+  return cache_units(kv_cache, head_dim) * unit_bytes;
 }
 
 inline float q8_scale(const BlockQ8& block) {

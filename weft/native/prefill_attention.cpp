@@ -446,7 +446,7 @@ void check_prefill_inputs(const at::Tensor& q, const at::Tensor& kv_cache, const
                   kv_cache.size(2) == 2 && kv_cache.size(4) == weft::cache_row_size(kv_cache, d),
               "paged_prefill_attention: kv_cache must be contiguous float32, bfloat16, float16 or Q8_0 (uint8) "
               "[blocks, block_size, 2, KVH, D]");
-  TORCH_CHECK(kv_cache.scalar_type() != at::kByte || d % 32 == 0,
+  TORCH_CHECK(kv_cache.scalar_type() != at::kByte || d % weft::kQ8Elements == 0,
               "paged_prefill_attention: a Q8_0 cache needs head_dim a multiple of 32");
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
               "paged_prefill_attention: head_dim must be 16, 32, 64, 128 or 256 (others take SDPA)");
@@ -509,7 +509,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
   sh.num_kv_heads = kv_cache.size(3);
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.block_size = kv_cache.size(1);
-  sh.token_stride = 2 * sh.num_kv_heads * q.size(2) / (kv_cache.scalar_type() == at::kByte ? 32 : 1);  // in units
+  sh.token_stride = 2 * sh.num_kv_heads * weft::cache_units(kv_cache, q.size(2));  // in the cache's units
   sh.block_stride = sh.block_size * sh.token_stride;
   sh.max_blocks = block_table.size(1);
   sh.q_token_stride = q.stride(0);
