@@ -11,11 +11,13 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from weft.config import CacheConfig, SchedulerConfig
+from weft.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from weft.engine.default_model import bundled_model_path
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.scheduler import SampledRows, Scheduler
+from weft.engine.layout import Draft, SampledRows, StepLayout
+from weft.engine.scheduler import Scheduler
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits
+from weft.engine.speculation import Speculation
 from weft.params import SamplingParams
 from weft.tokenizer import Tokenizer
 
@@ -23,6 +25,7 @@ TOKENIZER = Tokenizer.from_dir(bundled_model_path())
 BLOCK_SIZE = 4
 MAX_LEN = 40
 LIMITS = SequenceLimits(max_model_len=MAX_LEN, eos_token_ids=frozenset({0}))
+VERIFY = Speculation(SpeculativeConfig(num_speculative_tokens=4)).verify  # drafts checked as the engine does
 
 OPS = st.one_of(
     st.tuples(st.just("add"), st.integers(1, 14), st.integers(5, 7), st.integers(1, 24)),
@@ -70,12 +73,14 @@ class World:
         out = self.sched.schedule()
         rows = len(out.sampling)
         self.sched.advance(out)
-        self.sched.accept(out, SampledRows([token] * rows, [None] * rows, {}))
+        self.sched.accept(StepLayout.of(out), SampledRows([token] * rows, [None] * rows, {}))
 
     def speculate(self, token: int, num_drafts: int, num_right: int) -> None:
         """A step in which every running sequence guesses `num_drafts` tokens, of which the first
         `num_right` are what its rows sample (then `token`): accepted drafts, rolled-back ones."""
-        drafts = {s.seq_id: [5 + (s.seq_id + i) % 3 for i in range(num_drafts)] for s in self.sched.running}
+        drafts = {
+            s.seq_id: Draft([5 + (s.seq_id + i) % 3 for i in range(num_drafts)]) for s in self.sched.running
+        }
         out = self.sched.schedule(drafts)
         tokens = []
         for item in out.scheduled:
@@ -84,9 +89,9 @@ class World:
                 tokens += [
                     guessed[i] if i < min(num_right, len(guessed)) else token for i in range(len(guessed) + 1)
                 ]
-        assert len(tokens) == out.num_rows
+        assert len(tokens) == sum(item.num_rows for item in out.scheduled)
         self.sched.advance(out)
-        self.sched.accept(out, SampledRows(tokens, [None] * len(tokens), {}))
+        self.sched.accept(StepLayout.of(out), SampledRows(tokens, [None] * len(tokens), {}), VERIFY)
 
 
 def check_invariants(world: World) -> None:

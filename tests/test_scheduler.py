@@ -9,7 +9,8 @@ import pytest
 from weft.config import CacheConfig, SchedulerConfig
 from weft.engine.default_model import bundled_model_path
 from weft.engine.kv_cache import KVCacheManager
-from weft.engine.scheduler import SampledRows, Scheduler, SchedulerOutput
+from weft.engine.layout import SampledRows, SchedulerOutput, StepLayout
+from weft.engine.scheduler import Scheduler
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
 from weft.params import SamplingParams
 from weft.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     out = sched.schedule()
     num_rows = len(out.sampling)
     sched.advance(out)
-    sched.accept(out, SampledRows([token] * num_rows, [None] * num_rows, {}))
+    sched.accept(StepLayout.of(out), SampledRows([token] * num_rows, [None] * num_rows, {}))
     return out
 
 

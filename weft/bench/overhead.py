@@ -152,7 +152,7 @@ class StandInRunner:
         with self.clock.phase("prepare"):
             self.runner.prepare(sched, in_flight)
         with self.clock.phase("forward*"):
-            rows = sched.num_rows  # the sampling rows and their drafts'
+            rows = sum(item.num_rows for item in sched.scheduled)  # the sampling rows and their drafts'
             return StepLogits(self.out[:rows].copy_(self.logits[:rows]), None, None, [])
 
 

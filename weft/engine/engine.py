@@ -39,13 +39,14 @@ from weft.engine.exact_choice import ExactChoice
 from weft.engine.group import NO_UPDATE, GroupPolicy, GroupUpdate, ParallelSampling, SequenceGroup, Spawner
 from weft.engine.kv_cache import KVCacheManager
 from weft.engine.launch import Launched
+from weft.engine.layout import SchedulerOutput, StepLayout
 from weft.engine.lookahead import can_stay_in_flight, commit
 from weft.engine.runner import InFlightTokens, ModelRunner, StepLogits
-from weft.engine.scheduler import Fanout, Scheduler, SchedulerOutput
+from weft.engine.scheduler import Scheduler
 from weft.engine.scoring import Attributed, ChoiceScorer, attribute
 from weft.engine.sequence import FinishReason, Sequence, SequenceLimits, SequenceStatus
 from weft.engine.smc import SMC
-from weft.engine.speculation import Speculation
+from weft.engine.speculation import Speculation, SpeculationOff
 from weft.model.llama import LlamaForCausalLM
 from weft.outputs import ChoiceScore, EngineStats, RequestOutput
 from weft.parallel.group import RankFailure, TensorParallel
@@ -126,7 +127,7 @@ class LLMEngine:
         self.started: list[SequenceGroup] = []  # groups finished as their policy started them
         self._grammars: GrammarManager | None = None
         speculative = config.speculative
-        self.speculation = None if speculative is None else Speculation(speculative, tokenizer)
+        self.speculation = SpeculationOff() if speculative is None else Speculation(speculative, tokenizer)
         self.num_sampled_tokens = 0
         self.num_forced_tokens = 0
         self.in_flight: Launched | None = None  # a step left running by lookahead (`step`)
@@ -278,6 +279,7 @@ class LLMEngine:
         self.started = [g for g in self.started if g is not group]
         for seq in group.sequences:
             self.scheduler.finish(seq, FinishReason.ABORT)
+        self.speculation.forget(group.sequences)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -321,7 +323,7 @@ class LLMEngine:
         self.started = []
         previous, self.in_flight = self.in_flight, None
         started = time.perf_counter()
-        drafts = None if self.speculation is None else self.speculation.propose(self.scheduler.running)
+        drafts = self.speculation.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         launched = None
         if not sched.is_empty:
@@ -336,16 +338,11 @@ class LLMEngine:
             stays = (  # with speculation, only while the gate keeps drafting off: drafts need the tokens
                 self.config.async_scheduling
                 and can_stay_in_flight(launched, self.groups)
-                and (
-                    self.speculation is None
-                    or self.speculation.lets_stay_in_flight(bool(drafts), self.scheduler.running)
-                )
+                and self.speculation.lets_stay_in_flight(bool(drafts), self.scheduler.running)
             )
             if not stays:
                 touched += self._resolve(launched)
-            if self.speculation is not None:
-                seconds = time.perf_counter() - started
-                self.speculation.observe(launched.sched, seconds)
+            self.speculation.observe(launched.sched, time.perf_counter() - started)
         groups = list(dict.fromkeys(touched))  # in order, once each (groups hash by identity)
         for group in groups:
             update = group.policy.after_step(group)
@@ -406,35 +403,21 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput, in_flight: InFlightTokens | None) -> Launched:
         """Forward and sample one scheduled step, and start reading its results back."""
-        fanouts = self._fanouts(sched)
-        children = [child for f in fanouts for child in f.children]
-        seqs = sched.sampling + children
+        room = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
+        layout = StepLayout.of(sched, self._take_fanout, room)
         fill = None
         if self._grammars is not None:
-            drafting = [item for item in sched.scheduled if item.samples] if self.speculation else []
-            drafts = [item.drafts for item in drafting] if drafting else None
-            rowless = [item.rowless for item in drafting] if drafting else None
-            fill = self._grammars.start_fill([seq.matcher for seq in seqs], drafts, rowless)
+            fill = self._grammars.start_fill(layout.grammar_rows(), layout.num_rows)
         step = self.runner.execute(sched, in_flight)
         logits = step.logits  # [S, V]
-        if fanouts:  # [S + F, V]: each fanout child samples from its parent's row
-            parent_rows = [f.parent_row for f in fanouts for _ in f.children]
-            logits = logits.index_select(
-                0, column([*range(logits.shape[0]), *parent_rows], np.int64, logits.device)
-            )
-        rows = seqs if self.speculation is None else [*Speculation.rows(sched), *children]
+        fanout_rows = layout.fanout_rows()
+        if fanout_rows is not None:  # [S + F, V]: each fanout child samples from its parent's row
+            logits = logits.index_select(0, column(fanout_rows, np.int64, logits.device))
+        rows = self.speculation.sampling_rows(layout)
         batch = self.sampling_batches.build(rows, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch, fill)
         transfer = StepTransfer.start(out.token_ids, out.top_logprobs, self._known_logprobs(step))
-        return Launched(
-            sched=sched,
-            fanouts=fanouts,
-            seqs=seqs,
-            tokens=out.token_ids,
-            transfer=transfer,
-            errors=out.errors,
-            spans=step.prompt_spans,
-        )
+        return Launched(layout, out.token_ids, transfer, out.errors, step.prompt_spans)
 
     def _resolve(self, launched: Launched) -> list[SequenceGroup]:
         """Read a launched step back (its tokens already counted as computed, `Scheduler.advance`)
@@ -449,38 +432,20 @@ class LLMEngine:
             else:
                 span.seq.add_prompt_logprobs(span.first_token, items)
             offset += span.count
-        accepted = 0 if self.speculation is None else self.speculation.tally.num_accepted_tokens
-        self.num_forced_tokens += self.scheduler.accept(launched.sched, rows, launched.fanouts)
-        if self.speculation is not None:  # every accepted draft is a sampled token too
-            accepted = self.speculation.tally.num_accepted_tokens - accepted
-            self.speculation.retire(item.seq for item in launched.sched.scheduled)
-        self.num_sampled_tokens += len(launched.seqs) - launched.num_failed_rows(rows.errors) + accepted
-        groups = (self._group_of(item.seq) for item in launched.sched.scheduled)
+        layout, speculation = launched.layout, self.speculation
+        accepted = speculation.tally.num_accepted_tokens  # every accepted draft is a sampled token too
+        self.num_forced_tokens += self.scheduler.accept(layout, rows, speculation.verify)
+        accepted = speculation.tally.num_accepted_tokens - accepted
+        scheduled = layout.sched.scheduled
+        speculation.retire(item.seq for item in scheduled)
+        self.num_sampled_tokens += len(layout.sequences) - layout.num_failed(rows.errors) + accepted
+        groups = (self._group_of(item.seq) for item in scheduled)
         return [g for g in groups if g is not None]
 
-    def _fanouts(self, sched: SchedulerOutput) -> list[Fanout]:
-        """Sequences that draw their first token from a row of this step (see `Fanout`), within
-        the room left under `max_num_seqs`."""
-        room = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
-        fanouts: list[Fanout] = []
-        if room <= 0:
-            return fanouts
-        row, next_row = 0, sched.num_rows
-        for item in sched.scheduled:
-            if not item.samples:
-                continue
-            seq, parent_row = item.seq, row
-            row += item.num_rows
-            ends_prompt = seq.num_computed_tokens + item.num_new_tokens == len(seq.prompt_token_ids)
-            group = self._group_of(seq) if ends_prompt and room > 0 else None
-            if group is None:
-                continue
-            children = group.policy.take_fanout(seq, room)
-            if children:
-                fanouts.append(Fanout(seq, parent_row, children, next_row))
-                next_row += len(children)
-                room -= len(children)
-        return fanouts
+    def _take_fanout(self, seq: Sequence, room: int) -> list[Sequence]:
+        """The fanout children of `seq`, whose prompt ends this step (see `Fanout`): its group's."""
+        group = self._group_of(seq)
+        return [] if group is None else group.policy.take_fanout(seq, room)
 
     def _known_logprobs(self, step: StepLogits) -> KnownTokenLogprobs | None:
         """The logprobs of this step's known tokens whose logprobs were asked for (prompt tokens,
@@ -512,6 +477,7 @@ class LLMEngine:
             self.scheduler.resume(update.resumes)
         for seq in update.prunes:
             self.scheduler.finish(seq, FinishReason.PRUNED)
+        self.speculation.forget(update.prunes)
 
     def _emit(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         outputs = []
@@ -519,11 +485,12 @@ class LLMEngine:
             if self.groups.get(group.request_id) is not group:
                 continue  # aborted
             finished = group.finished
-            output = group.make_output(finished)
+            output = group.make_output(finished, self.speculation.counts(group.sequences))
             if output is not None:
                 outputs.append(output)
             if finished:
                 del self.groups[group.request_id]
+                self.speculation.forget(group.sequences)
         return outputs
 
     @property
@@ -556,18 +523,6 @@ class LLMEngine:
                 "num_uncomputed_tokens": sum(s.num_tokens - s.num_computed_tokens for s in running),
                 "num_computing_prompts": sum(s.num_computed_tokens < s.num_prompt_tokens for s in running),
                 "kv_bytes_per_token": self.kv_bytes_per_token,
-                **self._speculation_stats(),
+                **self.speculation.stats(),
             },
         )
-
-    def _speculation_stats(self) -> dict[str, int]:
-        """With speculation: the drafts verified, their tokens and the tokens accepted, as vLLM
-        counts them (`spec_decode_*`)."""
-        if self.speculation is None:
-            return {}
-        tally = self.speculation.tally
-        return {
-            "spec_decode_num_drafts": tally.num_drafts,
-            "spec_decode_num_draft_tokens": tally.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": tally.num_accepted_tokens,
-        }

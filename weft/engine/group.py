@@ -186,9 +186,12 @@ class SequenceGroup:
             return sequences[0].is_finished
         return all(s.is_finished for s in sequences)
 
-    def make_output(self, finished: bool) -> RequestOutput | None:
+    def make_output(
+        self, finished: bool, speculation: SpeculationCounts | None = None
+    ) -> RequestOutput | None:
         """The request's output now (`finished`: whether every sequence has finished), or None for
-        a FINAL_ONLY request that is still running."""
+        a FINAL_ONLY request that is still running; `speculation`: the drafts of its sequences and
+        their accepted tokens (`Speculation.counts`)."""
         kind = self.params.output_kind
         if kind is _FINAL_ONLY and not finished:
             return None
@@ -210,18 +213,11 @@ class SequenceGroup:
             finished,
             first.num_cached_prompt_tokens if first else 0,
             None if first is None or first.prompt_logprobs is None else self._prompt_logprobs(first),
-            self._speculation(),
+            speculation,
         )
         if finished:
             self.policy.annotate(output)
         return output
-
-    def _speculation(self) -> SpeculationCounts | None:
-        """The drafts of the request's sequences and their accepted tokens; None without any."""
-        tallies = [seq.drafts.tally for seq in self.sequences if seq.drafts is not None]
-        if not tallies:
-            return None
-        return sum((t.counts for t in tallies[1:]), tallies[0].counts)
 
     def _completion(self, seq: Sequence, kind: OutputKind) -> CompletionOutput:
         """A sequence's completion; logprobs the engine tracked for itself (best_of ranks by them)

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weft.engine.layout import SampledRows, SchedulerOutput, StepLayout
 from weft.engine.runner import InFlightTokens, PromptSpan
-from weft.engine.scheduler import Fanout, SampledRows, SchedulerOutput
-from weft.engine.sequence import Sequence
 from weft.logprob_records import LogprobRef
 from weft.sample.transfer import StepTransfer
 
@@ -25,26 +24,16 @@ NON_FINITE_ERROR = (
 
 @dataclass(slots=True)
 class Launched:
-    sched: SchedulerOutput
-    fanouts: list[Fanout]
-    seqs: list[Sequence]  # the sampling rows in order, fanout children last
+    layout: StepLayout  # what was scheduled, and whose each logits row is
     tokens: torch.Tensor  # [S + F] int64, sampled, on the device
     transfer: StepTransfer
     errors: dict[int, str]  # row -> why it failed (a logits processor raised)
     spans: list[PromptSpan]  # the known tokens whose logprobs the step computed
     in_flight: InFlightTokens | None = field(default=None)  # set when it stays in flight (`commit`)
 
-    def num_failed_rows(self, errors: dict[int, str]) -> int:
-        """How many sequences' rows in `errors` failed (not counting draft rows)."""
-        if not errors or self.sched.num_rows == len(self.sched.sampling):  # no drafts
-            return len(errors)
-        rows, row = set(), 0
-        for item in self.sched.scheduled:
-            if item.samples:
-                rows.add(row)
-                row += item.num_rows
-        rows.update(range(row, row + len(self.seqs) - len(self.sched.sampling)))  # fanout children
-        return len(rows & errors.keys())
+    @property
+    def sched(self) -> SchedulerOutput:
+        return self.layout.sched
 
     def results(self) -> tuple[SampledRows, list[LogprobRef]]:
         """The step's results on the host: each sampling row's token, logprobs and error (a row

@@ -34,10 +34,11 @@ def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) 
     """Whether the next step can be scheduled before this one's tokens are on the host: no row needs
     its token on the host first, and some row still runs after it (its sequence not finished by the
     step read back before it, and its sampled token not its last for length)."""
-    if launched.fanouts or launched.spans:
+    layout = launched.layout
+    if layout.fanouts or launched.spans:
         return False
     running = False
-    for seq in launched.seqs:
+    for seq in layout.sched.sampling:
         params = seq.params
         if (
             seq.matcher is not None
@@ -60,8 +61,10 @@ def commit(launched: Launched) -> InFlightTokens:
     sampling sequence still running holds a pending token, taken from `launched.tokens` by the next
     step."""
     rows = {}
-    for row, seq in enumerate(launched.seqs):
-        if not seq.is_finished:
+    layout = launched.layout
+    for item, row in zip(layout.sched.scheduled, layout.first_rows, strict=True):
+        seq = item.seq
+        if row >= 0 and not seq.is_finished:
             seq.add_pending()
             rows[seq.seq_id] = row
     launched.in_flight = InFlightTokens(launched.tokens, rows)

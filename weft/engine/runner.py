@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ import torch
 from weft.arrays import StepUploads, Upload, column, to_device
 from weft.config import CacheConfig, ModelConfig
 from weft.engine.graphs import Capture, CaptureReport, DecodeGraphs
-from weft.engine.scheduler import SchedulerOutput
+from weft.engine.layout import ScheduledSequence, SchedulerOutput
 from weft.engine.sequence import Sequence
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import GENERATED_ROWS, Linear, StepRows
@@ -171,57 +171,19 @@ class ModelRunner:
     ) -> tuple[StepPlan, list[PromptSpan]]:
         """The step's inputs as host values (what every tensor-parallel rank needs), and the spans
         of the rows whose next token's logprobs are wanted."""
-        input_ids: list[int] = []
-        pending: list[int] = []  # (input row, its row in `in_flight`) of the inputs it samples
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        spans: list[PromptSpan] = []
-        generated_rows: list[int] = []
-        prompt_token_rows: list[tuple[int, int]] = []
+        rows = _StepRowsPlan()
         for item in sched.scheduled:
-            seq, num_new = item.seq, item.num_new_tokens
-            start, num_prompt = seq.num_computed_tokens, len(seq.prompt_token_ids)
-            if start < num_prompt:  # (its drafts come after its last known token, so after any prompt token)
-                first = len(input_ids)
-                prompt_token_rows.append((first, first + min(num_new, num_prompt - start)))
-            elif num_new > 1:
-                generated_rows.append(len(query_lens))
-            if seq.needs_prompt_logprobs or seq.num_pending_forced:
-                spans += _known_token_spans(seq, start, num_new, len(input_ids), prompt_rows, prompt_targets)
-            drafts = item.drafts
-            if num_new == 1:
-                input_ids.append(seq.token_ids[start])
-            elif not drafts:
-                input_ids.extend(seq.token_ids[start : start + num_new])
-            else:  # its last known tokens, then its drafts
-                input_ids.extend(seq.token_ids[start:])
-                input_ids.extend(drafts)
-            if seq.num_pending and start + num_new == len(seq.token_ids):
-                assert in_flight is not None, "a pending token without the step that samples it"
-                pending += (len(input_ids) - 1, in_flight.rows[seq.seq_id])
-            query_lens.append(num_new)
-            context_lens.append(start + num_new)
-            if drafts:  # its last known token's row and each draft's (not those a grammar forces)
-                first = len(input_ids) - 1 - len(drafts)
-                if item.rowless:
-                    logits_indices.extend(first + j for j in range(len(drafts) + 1) if j not in item.rowless)
-                else:
-                    logits_indices.extend(range(first, len(input_ids)))
-            elif item.samples:
-                logits_indices.append(len(input_ids) - 1)
+            rows.add(item, in_flight)
         tables = sched.block_tables.gather([s.table.row for s in sched.scheduled])  # [B, max_blocks]
         window_tables = None
         if sched.window_tables is not None:  # [B, max_blocks]
             window_tables = sched.window_tables.gather([s.table.window_row for s in sched.scheduled])
         plan = StepPlan(
-            input_ids, query_lens, context_lens, tables, logits_indices, prompt_rows, prompt_targets,
-            pending, sched.block_copies, generated_rows, prompt_token_rows, window_tables,
-            sched.window_copies,
+            rows.input_ids, rows.query_lens, rows.context_lens, tables, rows.logits_indices,
+            rows.prompt_rows, rows.prompt_targets, rows.pending, sched.block_copies,
+            rows.generated_rows, rows.prompt_token_rows, window_tables, sched.window_copies,
         )  # fmt: skip
-        return plan, spans
+        return plan, rows.spans
 
     def inputs(
         self, plan: StepPlan, spans: list[PromptSpan], in_flight: InFlightTokens | None = None
@@ -347,6 +309,53 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if size == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8).view(dtype).view(shape)
+
+
+@dataclass(slots=True)
+class _StepRowsPlan:
+    """A step's rows as `ModelRunner.plan` lays them out, a scheduled sequence at a time."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    pending: list[int] = field(default_factory=list)  # (input row, its row in the step in flight) pairs
+    query_lens: list[int] = field(default_factory=list)  # [B]
+    context_lens: list[int] = field(default_factory=list)  # [B]
+    logits_indices: list[int] = field(default_factory=list)  # [S]
+    prompt_rows: list[int] = field(default_factory=list)  # [N]
+    prompt_targets: list[int] = field(default_factory=list)  # [N]
+    spans: list[PromptSpan] = field(default_factory=list)
+    generated_rows: list[int] = field(default_factory=list)
+    prompt_token_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, item: ScheduledSequence, in_flight: InFlightTokens | None) -> None:
+        """`item`'s input rows: its new known tokens, then its drafts; logits at its last known
+        token and after each draft with a row (`ScheduledSequence.row_depths`)."""
+        seq, num_new, drafts, input_ids = item.seq, item.num_new_tokens, item.drafts, self.input_ids
+        start, num_prompt, first = seq.num_computed_tokens, len(seq.prompt_token_ids), len(input_ids)
+        if start < num_prompt:  # (its drafts come after its last known token, so after any prompt token)
+            self.prompt_token_rows.append((first, first + min(num_new, num_prompt - start)))
+        elif num_new > 1:
+            self.generated_rows.append(len(self.query_lens))
+        if seq.needs_prompt_logprobs or seq.num_pending_forced:
+            self.spans += _known_token_spans(
+                seq, start, num_new, first, self.prompt_rows, self.prompt_targets
+            )
+        if num_new == 1:
+            input_ids.append(seq.token_ids[start])
+        elif not drafts:
+            input_ids.extend(seq.token_ids[start : start + num_new])
+        else:  # its last known tokens, then its drafts
+            input_ids.extend(seq.token_ids[start:])
+            input_ids.extend(drafts)
+        if seq.num_pending and start + num_new == len(seq.token_ids):
+            assert in_flight is not None, "a pending token without the step that samples it"
+            self.pending += (len(input_ids) - 1, in_flight.rows[seq.seq_id])
+        self.query_lens.append(num_new)
+        self.context_lens.append(start + num_new)
+        if drafts:
+            last_known = len(input_ids) - 1 - len(drafts)
+            self.logits_indices.extend(last_known + depth for depth in item.row_depths)
+        elif item.samples:
+            self.logits_indices.append(len(input_ids) - 1)
 
 
 def _known_token_spans(

@@ -13,8 +13,9 @@ tokens appended without sampling (not yet computed).
      a fork with the blocks it shares with its parent (taken when it was queued), any other
      sequence from its longest prefix-cache hit.
 When the step has run, `advance()` counts its tokens as computed and registers newly full blocks
-for prefix caching; `accept()` hands each sampled token to its sequence (`Sequence.append`, where
-the decision to stop is taken). Whatever finished releases its blocks at once: `_release` is the
+for prefix caching; `accept()` hands each sampled token to its sequence from its row in the step's
+layout (`weft/engine/layout.py`; `Sequence.append`, where the decision to stop is taken), and keeps
+the drafts that speculation accepted. Whatever finished releases its blocks at once: `_release` is the
 one place that happens. (A sequence whose finish waits for the logprobs of tokens a grammar forced
 computes them without sampling, then finishes: `Sequence.pending_finish`.)
 """
@@ -22,88 +23,25 @@ computes them without sampling, then finishes: `Sequence.pending_finish`.)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 
 from weft.config import SchedulerConfig
-from weft.engine.block_table import BlockTableArray
 from weft.engine.kv_cache import KVCacheManager, SeqBlocks
+from weft.engine.layout import (
+    NO_DRAFT_TOKENS,
+    NO_DRAFTS,
+    Draft,
+    Fanout,
+    SampledRows,
+    ScheduledSequence,
+    SchedulerOutput,
+    StepLayout,
+)
 from weft.engine.sequence import FIRST_FINISHED, FinishReason, Sequence, SequenceStatus
-from weft.logprob_records import LogprobRef
 
-_NO_DRAFTS: Mapping[int, list[int]] = {}
-_NO_DRAFT_TOKENS: list[int] = []  # shared, never changed
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    table: SeqBlocks  # the sequence's whole block table after this step's allocation (and its row)
-    samples: bool  # True when this step computes the sequence's last known token: it gets logits
-    # Guessed tokens after the last known one, computed by this step (counted in `num_new_tokens`)
-    # and verified by the sampling rows of their positions (weft/engine/speculation.py).
-    drafts: list[int]
-    # The draft positions whose tokens a grammar forces after the drafts before them: no row
-    # samples them (weft/speculative/forced.py).
-    rowless: tuple[int, ...] = ()
-
-    @property
-    def num_rows(self) -> int:
-        """Its logits rows this step: its last known token's and one per draft (not the rowless
-        ones), or none."""
-        return self.samples + len(self.drafts) - len(self.rowless)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
-    block_copies: list[tuple[int, int]]  # (src, dst) block ids to copy before the forward pass
-    num_preempted: int
-    block_tables: BlockTableArray  # every table, one row each: `table.row` of each scheduled sequence
-    # the sliding-window layers' pool (`KVCacheManager.window`): its copies, and its tables (rows
-    # `table.window_row`); empty and None where the model keeps them in the one pool
-    window_copies: list[tuple[int, int]] = field(default_factory=list)
-    window_tables: BlockTableArray | None = None
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that sample this step, in logits-row order (each followed by its draft
-        rows, if it has drafts)."""
-        return [s.seq for s in self.scheduled if s.samples]
-
-    @property
-    def num_rows(self) -> int:
-        """The step's logits rows: the sampling sequences' and their drafts'."""
-        return sum(s.num_rows for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(frozen=True, slots=True)
-class SampledRows:
-    """What the sampler produced, one entry per sampling sequence, in logits-row order."""
-
-    token_ids: list[int]
-    logprobs: list[LogprobRef | None]
-    errors: dict[int, str]  # row -> why that row failed
-
-
-@dataclass(frozen=True, slots=True)
-class Fanout:
-    """Sequences sampled this step from another sequence's logits row: the other samples of an
-    n > 1 request, forks of its first sequence taken before it sampled, drawn from the same
-    distribution when its prompt's last token is computed. They then share all of its computed
-    tokens: nothing is recomputed, and no block is copied unless they write into a shared one."""
-
-    parent: Sequence
-    parent_row: int  # the parent's sampling row
-    children: list[Sequence]
-    first_row: int  # the sampling row of the first child; the others follow
+# Verifies a scheduled sequence's drafts from the step's rows (its first row given) and appends what
+# holds: (tokens a grammar forced, drafts accepted). `Speculation.verify`.
+VerifyDrafts = Callable[[ScheduledSequence, SampledRows, int], tuple[int, int]]
 
 
 class Scheduler:
@@ -151,13 +89,13 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, Draft] = NO_DRAFTS) -> SchedulerOutput:
         """This step's tokens; `drafts`: guessed tokens of running sequences (by seq_id), computed
         after their last known token where the budget and the free blocks allow."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         num_preempted_before = self.num_preemptions
-        budget = self._schedule_running(budget, scheduled, drafts or _NO_DRAFTS)
+        budget = self._schedule_running(budget, scheduled, drafts)
         if self.num_preemptions == num_preempted_before:
             budget = self._schedule_waiting(budget, scheduled)
         return SchedulerOutput(
@@ -171,7 +109,7 @@ class Scheduler:
         )
 
     def _schedule_running(
-        self, budget: int, scheduled: list[ScheduledSequence], drafts: Mapping[int, list[int]]
+        self, budget: int, scheduled: list[ScheduledSequence], drafts: Mapping[int, Draft]
     ) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -182,10 +120,10 @@ class Scheduler:
                 idx += 1
                 continue
             if drafts:
-                guessed = self._fitting_drafts(seq, num_new, budget, drafts)
-                if guessed:
-                    scheduled.append(self._scheduled(seq, num_new, guessed[1], guessed[0]))
-                    budget -= num_new + len(guessed[0])
+                fitting = self._fitting_drafts(seq, num_new, budget, drafts)
+                if fitting is not None:
+                    scheduled.append(fitting)
+                    budget -= fitting.num_new_tokens
                     idx += 1
                     continue
             table = self.kv.allocate_slots(seq, num_new)
@@ -203,17 +141,22 @@ class Scheduler:
         return budget
 
     def _fitting_drafts(
-        self, seq: Sequence, num_new: int, budget: int, drafts: Mapping[int, list[int]]
-    ) -> tuple[list[int], SeqBlocks] | None:
-        """`seq`'s drafts as far as the budget allows, with its blocks for them; None when it has
-        none, its tokens this step stop short of its last, or the free blocks do not hold them (it
-        is then scheduled without: drafts never preempt anything)."""
-        guessed = drafts.get(seq.seq_id)
-        if not guessed or seq.num_computed_tokens + num_new != len(seq.token_ids):
+        self, seq: Sequence, num_new: int, budget: int, drafts: Mapping[int, Draft]
+    ) -> ScheduledSequence | None:
+        """`seq` scheduled with its drafts as far as the budget allows, with its blocks for them;
+        None when it has none, its tokens this step stop short of its last, or the free blocks do
+        not hold them (it is then scheduled without: drafts never preempt anything)."""
+        draft = drafts.get(seq.seq_id)
+        if draft is None or seq.num_computed_tokens + num_new != len(seq.token_ids):
             return None
-        guessed = guessed[: budget - num_new]
+        guessed = draft.tokens[: budget - num_new]
         table = self.kv.allocate_slots(seq, num_new + len(guessed)) if guessed else None
-        return None if table is None else (guessed, table)
+        if table is None:
+            return None
+        rowless = tuple(at for at in draft.rowless if at < len(guessed)) if draft.rowless else ()
+        return ScheduledSequence(
+            seq, num_new + len(guessed), table, self._samples(seq, num_new), guessed, rowless
+        )
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -246,14 +189,14 @@ class Scheduler:
         seq.num_computed_tokens += num_cached
         return table
 
-    def _scheduled(
-        self, seq: Sequence, num_new: int, table: SeqBlocks, drafts: list[int] = _NO_DRAFT_TOKENS
-    ) -> ScheduledSequence:
-        # A sequence whose finish waits for its forced tokens' logprobs computes them, samples nothing.
-        samples = seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
-        state = seq.drafts
-        rowless = tuple(at for at in state.forced_at if at < len(drafts)) if drafts and state else ()
-        return ScheduledSequence(seq, num_new + len(drafts), table, samples, drafts, rowless)
+    def _scheduled(self, seq: Sequence, num_new: int, table: SeqBlocks) -> ScheduledSequence:
+        return ScheduledSequence(seq, num_new, table, self._samples(seq, num_new), NO_DRAFT_TOKENS)
+
+    @staticmethod
+    def _samples(seq: Sequence, num_new: int) -> bool:
+        """Whether `num_new` tokens reach `seq`'s last known token (a sequence whose finish waits
+        for its forced tokens' logprobs computes them, and samples nothing)."""
+        return seq.num_computed_tokens + num_new == len(seq.token_ids) and seq.pending_finish is None
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_blocks(seq)
@@ -286,35 +229,35 @@ class Scheduler:
                 self._computed(item)
 
     def _computed(self, item: ScheduledSequence) -> None:
-        """Its known tokens are computed; its drafts count once accepted (`_accept_drafts`)."""
+        """Its known tokens are computed; its drafts count once accepted (`_keep_drafts`)."""
         seq = item.seq
         num_new = item.num_new_tokens - len(item.drafts)
         seq.num_computed_tokens += num_new
         if seq.num_computed_tokens % self.kv.block_size < num_new:  # a block filled up
             self.kv.cache_full_blocks(seq)
 
-    def accept(self, output: SchedulerOutput, sampled: SampledRows, fanouts: Sequence_[Fanout] = ()) -> int:
-        """Hand each sampled token of a step already counted as computed (`advance`) to its sequence
-        (rows in `output.sampling` order, then the fanout rows). Sequences that finish release
+    def accept(self, layout: StepLayout, sampled: SampledRows, verify: VerifyDrafts | None = None) -> int:
+        """Hand each sampled token of a step already counted as computed (`advance`) to its sequence,
+        from its row in `layout`; a sequence with drafts is handed its rows by `verify`
+        (`Speculation.verify`), and keeps the drafts it accepted. Sequences that finish release
         their blocks. Returns the number of tokens appended without sampling (forced by a grammar)."""
-        by_parent = {f.parent.seq_id: f for f in fanouts}
+        by_parent = {f.parent.seq_id: f for f in layout.fanouts}
         token_ids, logprobs, errors = sampled.token_ids, sampled.logprobs, sampled.errors
         num_forced = 0
-        row = -1
-        for item in output.scheduled:
+        for item, row in zip(layout.sched.scheduled, layout.first_rows, strict=True):
             seq = item.seq
-            row += item.samples
             if seq.status >= FIRST_FINISHED:  # finished (aborted) since it was scheduled
-                row += len(item.drafts) - len(item.rowless)
                 continue
             if by_parent:
                 fanout = by_parent.get(seq.seq_id)
                 num_forced += 0 if fanout is None else self._admit_fanout(fanout, sampled)
             if item.drafts:
-                num_forced += self._accept_drafts(item, sampled, row)
-                row += len(item.drafts) - len(item.rowless)
+                assert verify is not None, "a step with drafts is handed back with their verification"
+                forced, accepted = verify(item, sampled, row)
+                num_forced += forced
+                self._keep_drafts(seq, accepted)
                 continue
-            if not item.samples:
+            if row < 0:
                 if seq.pending_finish is not None and seq.num_computed_tokens == seq.num_tokens:
                     seq.finish_pending()
             elif errors or seq.defers_sampling:
@@ -340,57 +283,17 @@ class Scheduler:
             return 0
         return max(seq.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
 
-    def _accept_drafts(self, item: ScheduledSequence, sampled: SampledRows, row: int) -> int:
-        """Verify `item`'s drafts from its rows (`row`: its last known token's): each sampled token
-        is appended as it would be without speculation, and the next row counts only while the
-        token equals the draft its row was computed after. Tokens a grammar forces after it end the
-        run, unless the draft holds them too (weft/speculative/forced.py): the run then goes on
-        after them. The drafts' KV entries up to the first mismatch stay computed; the rest are
-        rolled back, and blocks past the sequence's tokens freed. Returns the number of tokens the
-        grammar forced."""
-        seq, drafts, rowless = item.seq, item.drafts, item.rowless
-        num_forced = num_accepted = 0
-        depth = 0
-        while depth <= len(drafts):
-            at = row + depth - sum(1 for skipped in rowless if skipped < depth)  # its row
-            error = sampled.errors.get(at)
-            if error is not None:
-                seq.finish(FinishReason.ERROR, error=error)
-                break
-            token = sampled.token_ids[at]
-            num_appended = seq.append(token, sampled.logprobs[at])
-            num_forced += max(num_appended - 1, 0)
-            if depth == len(drafts) or token != drafts[depth] or num_appended == 0:
-                break
-            num_accepted += 1  # its KV entry, computed after the right token, holds
-            held = _forced_held(seq, drafts, depth, num_appended - 1)
-            num_accepted += held
-            if held < num_appended - 1 or seq.status >= FIRST_FINISHED:
-                break
-            depth += num_appended
-            if depth in rowless:  # forced tokens the draft expected and `append` did not add
-                break
-        self._record_drafts(item, num_accepted)
+    def _keep_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After its drafts were verified: the KV entries of the first `num_accepted` stay computed,
+        the rest are rolled back, and blocks past the sequence's tokens freed."""
         if seq.status >= FIRST_FINISHED:
             self._release(seq)
-            return num_forced
+            return
         # Forced tokens wanting logprobs need the hidden state before them recomputed.
         seq.num_computed_tokens = min(seq.num_computed_tokens + num_accepted, seq.first_position_needed)
         self.kv.truncate(seq.seq_id, seq.num_tokens)
         if num_accepted:
             self.kv.cache_full_blocks(seq)
-        return num_forced
-
-    @staticmethod
-    def _record_drafts(item: ScheduledSequence, num_accepted: int) -> None:
-        """The verification (`num_accepted`: the drafts' first tokens kept) in the sequence's
-        tallies, of its guesses only: the tokens a grammar forced that its draft held (`rowless`)
-        are neither drafted nor accepted there."""
-        state = item.seq.drafts
-        if state is None:
-            return
-        num_forced_kept = sum(1 for at in item.rowless if at < num_accepted)
-        state.record(len(item.drafts) - len(item.rowless), num_accepted - num_forced_kept, num_forced_kept)
 
     def _admit_fanout(self, fanout: Fanout, sampled: SampledRows) -> int:
         """The fanout's children join the running batch sharing every computed token of their
@@ -435,20 +338,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)
-
-
-def _forced_held(seq: Sequence, drafts: list[int], depth: int, num_forced: int) -> int:
-    """How many of the `num_forced` tokens that `seq` has just appended after drafts[depth],
-    forced by its grammar, the drafts hold next, in order (none while they wait for logprobs)."""
-    if num_forced == 0 or seq.num_pending_forced:
-        return 0
-    forced = seq.token_ids[len(seq.token_ids) - num_forced :]
-    held = 0
-    for token, draft in zip(forced, drafts[depth + 1 :], strict=False):
-        if token != draft:
-            break
-        held += 1
-    return held
 
 
 def _uncomputed(seq: Sequence, num_cached: int = 0) -> int:

@@ -18,7 +18,6 @@ from weft.engine.text_state import TextState
 from weft.logprob_records import LogprobRef
 from weft.outputs import CompletionOutput, PositionLogprobs
 from weft.params import OutputKind, SamplingParams
-from weft.speculative.drafter import DraftState
 from weft.structured.grammar import GrammarMatcher
 from weft.tokenizer import Tokenizer
 
@@ -116,8 +115,6 @@ class Sequence:
     # token count at which it stops for length (max_tokens after the prompt, or max_model_len).
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
-    # With speculative decoding: its drafter and counts (weft/engine/speculation.py), made on first use.
-    drafts: DraftState | None = None
     # 1 while the last entry of `token_ids` is `PENDING_TOKEN`: the token a step still in flight is
     # sampling, which the next step already computes (the engine's lookahead, `lookahead.commit`).
     num_pending: int = 0
@@ -296,7 +293,6 @@ class Sequence:
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             fork_parent=self,
             candidates=None,
-            drafts=None,
         )
 
     def add_pending(self) -> None:

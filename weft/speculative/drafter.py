@@ -1,8 +1,8 @@
 """What a sequence keeps for speculation: its proposer and its counts.
 
-A `Drafter` guesses the next tokens of one sequence from the tokens it holds; `DraftState` is the
-one object a `Sequence` carries for speculation (`Sequence.drafts`): its drafter, built on first
-use, and how many drafts it made and how many of their tokens were accepted.
+A `Drafter` guesses the next tokens of one sequence from the tokens it holds; `DraftState` is what
+the engine's speculation keeps of one sequence (`Speculation.states`, by seq_id): its drafter,
+built on first use, and how many drafts it made and how many of their tokens were accepted.
 """
 
 from __future__ import annotations
@@ -127,7 +127,6 @@ class DraftState:
     acceptance: Acceptance = field(default_factory=Acceptance)
     engine_acceptance: Acceptance | None = None  # the engine's, over all its sequences
     rows: list[DraftRow] = field(default_factory=list)  # its draft positions' sampling rows, reused
-    forced_at: list[int] = field(default_factory=list)  # where its draft holds tokens a grammar forces
 
     def draft_rows(
         self, base: SamplingRow, drafts: list[int], rowless: tuple[int, ...] = ()

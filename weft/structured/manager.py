@@ -80,30 +80,20 @@ class GrammarManager:
         return self.backend.new_matcher(grammar)
 
     def start_fill(
-        self,
-        matchers: Sequence[GrammarMatcher | None],
-        drafts: Sequence[Sequence[int]] | None = None,
-        rowless: Sequence[Sequence[int]] | None = None,
+        self, constrained: Sequence[tuple[int, GrammarMatcher, Sequence[int], Sequence[int]]], num_rows: int
     ) -> PendingFill | None:
-        """Begin filling the bitmask for the rows (in logits order) that have a matcher. With
-        `drafts` (an entry per leading matcher, most empty; the rows past them have none), a
-        matcher's row is followed in the logits by one row per draft, each masked as the grammar
-        stands after the drafts before it, but for the draft positions in its `rowless` entry (a
-        grammar forces their tokens: their masks are filled, then dropped)."""
-        constrained: list[tuple[int, GrammarMatcher, Sequence[int], Sequence[int]]] = []
-        row = 0
-        for i, matcher in enumerate(matchers):
-            guessed = drafts[i] if drafts is not None and i < len(drafts) else ()
-            skipped = rowless[i] if rowless is not None and i < len(rowless) else ()
-            if matcher is not None:
-                constrained.append((row, matcher, guessed, skipped))
-            row += 1 + len(guessed) - len(skipped)
+        """Begin filling the bitmask for the constrained rows of a step of `num_rows` logits rows:
+        for each, in row order, (its logits row, its matcher, its drafts, its rowless draft
+        positions) (`StepLayout.grammar_rows`). A matcher's row is followed in the logits by one row
+        per draft, each masked as the grammar stands after the drafts before it, but for the draft
+        positions in its rowless entry (a grammar forces their tokens: their masks are filled, then
+        dropped)."""
         if not constrained:
             return None
-        num_rows = sum(1 + len(d) for _, _, d, _ in constrained)
-        if num_rows > self._bitmask.shape[0]:  # never index past the rows: grow instead
-            self._bitmask = self._new_bitmask(num_rows)
-        bitmask = self._bitmask[:num_rows]
+        num_mask_rows = sum(1 + len(d) for _, _, d, _ in constrained)
+        if num_mask_rows > self._bitmask.shape[0]:  # never index past the rows: grow instead
+            self._bitmask = self._new_bitmask(num_mask_rows)
+        bitmask = self._bitmask[:num_mask_rows]
         items: list[tuple[GrammarMatcher, int, Sequence[int]]] = []  # (matcher, bitmask row, drafts)
         logits_rows: list[int] = []  # of each kept bitmask row
         dropping = any(skipped for *_, skipped in constrained)
@@ -115,10 +105,10 @@ class GrammarManager:
             if dropping:
                 kept.extend(base + j for j in range(1 + len(guessed)) if j not in skipped)
             base += 1 + len(guessed)
-        if num_rows > len(constrained):  # draft rows past a draft the grammar ends at stay unwritten
+        if num_mask_rows > len(constrained):  # draft rows past a draft the grammar ends at stay unwritten
             bitmask.fill_(-1)
         future = self._filler.submit(self.backend.fill_bitmask, items, bitmask)
-        rows = None if num_rows == row and not dropping else torch.tensor(logits_rows)
+        rows = None if num_mask_rows == num_rows and not dropping else torch.tensor(logits_rows)
         return PendingFill(future, bitmask, rows, self.kernels, torch.tensor(kept) if dropping else None)
 
 
