@@ -61,7 +61,7 @@ class World:
         parent = self.pick(idx)
         if parent is not None:
             child = parent.fork(next(self.ids), index=1, seed=2)
-            self.sched.add_forked([child])
+            self.sched.add_forked([(parent, child)])
             self.live.append(child)
 
     def finish(self, idx: int, reason: FinishReason) -> None:

@@ -218,7 +218,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     child = parent.fork(next(_ids), index=1, seed=2)  # forked before the parent sampled anything
     s.add(parent)
     step(s)  # computes 6 prompt tokens (blocks: one full, one with 2 of 4 slots), samples one
-    s.add_forked([child])
+    s.add_forked([(parent, child)])
     out = step(s)  # the parent decodes; the child joins, sharing the parent's blocks
     assert child.num_computed_tokens == 6 and child.num_output_tokens == 1
     parent_blocks, child_blocks = s.kv.block_ids(parent.seq_id), s.kv.block_ids(child.seq_id)
@@ -236,7 +236,7 @@ def test_fork_waits_for_room_under_max_num_seqs():
     children = [parent.fork(next(_ids), index=i, seed=i) for i in (1, 2)]
     s.add(parent)
     step(s)
-    s.add_forked(children)
+    s.add_forked([(parent, child) for child in children])
     out = step(s)
     assert len(s.running) == 2 and len(out.scheduled) == 2  # one fork admitted, one waiting
     run_to_end(s)

@@ -183,7 +183,7 @@ def test_fork_of_a_plain_sequence_copies_text_and_logprobs():
     assert seq.position_outputs is not None and child.position_outputs is not None
     assert len(seq.position_outputs.records) == 3 and len(child.position_outputs.records) == 4
     assert seq.cumulative_logprob == pytest.approx(-3.0) and child.cumulative_logprob == pytest.approx(-5.0)
-    assert child.index == 3 and child.seed == 9 and child.fork_parent is seq
+    assert child.index == 3 and child.seed == 9 and child.outcome is None
 
 
 def test_a_position_record_puts_the_chosen_token_first_with_its_own_rank():

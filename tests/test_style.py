@@ -146,6 +146,29 @@ def test_functions_are_short():
     assert not long, "functions over 60 lines: " + ", ".join(long)
 
 
+def _function_lines(path: Path, name: str) -> int:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return (node.end_lineno or node.lineno) - node.lineno + 1
+    raise AssertionError(f"no function {name} in {path}")
+
+
+def test_the_step_is_laid_out_once():
+    """The engine's step stays in its shape (one step layout, speculation a component, sequences
+    holding their own state): the scheduler <= 380 lines, `ModelRunner.plan` <= 30, a `Sequence` of
+    <= 20 fields, and no branch of the engine on whether speculation is on."""
+    import dataclasses
+
+    from weft.engine.sequence import Sequence
+
+    engine = PACKAGE / "engine"
+    assert len((engine / "scheduler.py").read_text().splitlines()) <= 380
+    assert _function_lines(engine / "runner.py", "plan") <= 30
+    assert len(dataclasses.fields(Sequence)) <= 20, [f.name for f in dataclasses.fields(Sequence)]
+    assert "speculation is None" not in (engine / "engine.py").read_text()
+    assert "speculation is not None" not in (engine / "engine.py").read_text()
+
+
 def _tool(name: str) -> list[str]:
     if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed (pip install -e '.[test]')")

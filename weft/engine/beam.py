@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from weft.engine.group import GroupUpdate, SequenceGroup, Spawner
-from weft.engine.sequence import FinishReason, Sequence
+from weft.engine.sequence import FinishReason, PolicyRole, Sequence
 from weft.outputs import RequestOutput
 from weft.params import BeamSearchParams, SamplingParams
 
@@ -94,7 +94,7 @@ class BeamSearch:
 
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         self.spawner = spawner
-        first.defers_sampling = True
+        first.role = PolicyRole(defers_sampling=True)
         self.live = [first]
 
     def reported(self, group: SequenceGroup, finished: bool) -> list[Sequence] | None:
@@ -111,7 +111,7 @@ class BeamSearch:
             return GroupUpdate()
         self.failed += [s for s in self.live if s.is_finished]  # e.g. non-finite logits
         self.live = [s for s in self.live if not s.is_finished]
-        if any(s.candidates is None for s in self.live):
+        if any(_role(s).candidates is None for s in self.live):
             return GroupUpdate()  # some beams have not run yet this round
         candidates = self._candidates() if self.live else []
         self.num_generated += 1
@@ -132,9 +132,10 @@ class BeamSearch:
         """The K best continuations over all live beams."""
         out: list[Candidate] = []
         for b, beam in enumerate(self.live):
-            found, cumulative = beam.candidates, beam.cumulative_logprob
+            role = _role(beam)
+            found, cumulative = role.candidates, beam.cumulative_logprob
             assert found is not None and cumulative is not None
-            beam.candidates = None
+            role.candidates = None
             token_ids, logprobs, _ = found.lists()
             pairs = zip(token_ids[1:], logprobs[1:], strict=True)
             for rank, (token, logprob) in enumerate(pairs):
@@ -164,7 +165,6 @@ class BeamSearch:
         if not hypotheses or (full and self.stops_early) or not self.improvable:
             return
         for cumulative, seq in hypotheses:
-            seq.fork_parent = None  # never runs
             self._order += 1
             score = beam_score(cumulative, self.num_generated, self.params.length_penalty)
             self.finished.append(Hypothesis(score, self._order, seq))
@@ -236,3 +236,9 @@ def _score(beam: Sequence, cumulative_logprob: float) -> None:
     """A beam's tokens are chosen here, not sampled with logprobs: its sum is set here too."""
     assert beam.position_outputs is not None  # beams ask for their candidates' logprobs
     beam.position_outputs.cumulative_logprob = cumulative_logprob
+
+
+def _role(beam: Sequence) -> PolicyRole:
+    """A beam's part in the search (`start` gives the first one; forks copy it)."""
+    assert beam.role is not None
+    return beam.role

@@ -472,7 +472,7 @@ class LLMEngine:
         """Forks first (they take their share of their parents' blocks), then the parked sequences
         given a token, then the prunes (whose blocks the forks may still share)."""
         if update.forks:
-            self.scheduler.add_forked([child for _, child in update.forks])
+            self.scheduler.add_forked(update.forks)
         if update.resumes:
             self.scheduler.resume(update.resumes)
         for seq in update.prunes:

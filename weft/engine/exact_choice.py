@@ -49,7 +49,6 @@ class ExactChoice:
         ranked = sorted(scores, key=lambda s: -s.logprob)[: self.num_returned]
         chosen = [first] + [spawner.fork(first, i) for i in range(1, len(ranked))]
         for seq, score in zip(chosen, ranked, strict=True):
-            seq.fork_parent = None  # never runs
             seq.complete_with(score.token_ids, score.text, score.logprob)
         group.add(chosen[1:])
 

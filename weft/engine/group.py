@@ -109,6 +109,7 @@ class ParallelSampling:
     num_samples: int
     num_returned: int
     pending: list[Sequence] = field(default_factory=list)
+    first: Sequence | None = None  # the one that computes the prompt, which the others fork from
 
     def validate(self, params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
         check_logprob_limits(params, max_logprobs)
@@ -117,12 +118,13 @@ class ParallelSampling:
         return not self.pending  # the other samples wait to fork when the prompt is computed
 
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
+        self.first = first
         self.pending = [spawner.fork(first, index) for index in range(1, self.num_samples)]
         group.add(self.pending)
 
     def take_fanout(self, seq: Sequence, limit: int) -> list[Sequence]:
         """The other samples draw their first token from the first's logits, in the same step."""
-        if not self.pending or seq is not self.pending[0].fork_parent:
+        if not self.pending or seq is not self.first:
             return []
         taken, self.pending = self.pending[:limit], self.pending[limit:]
         return taken

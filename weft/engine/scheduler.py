@@ -56,14 +56,14 @@ class Scheduler:
         """Queue a new sequence behind the waiting ones."""
         self.waiting.append(seq)
 
-    def add_forked(self, children: list[Sequence]) -> None:
-        """Queue forks ahead of the waiting sequences (they belong to requests already running).
-        Each takes its share of its `fork_parent`'s blocks at once, while the parent surely holds
-        them (a parent pruned right after forking must not take them away); like every admission,
-        running waits for room under `max_num_seqs`."""
-        for child in children:
-            self._share_parent_blocks(child)
-        self.resume(children)
+    def add_forked(self, forks: list[tuple[Sequence, Sequence]]) -> None:
+        """Queue forks, (parent, child) pairs, ahead of the waiting sequences (they belong to
+        requests already running). Each child takes its share of its parent's blocks at once,
+        while the parent surely holds them (a parent pruned right after forking must not take them
+        away); like every admission, running waits for room under `max_num_seqs`."""
+        for parent, child in forks:
+            self._share_parent_blocks(parent, child)
+        self.resume([child for _, child in forks])
 
     def resume(self, seqs: list[Sequence]) -> None:
         """Queue sequences of running requests (forks, parked beams given a token) ahead of the
@@ -71,14 +71,13 @@ class Scheduler:
         for seq in reversed(seqs):
             self.waiting.appendleft(seq)
 
-    def _share_parent_blocks(self, seq: Sequence) -> None:
+    def _share_parent_blocks(self, parent: Sequence, seq: Sequence) -> None:
         """A fork shares the blocks of its parent's computed prefix and recomputes only its last
         token, for logits of its own (its first write copies the shared last block). A parent that
         finished or was preempted holds no blocks: the fork then starts like any new sequence,
         from the prefix cache."""
-        parent, seq.fork_parent = seq.fork_parent, None
         num_shared = seq.num_tokens - seq.num_pending_forced - 1  # forced tokens wanting logprobs: computed
-        if num_shared <= 0 or parent is None or not self.kv.can_share(parent.seq_id, num_shared):
+        if num_shared <= 0 or not self.kv.can_share(parent.seq_id, num_shared):
             return  # nothing to share (a one-token prompt), nothing held to share it from (or its window)
         if parent.num_computed_tokens < num_shared:
             return
@@ -277,8 +276,8 @@ class Scheduler:
         if error is not None:
             seq.finish(FinishReason.ERROR, error=error)
             return 0
-        if seq.defers_sampling:
-            seq.candidates = sampled.logprobs[row]
+        if seq.role is not None and seq.role.defers_sampling:
+            seq.role.candidates = sampled.logprobs[row]
             self._park(seq)
             return 0
         return max(seq.append(sampled.token_ids[row], sampled.logprobs[row]) - 1, 0)
@@ -304,7 +303,6 @@ class Scheduler:
             if child.is_finished:  # aborted with its request
                 continue
             row = fanout.first_row + i
-            child.fork_parent = None
             self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING

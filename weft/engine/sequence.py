@@ -69,6 +69,54 @@ class SequenceLimits:
     eos_token_ids: frozenset[int]
 
 
+@dataclass(frozen=True, slots=True)
+class StopRules:
+    """The token stop rules of one sequence, resolved once from its params and its engine's limits
+    (`StopRules.of`): the ids that end it once it has min_tokens (stop tokens, and EOS unless
+    ignored), and the total token count at which it stops for length (max_tokens after the prompt,
+    or max_model_len)."""
+
+    limits: SequenceLimits
+    stop_ids: frozenset[int]
+    max_num_tokens: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, limits: SequenceLimits, num_prompt_tokens: int) -> StopRules:
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else limits.eos_token_ids
+        )
+        max_num_tokens = limits.max_model_len
+        if params.max_tokens is not None:
+            max_num_tokens = min(max_num_tokens, num_prompt_tokens + params.max_tokens)
+        return cls(limits, stop_ids, max_num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """How a sequence finished: its reason, the stop token or string that ended it, and for an
+    error the message."""
+
+    reason: FinishReason
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class PolicyRole:
+    """What a group policy that drives its sequences asks of one of them. Beam search chooses the
+    tokens itself (`defers_sampling`): a step that computes the sequence leaves its top logprobs in
+    `candidates` and parks it instead of appending a sampled token. SMC weighs a text's end too
+    (`samples_end`): a finished grammar does not end the sequence, which then samples its
+    end-of-sequence token, the one token the grammar allows there."""
+
+    defers_sampling: bool = False
+    samples_end: bool = False
+    candidates: LogprobRef | None = None
+
+    def fork(self) -> PolicyRole:
+        return PolicyRole(self.defers_sampling, self.samples_end)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One sequence. `token_ids` holds the prompt followed by the output; `num_computed_tokens`
@@ -80,7 +128,7 @@ class Sequence:
     index: int  # its place in the request's output
     params: SamplingParams
     prompt_token_ids: list[int]  # shared with the group and the other sequences; never modified
-    limits: SequenceLimits
+    stops: StopRules
     seed: int  # the request's seed (+ index), or one drawn for it: randomness is keyed by (seed, position)
     text_state: TextState
     token_ids: list[int]
@@ -88,9 +136,7 @@ class Sequence:
     matcher: GrammarMatcher | None = None
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    error: str | None = None
+    outcome: Finish | None = None  # set when it finishes
     # per output position its logprob record, text offset and forced flag (with logprobs, or a ranking
     # that needs them)
     position_outputs: PositionOutputs | None = None
@@ -102,19 +148,7 @@ class Sequence:
     pending_finish: tuple[FinishReason, str | int | None] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None] + one per prompt token
     num_cached_prompt_tokens: int = 0
-    fork_parent: Sequence | None = None  # set until the scheduler queues a fork: share its blocks
-    # Set by a policy that chooses this sequence's tokens itself (beam search): a step that computes
-    # it leaves its top logprobs in `candidates` and parks it instead of appending a sampled token.
-    defers_sampling: bool = False
-    candidates: LogprobRef | None = None
-    # Set by a policy that weighs a text's end too (SMC): a finished grammar does not end the
-    # sequence, which then samples its end-of-sequence token, the one token the grammar allows there.
-    samples_end: bool = False
-    # The token stop rules, resolved once from params and limits (`Sequence.create`): the ids that
-    # end the sequence once it has min_tokens (stop tokens, and EOS unless ignored), and the total
-    # token count at which it stops for length (max_tokens after the prompt, or max_model_len).
-    stop_ids: frozenset[int] = frozenset()
-    max_num_tokens: int = 0
+    role: PolicyRole | None = None  # set by a policy that drives it (beam search, SMC)
     # 1 while the last entry of `token_ids` is `PENDING_TOKEN`: the token a step still in flight is
     # sampling, which the next step already computes (the engine's lookahead, `lookahead.commit`).
     num_pending: int = 0
@@ -129,25 +163,17 @@ class Sequence:
         seed: int,
         tokenizer: Tokenizer,
     ) -> Sequence:
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else limits.eos_token_ids
-        )
-        max_num_tokens = limits.max_model_len
-        if params.max_tokens is not None:
-            max_num_tokens = min(max_num_tokens, len(prompt_token_ids) + params.max_tokens)
         return cls(
             seq_id=seq_id,
             index=0,
             params=params,
             prompt_token_ids=prompt_token_ids,
-            limits=limits,
+            stops=StopRules.of(params, limits, len(prompt_token_ids)),
             seed=seed,
             text_state=TextState.create(tokenizer, prompt_token_ids, params),
             token_ids=list(prompt_token_ids),
             position_outputs=None if params.logprobs is None else PositionOutputs(),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-            stop_ids=stop_ids,
-            max_num_tokens=max_num_tokens,
         )
 
     # ---- counts -----------------------------------------------------------------------------
@@ -165,7 +191,7 @@ class Sequence:
         """Tokens this sequence may still append before it ends for length (`max_tokens` or
         `max_model_len`); a pending token counts as appended, so 0 with one pending means that
         token is its last."""
-        return self.max_num_tokens - len(self.token_ids)
+        return self.stops.max_num_tokens - len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -177,7 +203,24 @@ class Sequence:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        return self.limits.eos_token_ids
+        return self.stops.limits.eos_token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return None if self.outcome is None else self.outcome.reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return None if self.outcome is None else self.outcome.stop_reason
+
+    @property
+    def error(self) -> str | None:
+        return None if self.outcome is None else self.outcome.error
+
+    @property
+    def defers_sampling(self) -> bool:
+        """Whether its policy chooses its tokens (`PolicyRole`)."""
+        return self.role is not None and self.role.defers_sampling
 
     @property
     def is_finished(self) -> bool:
@@ -247,9 +290,8 @@ class Sequence:
         if self.num_pending:  # finished (aborted) while a step in flight samples its next token
             self._drop_pending()
         self.status = _FINISHED_STATUS[reason]
-        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+        self.outcome = Finish(reason, stop_reason, error)
         self.matcher = None
-        self.fork_parent = None
 
     @property
     def is_finishing(self) -> bool:
@@ -286,13 +328,10 @@ class Sequence:
             matcher=None if self.matcher is None else self.matcher.fork(),
             num_computed_tokens=0,
             status=SequenceStatus.WAITING,
-            finish_reason=None,
-            stop_reason=None,
-            error=None,
+            outcome=None,
             position_outputs=None if self.position_outputs is None else self.position_outputs.fork(),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-            fork_parent=self,
-            candidates=None,
+            role=None if self.role is None else self.role.fork(),
         )
 
     def add_pending(self) -> None:
@@ -319,7 +358,7 @@ class Sequence:
             self._drop_pending()
         self.token_ids.append(token_id)
         if self.matcher is None:  # most rows: one new token, no grammar
-            could_stop = token_id in self.stop_ids or self.tokens_left <= 0
+            could_stop = token_id in self.stops.stop_ids or self.tokens_left <= 0
             if could_stop and not self.is_finishing:
                 self._apply_token_stop_rules(False)
             positions = self.position_outputs
@@ -350,7 +389,7 @@ class Sequence:
         it), so that no end-of-turn marker reaches a reply even where special tokens are kept."""
         return (
             self.finish_reason == FinishReason.STOP
-            and self.token_ids[-1] in self.stop_ids
+            and self.token_ids[-1] in self.stops.stop_ids
             and not self.params.include_stop_str_in_output
         )
 
@@ -383,7 +422,7 @@ class Sequence:
         return new_tokens, matcher.is_finished
 
     def _room_left(self) -> int:
-        room = self.limits.max_model_len - self.num_tokens
+        room = self.stops.limits.max_model_len - self.num_tokens
         if self.params.max_tokens is not None:
             room = min(room, self.params.max_tokens - self.num_output_tokens)
         return max(room, 0)
@@ -392,14 +431,15 @@ class Sequence:
         token_ids = self.token_ids
         num_tokens = len(token_ids)
         last = token_ids[-1]
-        if last in self.stop_ids:
+        stops = self.stops
+        if last in stops.stop_ids:
             num_output = num_tokens - len(self.prompt_token_ids)
             if num_output >= self.params.min_tokens:
                 stop_tokens = self.params.stop_token_ids
                 return self.finish(FinishReason.STOP, stop_reason=last if last in stop_tokens else None)
-        if num_tokens >= self.max_num_tokens:
+        if num_tokens >= stops.max_num_tokens:
             return self.finish(FinishReason.LENGTH)
-        if grammar_done and not self.samples_end:
+        if grammar_done and not (self.role is not None and self.role.samples_end):
             return self.finish(FinishReason.STOP)
         return None
 
@@ -426,12 +466,12 @@ class Sequence:
         start_token, start_char = (sent.num_tokens, sent.num_chars) if delta else (0, 0)
         text = state.text[start_char:visible]
         token_ids = self.token_ids[first + start_token : first + ready]
-        reason = self.finish_reason
+        outcome = self.outcome
+        reason, stop_reason, error = (None, None, None) if outcome is None else _reported(outcome)
         sent.num_chars, sent.num_tokens = visible, ready
         if positions is None:  # a server's stream without logprobs, every step
             return CompletionOutput(
-                self.index, text, token_ids, reason.value if reason else None, self.stop_reason,
-                None, None, self.error, None, None, None,
+                self.index, text, token_ids, reason, stop_reason, None, None, error, None, None, None
             )  # fmt: skip
         # O(new positions) for a DELTA; copies of the lists that keep growing otherwise
         start = sent.num_logprobs if delta else 0
@@ -439,8 +479,8 @@ class Sequence:
         logprobs, logmass, offsets, forced = positions.span(start, ready, num_top, state.token_texts)
         sent.num_logprobs = len(positions.records)
         return CompletionOutput(  # positional: a dozen keywords cost 4x as much, once per row per step
-            self.index, text, token_ids, reason.value if reason else None, self.stop_reason,
-            positions.cumulative_logprob, logprobs, self.error, logmass, offsets, forced,
+            self.index, text, token_ids, reason, stop_reason,
+            positions.cumulative_logprob, logprobs, error, logmass, offsets, forced,
         )  # fmt: skip
 
     def _ready(self) -> tuple[int, int]:
@@ -457,3 +497,8 @@ class Sequence:
             ready -= self.num_pending_forced
             visible = min(visible, max(state.sent.num_chars, self.position_outputs.text_offsets[ready]))
         return ready, visible
+
+
+def _reported(outcome: Finish) -> tuple[str, str | int | None, str | None]:
+    """(finish reason, stop reason, error) as a completion reports them."""
+    return outcome.reason.value, outcome.stop_reason, outcome.error

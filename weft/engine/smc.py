@@ -8,7 +8,7 @@ at every sampled token the log of the probability mass (at that temperature, bef
 the mask kept, and at every forced token that token's own log-probability: exactly the
 `constraint_logmass` of each of its positions (weft/engine/positions.py; the sampler reports an
 SMC row's logprobs at its temperature). With `end_of_text` (the default) a particle whose
-grammar finished samples its end-of-sequence token too (`Sequence.samples_end`), so that its
+grammar finished samples its end-of-sequence token too (`PolicyRole.samples_end`), so that its
 weight holds the probability that the text ends there; without, it ends where its grammar ends,
 as masking's outputs do. The weight of a particle is then, in expectation over its future, the
 probability under the model that its prefix ends as a string of the language, which is what
@@ -41,7 +41,7 @@ import random
 from dataclasses import dataclass, field
 
 from weft.engine.group import GroupUpdate, ParallelSampling, SequenceGroup, Spawner, check_logprob_limits
-from weft.engine.sequence import FinishReason, Sequence
+from weft.engine.sequence import FinishReason, PolicyRole, Sequence
 from weft.outputs import RequestOutput, SMCRun
 from weft.params import Resampling, SamplingParams, SMCOutput, SMCParams
 
@@ -129,7 +129,7 @@ class SMC:
 
     def start(self, group: SequenceGroup, first: Sequence, spawner: Spawner) -> None:
         self.spawner = spawner
-        first.samples_end = self.params.end_of_text
+        first.role = PolicyRole(samples_end=self.params.end_of_text)
         total = self.num_runs * self.num_particles
         self.starting = ParallelSampling(total, total)
         self.starting.start(group, first, spawner)
