@@ -211,12 +211,13 @@ def speculating(engine: Any) -> Iterator[None]:
     from weft.config import SpeculativeConfig
     from weft.engine.speculation import Speculation
 
+    off = engine.speculation
     engine.speculation = Speculation(SpeculativeConfig(num_speculative_tokens=4))
     engine.speculation.adaptive = False
     try:
         yield
     finally:
-        engine.speculation = None
+        engine.speculation = off
 
 
 def build_checkpoint(tokenizer_dir: Path, out: Path) -> Path:

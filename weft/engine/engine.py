@@ -407,7 +407,7 @@ class LLMEngine:
         layout = StepLayout.of(sched, self._take_fanout, room)
         fill = None
         if self._grammars is not None:
-            fill = self._grammars.start_fill(layout.grammar_rows(), layout.num_rows)
+            fill = self._grammars.start_fill(layout.grammar_rows, layout.num_rows)
         step = self.runner.execute(sched, in_flight)
         logits = step.logits  # [S, V]
         fanout_rows = layout.fanout_rows()
@@ -417,7 +417,7 @@ class LLMEngine:
         batch = self.sampling_batches.build(rows, logits.shape[-1], logits.device)
         out = self.sampler(logits, batch, fill)
         transfer = StepTransfer.start(out.token_ids, out.top_logprobs, self._known_logprobs(step))
-        return Launched(layout, out.token_ids, transfer, out.errors, step.prompt_spans)
+        return Launched(layout, out.token_ids, transfer, out.errors, step.known_spans)
 
     def _resolve(self, launched: Launched) -> list[SequenceGroup]:
         """Read a launched step back (its tokens already counted as computed, `Scheduler.advance`)
@@ -450,18 +450,18 @@ class LLMEngine:
     def _known_logprobs(self, step: StepLogits) -> KnownTokenLogprobs | None:
         """The logprobs of this step's known tokens whose logprobs were asked for (prompt tokens,
         forced tokens), or None."""
-        if step.prompt_hidden is None or step.prompt_targets is None:
+        if step.known_hidden is None or step.known_targets is None:
             return None
-        spans = step.prompt_spans
+        spans = step.known_spans
         num_top = max(span.num_top for span in spans)
         temperatures = [span.temperature for span in spans]
         scale = None  # [N] float32: SMC particles' forced tokens are weighed at their temperature
         if any(t != 1.0 for t in temperatures):
             per_row = np.repeat(np.array(temperatures, np.float32), [span.count for span in spans])
-            scale = to_device(per_row, step.prompt_hidden.device)
+            scale = to_device(per_row, step.known_hidden.device)
         return prompt_logprobs(
-            step.prompt_hidden,
-            step.prompt_targets,
+            step.known_hidden,
+            step.known_targets,
             num_top,
             self.model.compute_logits,
             kernels=self.model.kernels,

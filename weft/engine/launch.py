@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weft.engine.layout import SampledRows, SchedulerOutput, StepLayout
-from weft.engine.runner import InFlightTokens, PromptSpan
+from weft.engine.runner import InFlightTokens, KnownSpan
 from weft.logprob_records import LogprobRef
 from weft.sample.transfer import StepTransfer
 
@@ -28,7 +28,7 @@ class Launched:
     tokens: torch.Tensor  # [S + F] int64, sampled, on the device
     transfer: StepTransfer
     errors: dict[int, str]  # row -> why it failed (a logits processor raised)
-    spans: list[PromptSpan]  # the known tokens whose logprobs the step computed
+    spans: list[KnownSpan]  # the known tokens whose logprobs the step computed
     in_flight: InFlightTokens | None = field(default=None)  # set when it stays in flight (`commit`)
 
     @property

@@ -16,7 +16,7 @@ The rows, in order:
 A scheduled sequence that samples nothing this step (a prompt chunk short of its end, forced
 tokens computed for their logprobs) has no row (`first_rows[i] == -1`). Known tokens whose logprobs
 are wanted (prompt and forced tokens) are not logits rows: their hidden states go to
-`weft.sample.prompt_logprobs` apart (`PromptSpan`).
+`weft.sample.prompt_logprobs` apart (`KnownSpan`).
 """
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ class Draft:
 
 NO_DRAFTS: Mapping[int, Draft] = {}
 
+# (a row, its matcher, its drafts, its rowless draft positions)
+GrammarRow = tuple[int, GrammarMatcher, list[int], tuple[int, ...]]
+
 # (a sequence whose prompt ends this step, the room left under max_num_seqs) -> its fanout children
 TakeFanout = Callable[[Sequence, int], list[Sequence]]
 
@@ -131,22 +134,57 @@ class StepLayout:
     sched: SchedulerOutput
     first_rows: list[int]  # per scheduled sequence: the row of its last known token, or -1
     num_model_rows: int  # the rows the forward computes; the fanout rows follow them
+    # the sequences that sample a token of their own this step (not a draft), in row order: each
+    # scheduled one with a row, then the fanout children
+    sequences: list[Sequence]
+    # (row, matcher, drafts, rowless draft positions) of each constrained sequence's first row, in
+    # row order (`GrammarManager.start_fill`)
+    grammar_rows: list[GrammarRow]
     fanouts: list[Fanout] = field(default_factory=list)
 
     @classmethod
     def of(cls, sched: SchedulerOutput, take_fanout: TakeFanout | None = None, room: int = 0) -> StepLayout:
         """The rows of `sched`; `take_fanout` gives the fanout children of sequences whose prompt
-        ends this step, `room` of them at most."""
+        ends this step, `room` of them at most. (One pass over the batch: it runs every step.)"""
         first_rows: list[int] = []
+        seqs: list[Sequence] = []
+        constrained: list[GrammarRow] = []
         row = 0
         for item in sched.scheduled:
-            if item.samples:
-                first_rows.append(row)
-                row += item.num_rows
-            else:
+            if not item.samples:
                 first_rows.append(-1)
-        fanouts = _fanouts(sched, first_rows, row, take_fanout, room) if take_fanout and room > 0 else []
-        return cls(sched, first_rows, row, fanouts)
+                continue
+            seq = item.seq
+            first_rows.append(row)
+            seqs.append(seq)
+            if seq.matcher is not None:
+                constrained.append((row, seq.matcher, item.drafts, item.rowless))
+            row += 1 + len(item.drafts) - len(item.rowless)  # `num_rows`, inline
+        layout = cls(sched, first_rows, row, seqs, constrained)
+        if take_fanout is not None and room > 0:
+            layout._add_fanouts(take_fanout, room)
+        return layout
+
+    def _add_fanouts(self, take_fanout: TakeFanout, room: int) -> None:
+        """The children of the sequences whose prompt's last token this step computes (see
+        `Fanout`), `room` of them at most, their rows after the step's own."""
+        next_row = self.num_model_rows
+        for item, row in zip(self.sched.scheduled, self.first_rows, strict=True):
+            seq = item.seq
+            if row < 0 or seq.num_computed_tokens + item.num_new_tokens != len(seq.prompt_token_ids):
+                continue
+            children = take_fanout(seq, room)
+            if not children:
+                continue
+            self.fanouts.append(Fanout(seq, row, children, next_row))
+            for child in children:
+                self.sequences.append(child)
+                if child.matcher is not None:
+                    self.grammar_rows.append((next_row, child.matcher, NO_DRAFT_TOKENS, ()))
+                next_row += 1
+            room -= len(children)
+            if room <= 0:
+                break
 
     @property
     def num_rows(self) -> int:
@@ -154,16 +192,7 @@ class StepLayout:
 
     @property
     def has_drafts(self) -> bool:
-        return self.num_model_rows > len(self.first_rows) - self.first_rows.count(-1)
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        """The sequences that sample a token of their own this step (not a draft): each scheduled
-        one with a row, then the fanout children."""
-        seqs = self.sched.sampling
-        for fanout in self.fanouts:
-            seqs += fanout.children
-        return seqs
+        return self.num_model_rows > len(self.sequences) - sum(len(f.children) for f in self.fanouts)
 
     def fanout_rows(self) -> list[int] | None:
         """The logits row each row of the step samples from ([S + F]: its own, or for a fanout
@@ -171,19 +200,6 @@ class StepLayout:
         if not self.fanouts:
             return None
         return [*range(self.num_model_rows), *(f.parent_row for f in self.fanouts for _ in f.children)]
-
-    def grammar_rows(self) -> list[tuple[int, GrammarMatcher, list[int], tuple[int, ...]]]:
-        """(row, matcher, drafts, rowless draft positions) of each constrained sequence's first row,
-        in row order (`GrammarManager.start_fill`)."""
-        rows = []
-        for item, row in zip(self.sched.scheduled, self.first_rows, strict=True):
-            if row >= 0 and item.seq.matcher is not None:
-                rows.append((row, item.seq.matcher, item.drafts, item.rowless))
-        for fanout in self.fanouts:
-            for i, child in enumerate(fanout.children):
-                if child.matcher is not None:
-                    rows.append((fanout.first_row + i, child.matcher, NO_DRAFT_TOKENS, ()))
-        return rows
 
     def num_failed(self, errors: Mapping[int, str]) -> int:
         """How many sequences' own rows (not draft rows) are in `errors`."""
@@ -193,23 +209,3 @@ class StepLayout:
             return len(errors)
         own = {row for row in self.first_rows if row >= 0}
         return sum(1 for row in errors if row in own or row >= self.num_model_rows)
-
-
-def _fanouts(
-    sched: SchedulerOutput, first_rows: list[int], next_row: int, take_fanout: TakeFanout, room: int
-) -> list[Fanout]:
-    """The children of the sequences whose prompt's last token this step computes (see `Fanout`),
-    `room` of them at most, their rows after the step's own."""
-    fanouts: list[Fanout] = []
-    for item, row in zip(sched.scheduled, first_rows, strict=True):
-        seq = item.seq
-        if row < 0 or seq.num_computed_tokens + item.num_new_tokens != len(seq.prompt_token_ids):
-            continue
-        children = take_fanout(seq, room)
-        if children:
-            fanouts.append(Fanout(seq, row, children, next_row))
-            next_row += len(children)
-            room -= len(children)
-            if room <= 0:
-                break
-    return fanouts

@@ -38,7 +38,7 @@ def can_stay_in_flight(launched: Launched, groups: Mapping[str, SequenceGroup]) 
     if layout.fanouts or launched.spans:
         return False
     running = False
-    for seq in layout.sched.sampling:
+    for seq in layout.sequences:
         params = seq.params
         if (
             seq.matcher is not None

@@ -22,7 +22,7 @@ from weft.sample.prompt_logprobs import CHUNK_ROWS as PROMPT_CHUNK_ROWS
 
 
 @dataclass(frozen=True, slots=True)
-class PromptSpan:
+class KnownSpan:
     """Known tokens whose logprobs this step computes, prompt tokens or tokens a grammar forced:
     tokens `first_token`.. of `seq`, predicted by the hidden states of the `count` step rows
     before them."""
@@ -63,9 +63,9 @@ class ModelInput:
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64, the last known token of each sampling sequence (and its drafts)
-    prompt_rows: torch.Tensor | None  # [N] int64 step rows whose next token is known and wants logprobs
-    prompt_targets: torch.Tensor | None  # [N] int64 those next (actual) tokens
-    prompt_spans: list[PromptSpan]
+    known_rows: torch.Tensor | None  # [N] int64 step rows whose next token is known and wants logprobs
+    known_targets: torch.Tensor | None  # [N] int64 those next (actual) tokens
+    known_spans: list[KnownSpan]
     rows: StepRows  # which rows may multiply through the BLAS GEMM: the prompt rows
 
 
@@ -78,8 +78,8 @@ class StepPlan:
     context_lens: list[int]  # [B]
     block_tables: np.ndarray  # [B, max_blocks] int64
     logits_indices: list[int]  # [S]
-    prompt_rows: list[int]  # [N]
-    prompt_targets: list[int]  # [N]
+    known_rows: list[int]  # [N]
+    known_targets: list[int]  # [N]
     pending: list[int]  # [2P]: (input row, its row in the step in flight) pairs
     block_copies: list[tuple[int, int]]  # copy-on-write: (source block, destination block)
     # Rows whose new tokens all follow the prompt (decode, forced and drafted tokens): they attend
@@ -97,9 +97,9 @@ class StepPlan:
 @dataclass(frozen=True, slots=True)
 class StepLogits:
     logits: torch.Tensor  # [S, V] float32, the sampling rows
-    prompt_hidden: torch.Tensor | None  # [N, hidden] for prompt logprobs (see ModelInput)
-    prompt_targets: torch.Tensor | None  # [N] int64
-    prompt_spans: list[PromptSpan]
+    known_hidden: torch.Tensor | None  # [N, hidden] for the known tokens' logprobs (see ModelInput)
+    known_targets: torch.Tensor | None  # [N] int64
+    known_spans: list[KnownSpan]
 
 
 class ModelRunner:
@@ -168,7 +168,7 @@ class ModelRunner:
 
     def plan(
         self, sched: SchedulerOutput, in_flight: InFlightTokens | None = None
-    ) -> tuple[StepPlan, list[PromptSpan]]:
+    ) -> tuple[StepPlan, list[KnownSpan]]:
         """The step's inputs as host values (what every tensor-parallel rank needs), and the spans
         of the rows whose next token's logprobs are wanted."""
         rows = _StepRowsPlan()
@@ -180,13 +180,13 @@ class ModelRunner:
             window_tables = sched.window_tables.gather([s.table.window_row for s in sched.scheduled])
         plan = StepPlan(
             rows.input_ids, rows.query_lens, rows.context_lens, tables, rows.logits_indices,
-            rows.prompt_rows, rows.prompt_targets, rows.pending, sched.block_copies,
+            rows.known_rows, rows.known_targets, rows.pending, sched.block_copies,
             rows.generated_rows, rows.prompt_token_rows, window_tables, sched.window_copies,
         )  # fmt: skip
         return plan, rows.spans
 
     def inputs(
-        self, plan: StepPlan, spans: list[PromptSpan], in_flight: InFlightTokens | None = None
+        self, plan: StepPlan, spans: list[KnownSpan], in_flight: InFlightTokens | None = None
     ) -> ModelInput:
         """The step's inputs as device tensors (on CUDA all of them in one copy, `StepUploads`)."""
         uploads = self.uploads
@@ -197,15 +197,15 @@ class ModelRunner:
         )  # fmt: skip
         ids = put(np.array(plan.input_ids, dtype=np.int64))
         where = put(np.array(plan.pending, dtype=np.int64)) if plan.pending else None
-        prompt_rows = plan.prompt_rows
+        known_rows = plan.known_rows
         step_input = ModelInput(
             input_ids=ids,
             positions=positions,
             attn=attn,
             logits_indices=put(np.array(plan.logits_indices, dtype=np.int64)),
-            prompt_rows=put(np.array(prompt_rows, dtype=np.int64)) if prompt_rows else None,
-            prompt_targets=put(np.array(plan.prompt_targets, dtype=np.int64)) if prompt_rows else None,
-            prompt_spans=spans,
+            known_rows=put(np.array(known_rows, dtype=np.int64)) if known_rows else None,
+            known_targets=put(np.array(plan.known_targets, dtype=np.int64)) if known_rows else None,
+            known_spans=spans,
             rows=self._step_rows(plan.prompt_token_rows, len(plan.input_ids), put),
         )
         if uploads is not None:
@@ -243,8 +243,8 @@ class ModelRunner:
         inputs = self.inputs(plan, spans, in_flight)
         hidden = self._forward(inputs)  # [T, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
-        prompt_hidden = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows]
-        return StepLogits(logits, prompt_hidden, inputs.prompt_targets, inputs.prompt_spans)
+        known_hidden = None if inputs.known_rows is None else hidden[inputs.known_rows]
+        return StepLogits(logits, known_hidden, inputs.known_targets, inputs.known_spans)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
@@ -254,10 +254,10 @@ class ModelRunner:
         inputs = self.inputs(plan, [])
         hidden = self._forward(inputs)  # [T, hidden]
         self.model.compute_logits(hidden[inputs.logits_indices], GENERATED_ROWS)
-        if inputs.prompt_rows is not None:  # as `prompt_logprobs` computes them on rank 0, in chunks
-            prompt_hidden = hidden[inputs.prompt_rows]
-            for start in range(0, prompt_hidden.shape[0], PROMPT_CHUNK_ROWS):
-                self.model.compute_logits(prompt_hidden[start : start + PROMPT_CHUNK_ROWS])
+        if inputs.known_rows is not None:  # as `prompt_logprobs` computes them on rank 0, in chunks
+            known_hidden = hidden[inputs.known_rows]
+            for start in range(0, known_hidden.shape[0], PROMPT_CHUNK_ROWS):
+                self.model.compute_logits(known_hidden[start : start + PROMPT_CHUNK_ROWS])
 
     def _forward(self, inputs: ModelInput) -> torch.Tensor:  # [T, hidden]
         """A replayed decode graph where one fits the step, else the eager forward."""
@@ -320,9 +320,9 @@ class _StepRowsPlan:
     query_lens: list[int] = field(default_factory=list)  # [B]
     context_lens: list[int] = field(default_factory=list)  # [B]
     logits_indices: list[int] = field(default_factory=list)  # [S]
-    prompt_rows: list[int] = field(default_factory=list)  # [N]
-    prompt_targets: list[int] = field(default_factory=list)  # [N]
-    spans: list[PromptSpan] = field(default_factory=list)
+    known_rows: list[int] = field(default_factory=list)  # [N]
+    known_targets: list[int] = field(default_factory=list)  # [N]
+    spans: list[KnownSpan] = field(default_factory=list)
     generated_rows: list[int] = field(default_factory=list)
     prompt_token_rows: list[tuple[int, int]] = field(default_factory=list)
 
@@ -336,9 +336,7 @@ class _StepRowsPlan:
         elif num_new > 1:
             self.generated_rows.append(len(self.query_lens))
         if seq.needs_prompt_logprobs or seq.num_pending_forced:
-            self.spans += _known_token_spans(
-                seq, start, num_new, first, self.prompt_rows, self.prompt_targets
-            )
+            self.spans += _known_token_spans(seq, start, num_new, first, self.known_rows, self.known_targets)
         if num_new == 1:
             input_ids.append(seq.token_ids[start])
         elif not drafts:
@@ -360,7 +358,7 @@ class _StepRowsPlan:
 
 def _known_token_spans(
     seq: Sequence, start: int, num_new: int, first_row: int, rows: list[int], targets: list[int]
-) -> list[PromptSpan]:
+) -> list[KnownSpan]:
     """The spans of this step's rows whose next token is known and still lacks its logprob: a
     prompt token (`prompt_logprobs`), or a token a grammar forced (`num_pending_forced`). The row
     of position p predicts token p + 1; this step computes positions start .. start + num_new - 1."""
@@ -377,5 +375,5 @@ def _known_token_spans(
             continue
         rows.extend(range(first_row + first_token - 1 - start, first_row + last_token - start))
         targets.extend(seq.token_ids[first_token : last_token + 1])
-        spans.append(PromptSpan(seq, first_token, last_token - first_token + 1, forced))
+        spans.append(KnownSpan(seq, first_token, last_token - first_token + 1, forced))
     return spans

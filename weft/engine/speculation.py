@@ -21,6 +21,7 @@ keyed by its seq_id, made on its first draft and forgotten when its request is d
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as Sequence_
 
 from weft.config import SpeculativeConfig
 from weft.engine.layout import NO_DRAFTS, Draft, SampledRows, ScheduledSequence, SchedulerOutput, StepLayout
@@ -50,9 +51,9 @@ class SpeculationOff:
     def observe(self, sched: SchedulerOutput, seconds: float) -> None:
         return None
 
-    def sampling_rows(self, layout: StepLayout) -> list[SamplingRow]:
+    def sampling_rows(self, layout: StepLayout) -> Sequence_[SamplingRow]:
         """The step's sampling rows in logits order (`StepLayout`)."""
-        return list(layout.sequences)
+        return layout.sequences
 
     def verify(self, item: ScheduledSequence, sampled: SampledRows, row: int) -> tuple[int, int]:
         raise AssertionError("no drafts are scheduled where speculation is off")
@@ -194,7 +195,7 @@ class Speculation(SpeculationOff):
         ):
             self.gate.record(len(sched.scheduled), known + accepted, seconds, drafted=num_drafts > 0)
 
-    def sampling_rows(self, layout: StepLayout) -> list[SamplingRow]:
+    def sampling_rows(self, layout: StepLayout) -> Sequence_[SamplingRow]:
         """The step's sampling rows in logits order: each sampling sequence, then its draft rows
         (`DraftRow`); the fanout children last."""
         rows: list[SamplingRow] = []

@@ -11,7 +11,7 @@ Forced tokens that no guess follows stay out of the draft: after the draft's las
 appended anyway, and the next step's draft starts where a guess can (at a value's opening).
 
 Verification: a forced position gets no sampling row (`ScheduledSequence.rowless`: its token is
-known once the guesses before it are kept), and `Scheduler._accept_drafts` keeps the forced
+known once the guesses before it are kept), and `Speculation.verify` keeps the forced
 tokens that `Sequence.append` appends after an accepted guess where the draft holds them. Only a
 sequence without logprobs drafts so (forced tokens wanting logprobs are computed in a step of
 their own).
