@@ -17,7 +17,11 @@ from weft import LLM, SamplingParams, bundled_model_path, default_model_path
 from weft.engine.default_model import DEFAULT_MODEL
 
 RECORD = Path(__file__).parent / "data" / "smollm2_q4_1_llama_cpp.json"  # benchmarks/record_llama_cpp.py
-CLOSE = 0.1  # nats: where the two best tokens are this close, the two engines may part
+# nats: where the two best tokens are this close, the two engines may part. Teacher-forced along
+# llama.cpp's tokens, one token's |logprob difference| is 0.031 on average but 0.19-0.20 at the
+# 99th percentile (Zen 4, the avx512_bf16 and avx2 builds alike; matmul_precision="float32" too):
+# a margin of two such tokens moves by that much from one CPU's rounding to another's.
+CLOSE = 0.25
 MEAN_GAP = 0.03  # mean |logprob difference| with llama.cpp along the tokens both chose
 
 
@@ -45,9 +49,10 @@ def test_the_default_model_is_the_installed_file_and_is_the_published_one():
 
 def test_greedy_continuations_follow_llama_cpp_on_the_same_file(smol):
     """8 prompts (4 plain, 4 chat) x 32 greedy tokens against llama.cpp's on the same file: the
-    same tokens, or a first difference only where the two best tokens are within 0.1 nats (in weft's
-    logprobs or in llama.cpp's); along the tokens both chose, the chosen tokens' logprobs within
-    0.03 nats on average. Measured (AVX2): 4 of 8 identical, mean 0.022 over 161 tokens. The exact
+    same tokens, or a first difference only where the two best tokens are within `CLOSE` nats (in
+    weft's logprobs or in llama.cpp's); along the tokens both chose, the chosen tokens' logprobs
+    within 0.03 nats on average. Measured: 4 of 8 identical, mean 0.022 over 161 tokens (AVX2
+    EPYC); on a Zen 4 (avx512_bf16) 4 of 8, the first differences at margins of 0.17 and 0.10. The exact
     float32 dequantization (matmul_precision="float32", transformers' too) parts from llama.cpp
     where both margins are above 0.2: llama.cpp rounds the activations to 8 bits, and q, K, V and
     the attention weights to float16; weft's int8 products round as it does."""
