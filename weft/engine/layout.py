@@ -131,6 +131,8 @@ TakeFanout = Callable[[Sequence, int], list[Sequence]]
 
 @dataclass(frozen=True, slots=True)
 class StepLayout:
+    """Whose each logits row of a step is (see the module's table), built once by `of`."""
+
     sched: SchedulerOutput
     first_rows: list[int]  # per scheduled sequence: the row of its last known token, or -1
     num_model_rows: int  # the rows the forward computes; the fanout rows follow them
