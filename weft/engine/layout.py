@@ -81,10 +81,6 @@ class SchedulerOutput:
         return [s.seq for s in self.scheduled if s.samples]
 
     @property
-    def num_drafts(self) -> int:
-        return sum(len(s.drafts) for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 

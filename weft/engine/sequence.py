@@ -422,10 +422,7 @@ class Sequence:
         return new_tokens, matcher.is_finished
 
     def _room_left(self) -> int:
-        room = self.stops.limits.max_model_len - self.num_tokens
-        if self.params.max_tokens is not None:
-            room = min(room, self.params.max_tokens - self.num_output_tokens)
-        return max(room, 0)
+        return max(self.tokens_left, 0)  # max_tokens after the prompt, or max_model_len
 
     def _apply_token_stop_rules(self, grammar_done: bool) -> None:
         token_ids = self.token_ids
