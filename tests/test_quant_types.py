@@ -160,7 +160,7 @@ def test_a_fusion_no_one_layout_holds_runs_in_parts():
     flat, parts = fused.pack()
     linear = Linear(512, 128, bias=True)
     linear.expect_parts(parts, flat.numel(), fused.label)
-    linear.weight.data = flat
+    linear.weight = torch.nn.Parameter(flat, requires_grad=False)  # (expect_parts: a meta placeholder)
     linear.bias.data = torch.randn(128, generator=torch.Generator().manual_seed(1))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
     expected = torch.cat(

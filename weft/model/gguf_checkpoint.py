@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from weft.config import ConfigError, ModelConfig
-from weft.model.gguf_file import GgufFile
+from weft.model.gguf_file import GgufFile, release_pages
 from weft.model.mxfp4 import mxfp4_as_q5_0
 from weft.model.quantized import QuantizedRows, Weight
 
@@ -370,8 +370,7 @@ class GgufCheckpoint:
 
     def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
-        with `keep_blocks` a quantized matrix as its rows of blocks (`QuantizedRows`; a
-        Q4_K embedding table is dequantized: embeddings are looked up from Q8_0 and Q6_K panels)."""
+        with `keep_blocks` a quantized matrix as its rows of blocks (`QuantizedRows`)."""
         heads = self._key("attention.head_count")
         kv_heads = self._key("attention.head_count_kv", heads)
         for tensor in self.reader.tensors:
@@ -390,8 +389,6 @@ class GgufCheckpoint:
                 if keep_blocks and len(tensor.shape) == 2
                 else None
             )
-            if kind == "q4_k" and tensor.name == "token_embd.weight":
-                kind = None
             weight = self._blocks(tensor, kind) if kind else self.dequantized(tensor)
             if self.arch in PERMUTED_ROTARY and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = _unpermuted(weight, heads)
@@ -426,16 +423,20 @@ class GgufCheckpoint:
         except (ValueError, TypeError, IndexError) as exc:  # a truncated file, mostly
             raise GgufError(f"{self.path}: tensor {tensor.name!r} cannot be read ({exc})") from None
         values = np.ascontiguousarray(values, dtype=np.float32)
-        return torch.from_numpy(values if values.flags.writeable else values.copy())
+        if np.may_share_memory(values, tensor.data):  # F32 tensors come as views of the mapping
+            return torch.from_numpy(values.copy())
+        release_pages(tensor.data.ctypes.data, tensor.data.nbytes)  # read: weft/model/gguf_file.py
+        return torch.from_numpy(values)
 
     def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:
         return QuantizedRows(kind, torch.from_numpy(_block_bytes(tensor)))  # [rows, bytes per row]
 
 
 def _block_bytes(tensor: Any) -> np.ndarray:
-    """A quantized tensor's rows of blocks, copied off the mapping (MXFP4's as Q5_0's)."""
+    """A quantized tensor's rows of blocks: a view of the mapping, read when they are packed
+    (MXFP4's copied as Q5_0's)."""
     rows = np.asarray(tensor.data, dtype=np.uint8)
-    return mxfp4_as_q5_0(rows) if tensor.tensor_type.name == "MXFP4" else rows.copy()
+    return mxfp4_as_q5_0(rows) if tensor.tensor_type.name == "MXFP4" else rows
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]

@@ -9,11 +9,19 @@ them, and `tensors` with `name`, `shape` (GGUF's order, fastest dimension first)
 and `data` (`GGUFReader`'s layout: float types as their numpy dtype in numpy order, the others as
 rows of bytes). The format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 (little-endian files, version 2 and 3).
+
+The mapping is copy-on-write (nothing writes to it; its views are writable numpy arrays, as torch
+wants them) and shares its pages with the page cache. Once a loader has read a tensor (packed it,
+dequantized it), `release_pages` drops that tensor's pages from the process's resident memory: they
+stay in the page cache, and a later read maps them again. A file as large as most of the machine
+then never sits in a process's resident memory beside what was made of it.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +120,10 @@ class GgufFile:
     def __init__(self, path: Path) -> None:
         from gguf import GGUFValueType
 
-        self.mapping = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # ValueError if empty
+        self.mapping = np.frombuffer(self._map, dtype=np.uint8)
+        _OPEN.add(self)
         cursor = _Cursor(self.mapping.data)  # memoryview of the mapped bytes
         if bytes(cursor.buffer[:4]) != MAGIC:
             raise ValueError("the file does not start with GGUF's magic bytes")
@@ -160,5 +171,28 @@ class GgufFile:
             data = data.reshape(*dims[:-1], row_bytes)
         return GgufTensor(name, shape, tensor_type, data)
 
+    def release(self, address: int, nbytes: int) -> bool:
+        """Drop the whole pages of [address, address + nbytes) from resident memory, where that
+        range lies in this file's mapping; whether it does."""
+        base = self.mapping.ctypes.data
+        start, end = address - base, address - base + nbytes
+        if start < 0 or end > self.mapping.size:
+            return False
+        start, end = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return True
 
-__all__ = ["MAGIC", "GgufField", "GgufFile", "GgufTensor"]
+
+_OPEN: weakref.WeakSet[GgufFile] = weakref.WeakSet()  # the files mapped now
+
+
+def release_pages(address: int, nbytes: int) -> None:
+    """Drop the pages of a view of an open GGUF file's mapping that has been read (see the module's
+    docstring); nothing where the range is not in one (a copy, another source's tensor)."""
+    for file in list(_OPEN):
+        if file.release(address, nbytes):
+            return
+
+
+__all__ = ["MAGIC", "GgufField", "GgufFile", "GgufTensor", "release_pages"]

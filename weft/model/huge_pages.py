@@ -8,8 +8,10 @@ same panels in 4 KB pages.
 
 Allocations get 2 MB pages only where a process asks for them (`madvise(MADV_HUGEPAGE)`) on most
 distributions (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise`), so the loader moves
-the packed weights into one such mapping: each matrix copied once, its old storage freed as it goes
-(the peak is the model plus one matrix). Where the kernel has no transparent huge pages, or
+the packed weights into such mappings: each matrix copied once, as it is packed or after, its old
+storage freed as it goes (the peak is the model plus one matrix). Packed straight into them, a
+model's panels never touch 4 KB pages at all: loading an 18.6 GB file took 4.5 million page
+faults less. Where the kernel has no transparent huge pages, or
 `WEFT_HUGE_PAGES=0`, the weights stay where they are.
 """
 
@@ -50,7 +52,8 @@ def huge_pages_available() -> bool:
 
 class HugePageArena:
     """One anonymous mapping advised MADV_HUGEPAGE, handed out in 64-byte aligned pieces. The
-    tensors it returns keep the mapping alive (torch.frombuffer holds it)."""
+    tensors it returns keep the mapping alive (torch.frombuffer holds it). Pages are allocated as
+    pieces are written: an arena's unused end costs address space only."""
 
     def __init__(self, nbytes: int) -> None:
         self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -59,45 +62,76 @@ class HugePageArena:
         self._next = -self._bytes.data_ptr() % HUGE_PAGE  # the first 2 MB boundary
         self._end = self._next + nbytes
 
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return self._next + -self._next % _ALIGN + _nbytes(tensor) <= self._end
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        offset = tensor.data_ptr() - self._bytes.data_ptr()
+        return 0 <= offset < self._end
+
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `tensor` in the arena (same dtype and shape)."""
-        size = tensor.numel() * tensor.element_size()
+        if not self.fits(tensor):
+            raise ValueError(f"HugePageArena: {_nbytes(tensor)} more bytes do not fit (sized too small)")
         start = self._next + -self._next % _ALIGN
-        if start + size > self._end:
-            raise ValueError(f"HugePageArena: {size} more bytes do not fit (sized too small)")
-        self._next = start + size
-        piece = self._bytes[start : start + size].view(tensor.dtype).view(tensor.shape)
+        self._next = start + _nbytes(tensor)
+        piece = self._bytes[start : self._next].view(tensor.dtype).view(tensor.shape)
         piece.copy_(tensor)
         return piece
 
+    @property
+    def used(self) -> int:
+        return self._next
 
-def _padded(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size() + _ALIGN
+
+class HugePages:
+    """Arenas of `chunk` bytes of address space each (or of one larger tensor), a new one where the
+    last is full: weights copied into 2 MB pages one at a time, as a loader packs them, without
+    knowing in advance how many bytes they will take."""
+
+    def __init__(self, chunk: int = 4 << 30) -> None:
+        self.chunk = chunk
+        self.arenas: list[HugePageArena] = []
+        self.bytes = 0  # the bytes of the tensors copied in
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of `tensor` in huge pages. Every GB copied, the heap gives back what the copied
+        tensors' freed storage left it (else a loader's peak is the model and a GB more)."""
+        if not self.arenas or not self.arenas[-1].fits(tensor):
+            self.arenas.append(HugePageArena(max(self.chunk, _nbytes(tensor) + _ALIGN)))
+        if (self.bytes + _nbytes(tensor)) >> 30 > self.bytes >> 30:
+            _return_freed_memory()
+        self.bytes += _nbytes(tensor)
+        return self.arenas[-1].copy(tensor)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return any(arena.holds(tensor) for arena in self.arenas)
 
 
-def move_weights_to_huge_pages(modules: Iterable[nn.Module]) -> int:
-    """Move each module's `weight` (CPU tensors; modules that share one keep sharing it) into one
-    huge-page arena; the bytes moved (0 where huge pages are not available)."""
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def move_weights_to_huge_pages(modules: Iterable[nn.Module], pages: HugePages | None = None) -> int:
+    """Move each module's `weight` (CPU tensors; modules that share one keep sharing it) into huge
+    pages (`pages`, which may hold some of them already: a loader that placed each as it packed
+    it); the bytes now in huge pages (0 where they are not available)."""
     if not huge_pages_available():
         return 0
+    pages = HugePages() if pages is None else pages
     groups: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}  # by the weight they hold
     for module in modules:
         weight = module.weight
-        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and not pages.holds(weight):
             groups.setdefault(id(weight), (weight, []))[1].append(module)
-    if not groups:
-        return 0
-    arena = HugePageArena(sum(_padded(weight) for weight, _ in groups.values()))
-    moved = 0
     for key in list(groups):  # the old storage is freed as each group lets go of it
         old, sharing = groups.pop(key)
-        weight = nn.Parameter(arena.copy(old), requires_grad=False)
+        weight = nn.Parameter(pages.copy(old), requires_grad=False)
         del old
         for module in sharing:
             module.weight = weight
-        moved += weight.numel() * weight.element_size()
         _return_freed_memory()
-    return moved
+    return pages.bytes
 
 
 def _return_freed_memory() -> None:

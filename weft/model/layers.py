@@ -107,21 +107,22 @@ class Linear(nn.Module):
     def expect_panels(self, shape: torch.Size, quantized: str | None = None) -> None:
         """Built on the meta device, to be assigned a weight that is already packed (a tied table
         packed as it is read, a quantized matrix): take the panels' `shape` without packing anything."""
-        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
         self.layout = WeightLayout.PANELS
         self.quantized = quantized
 
     def expect_parts(self, parts: tuple[PanelPart, ...], numel: int, label: str) -> None:
         """Built on the meta device, to be assigned a fused matrix in dot panels of several layouts
         (`PartedRows`: flat int8 [numel]), each part multiplied into its columns of the output."""
-        self.weight = nn.Parameter(torch.empty(numel, dtype=torch.int8), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(numel, dtype=torch.int8, device="meta"), requires_grad=False)
         self.layout = WeightLayout.PANELS
         self.parts = parts
         self.quantized = label
 
     def expect_blocks(self, blocks: BlockWeight, num_bytes: int, label: str) -> None:
         """Built on the meta device, to be assigned a matrix in GGUF blocks (flat uint8 [num_bytes])."""
-        self.weight = nn.Parameter(torch.empty(num_bytes, dtype=torch.uint8), requires_grad=False)
+        placeholder = torch.empty(num_bytes, dtype=torch.uint8, device="meta")
+        self.weight = nn.Parameter(placeholder, requires_grad=False)
         self.layout = WeightLayout.BLOCKS
         self.blocks = blocks
         self.quantized = label
@@ -214,7 +215,8 @@ class BlockWeight:
 class Embedding(nn.Module):
     """Token embeddings, a [vocab, hidden] table. When the table is tied to an lm_head whose weight
     was packed into panels (`read_from_panels`), the lookup reads the panels and the table is not
-    kept a second time."""
+    kept a second time; an untied quantized table is kept in dot panels of its own
+    (`expect_panels`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -225,8 +227,15 @@ class Embedding(nn.Module):
 
     def expect_blocks(self, blocks: BlockWeight, num_bytes: int) -> None:
         """Built on the meta device, to be assigned a table in GGUF blocks (flat uint8 [num_bytes])."""
-        self.weight = nn.Parameter(torch.empty(num_bytes, dtype=torch.uint8), requires_grad=False)
+        placeholder = torch.empty(num_bytes, dtype=torch.uint8, device="meta")
+        self.weight = nn.Parameter(placeholder, requires_grad=False)
         self.blocks = blocks
+
+    def expect_panels(self, shape: torch.Size) -> None:
+        """Built on the meta device, to be assigned a table of its own in dot panels (an untied
+        quantized table, int8 products), which the lookup reads."""
+        self.weight = nn.Parameter(torch.empty(shape, dtype=torch.int8, device="meta"), requires_grad=False)
+        self.from_panels = True
 
     def read_from_panels(self, lm_head: Linear) -> None:
         """Share the packed weight of `lm_head` (tied to this table) and look tokens up in it."""

@@ -38,7 +38,7 @@ from weft.config import ConfigError, ModelConfig, NativeConfig
 from weft.kernels import TorchKernels
 from weft.model import safetensors_io
 from weft.model.gguf_checkpoint import GgufCheckpoint, is_gguf
-from weft.model.huge_pages import move_weights_to_huge_pages
+from weft.model.huge_pages import HugePages, huge_pages_available, move_weights_to_huge_pages
 from weft.model.layers import (
     BlockWeight,
     Embedding,
@@ -61,12 +61,16 @@ from weft.model.quantized import (
     dequantized,
     flat_blocks,
     logical_shape,
+    release_read,
 )
 from weft.model.registry import resolve_architecture
 from weft.parallel.group import TensorParallel
 from weft.parallel.shard import Shard
 
 EMBED = "model.embed_tokens.weight"
+# The kinds whose exact panels a tied table's lookups read (Q8_0's and Q6_K's, and the kinds packed as
+# them); a tied Q4_K table for float32 products is packed from its float32 values.
+LOOKED_UP = ("q8_0", "q6_k", "q4_0", "q5_0", "q3_k", "iq4_nl")
 
 
 class CheckpointError(ValueError):
@@ -156,11 +160,12 @@ class _Weights:
         """Check the [out, in] matrix `name` against `shape`, and keep it as panels in `dtype` (or of
         its quantized kind, if it came in blocks: `dot` panels for int8 products)."""
         matrix = self.take(name, shape)
-        if isinstance(matrix, QuantizedRows) and (dot or matrix.exact_panels):
+        if isinstance(matrix, QuantizedRows) and (dot or matrix.kind in LOOKED_UP):
             panels = matrix.pack(dot)
             self.kinds[name] = matrix.kind
         else:
             panels = torch.ops.weft.pack_linear_weight(dequantized(matrix).to(dtype))
+        release_read(matrix)
         self.add(name, self.files[name], panels)
         self.packed.add(name)
 
@@ -219,18 +224,18 @@ def load_model(
         model_dir, config, dtype, packs_table, show_progress, panels or blocks, int8_dot, quantization, cut
     )
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
-    with torch.device("meta"):
-        if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-            table = weights.tensors[EMBED]
-            assert isinstance(table, torch.Tensor)  # packed: panels
-            model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))
-            model.embed.read_from_panels(model.lm_head)
-    state = _expected_state(model, _convert(weights, arch.spec, config), kernels, blocks, int8_dot)
+    if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
+        table = weights.tensors[EMBED]
+        assert isinstance(table, torch.Tensor)  # packed: panels
+        model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))  # (on meta)
+        model.embed.read_from_panels(model.lm_head)
+    pages = HugePages() if panels and huge_pages_available() else None  # panels go there as packed
+    state = _expected_state(model, _convert(weights, arch.spec, config), kernels, blocks, int8_dot, pages)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
     model.build_rotaries(max_positions, device)  # off the meta device
-    _place_weights(model, config, layout, packs_table)
+    _place_weights(model, config, layout, packs_table, pages)
     _set_activation_dtype(model, kernels.activation_dtype(device, dtype))
     if layout is WeightLayout.PANELS:
         apply_dense_rows(_body_linears(model), dense_rows)
@@ -250,7 +255,11 @@ def _panel_modules(model: LlamaForCausalLM) -> list[nn.Module]:
 
 
 def _place_weights(
-    model: LlamaForCausalLM, config: ModelConfig, layout: WeightLayout, packs_table: bool
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    layout: WeightLayout,
+    packs_table: bool,
+    pages: HugePages | None,
 ) -> None:
     """Tie the embedding table (one tensor) and put every matrix in `layout`; panels, streamed
     every step, in 2 MB pages where the OS has them (weft/model/huge_pages.py)."""
@@ -263,7 +272,7 @@ def _place_weights(
             if isinstance(module, Linear) and module.layout not in (layout, WeightLayout.BLOCKS):
                 module.set_layout(layout)
     if layout is WeightLayout.PANELS:
-        model.huge_page_bytes = move_weights_to_huge_pages(_panel_modules(model))
+        model.huge_page_bytes = move_weights_to_huge_pages(_panel_modules(model), pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,47 +311,62 @@ def _check_quantization(quantization: str | None, layout: WeightLayout) -> None:
 
 
 def _expect_quantized(
-    model: LlamaForCausalLM, state: dict[str, Weight], dot: bool
+    model: LlamaForCausalLM, state: Iterator[tuple[str, Weight]], dot: bool, pages: HugePages | None
 ) -> dict[str, torch.Tensor]:
     """Pack every matrix that came in blocks into panels (`dot`: dot panels, for int8 products), its
     Linear (still on the meta device) taking their shape (a fusion of parts no one layout holds: in
     parts, `PartedRows`); an untied embedding table in blocks, and for exact products a fusion of
-    mixed kinds or a matrix with no exact panels, are dequantized."""
+    mixed kinds or a matrix with no exact panels, are dequantized. An untied embedding table in
+    blocks goes into dot panels too, where the products are int8 ones, and is looked up there (a
+    float32 copy of a 151,936-token table is 1.2 GB). Each matrix is packed as it comes, into
+    `pages` where given (huge pages), and the pages of the file it was read from leave resident
+    memory (`release_read`)."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, weight in state.items():
+    place = pages.copy if pages is not None else (lambda packed: packed)
+    for name, weight in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
         blocks = (isinstance(weight, QuantizedRows) and (dot or weight.exact_panels)) or (
             dot and isinstance(weight, MixedRows)
         )
         if blocks and isinstance(module, Linear):
             assert isinstance(weight, (QuantizedRows, MixedRows))
-            tensors[name] = weight.pack(dot)
+            tensors[name] = place(weight.pack(dot))
             module.expect_panels(tensors[name].shape, quantized=weight.label)
         elif dot and isinstance(weight, PartedRows) and isinstance(module, Linear):
-            tensors[name], parts = weight.pack()
+            packed, parts = weight.pack()
+            tensors[name] = place(packed)
             module.expect_parts(parts, tensors[name].numel(), weight.label)
+        elif dot and isinstance(weight, QuantizedRows) and isinstance(module, Embedding):
+            tensors[name] = place(weight.pack(dot=True))
+            module.expect_panels(tensors[name].shape)
         else:
             tensors[name] = dequantized(weight)
+        release_read(weight)
     return tensors
 
 
 def _expected_state(
-    model: LlamaForCausalLM, state: dict[str, Weight], kernels: TorchKernels, blocks: bool, dot: bool
+    model: LlamaForCausalLM,
+    state: Iterator[tuple[str, Weight]],
+    kernels: TorchKernels,
+    blocks: bool,
+    dot: bool,
+    pages: HugePages | None,
 ) -> dict[str, torch.Tensor]:
     """The state to assign: matrices that came in blocks kept in them (`blocks`: the kernel set
     multiplies them) or packed into panels, the rest float."""
-    return _expect_blocks(model, state, kernels) if blocks else _expect_quantized(model, state, dot)
+    return _expect_blocks(model, state, kernels) if blocks else _expect_quantized(model, state, dot, pages)
 
 
 def _expect_blocks(
-    model: LlamaForCausalLM, state: dict[str, Weight], kernels: TorchKernels
+    model: LlamaForCausalLM, state: Iterator[tuple[str, Weight]], kernels: TorchKernels
 ) -> dict[str, torch.Tensor]:
     """Keep every matrix that came in blocks in them, flat (`WeightLayout.BLOCKS`), its Linear or
     Embedding (still on the meta device) taking their size: the kernel set multiplies them as they
     are; a kind it does not multiply (`block_kinds`) is dequantized. A tied table is one tensor for
     both (re-tied after the move to the device)."""
     tensors: dict[str, torch.Tensor] = {}
-    for name, weight in state.items():
+    for name, weight in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if (
             isinstance(weight, (QuantizedRows, MixedRows))
@@ -410,51 +434,64 @@ def _set_activation_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
 
 
-def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> dict[str, Weight]:
-    """Hugging Face names and layout -> weft's, checking every shape."""
+def _convert(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """Hugging Face names and layout -> weft's, checking every shape: one weft weight at a time, so
+    that what a fusion copies is packed and freed before the next is made."""
+    for name, weight in _renamed(weights, spec, config):
+        if spec.norms_plus_one and name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w)
+            weight = cast(torch.Tensor, weight).float() + 1.0  # (in float32, as Gemma does)
+        yield name, weight
+
+
+def _renamed(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
     h, d = config.hidden_size, config.head_dim
     q_out, kv_out, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
-    state: dict[str, Weight] = {}
     embed = weights.take(EMBED, (config.vocab_size, h))
-    state["embed.weight"] = embed
+    yield "embed.weight", embed
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        state[dst + "attn.qkv.weight"] = cat_rows(_qkv_rows(weights, src, config))
+        yield dst + "attn.qkv.weight", _fused(_qkv_rows(weights, src, config))
         if spec.qkv_bias:
             biases = [
                 weights.take(src + f"self_attn.{p}_proj.bias", (n,))
                 for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))
             ]
-            state[dst + "attn.qkv.bias"] = cat_rows(biases)
-        state[dst + "attn.o.weight"] = weights.take(src + "self_attn.o_proj.weight", (h, q_out))
+            yield dst + "attn.qkv.bias", cat_rows(biases)
+        yield dst + "attn.o.weight", weights.take(src + "self_attn.o_proj.weight", (h, q_out))
         if spec.o_bias:
-            state[dst + "attn.o.bias"] = weights.take(src + "self_attn.o_proj.bias", (h,))
+            yield dst + "attn.o.bias", weights.take(src + "self_attn.o_proj.bias", (h,))
         if spec.qk_norm:
             q_width, k_width = (q_out, kv_out) if spec.qk_norm_all_heads else (d, d)
-            state[dst + "attn.q_norm.weight"] = weights.take(src + "self_attn.q_norm.weight", (q_width,))
-            state[dst + "attn.k_norm.weight"] = weights.take(src + "self_attn.k_norm.weight", (k_width,))
+            yield dst + "attn.q_norm.weight", weights.take(src + "self_attn.q_norm.weight", (q_width,))
+            yield dst + "attn.k_norm.weight", weights.take(src + "self_attn.k_norm.weight", (k_width,))
         if config.attention_sinks:
-            state[dst + "attn.sinks"] = weights.take(src + "self_attn.sinks", (config.num_heads,))
+            yield dst + "attn.sinks", weights.take(src + "self_attn.sinks", (config.num_heads,))
         if config.layer_has_experts(i):
-            state.update(_expert_weights(weights, src, dst + "mlp.", config))
+            yield from _expert_weights(weights, src, dst + "mlp.", config).items()
         else:
-            state.update(_mlp_weights(weights, src + "mlp.", dst + "mlp.", h, inter))
-        state.update(_layer_norms(weights, spec, src, dst, h))
-    state["norm.weight"] = weights.take("model.norm.weight", (h,))
+            yield from _mlp_weights(weights, src + "mlp.", dst + "mlp.", h, inter).items()
+        yield from _layer_norms(weights, spec, src, dst, h).items()
+    yield "norm.weight", weights.take("model.norm.weight", (h,))
     if config.tie_word_embeddings or "lm_head.weight" not in weights.tensors:
         if not config.tie_word_embeddings:
             raise CheckpointError(
                 "checkpoint has no 'lm_head.weight' and config.json does not tie embeddings"
             )
         weights.tensors.pop("lm_head.weight", None)
-        state["lm_head.weight"] = embed
+        yield "lm_head.weight", embed
     else:
-        state["lm_head.weight"] = weights.take("lm_head.weight", (config.vocab_size, h))
+        yield "lm_head.weight", weights.take("lm_head.weight", (config.vocab_size, h))
     _check_leftovers(weights)
-    if spec.norms_plus_one:  # Gemma's norms scale by (1 + w)
-        for name in [n for n in state if n.endswith("norm.weight")]:
-            state[name] = cast(torch.Tensor, state[name]).float() + 1.0  # (in float32, as Gemma does)
-    return state
+
+
+def _fused(parts: list[Weight]) -> Weight:
+    """Matrices stacked by rows (`cat_rows`), the file pages of the parts it copied dropped from
+    resident memory (a part it keeps as it is, in a `MixedRows` or `PartedRows`, maps them again
+    when it is packed)."""
+    fused = cat_rows(parts)
+    for part in parts:
+        release_read(part)
+    return fused
 
 
 def _mlp_weights(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:
@@ -463,7 +500,7 @@ def _mlp_weights(weights: _Weights, src: str, dst: str, h: int, inter: int) -> d
         gate_up = weights.take(src + "gate_up_proj.weight", (2 * inter, h))
     else:
         gate = weights.take(src + "gate_proj.weight", (inter, h))
-        gate_up = cat_rows([gate, weights.take(src + "up_proj.weight", (inter, h))])
+        gate_up = _fused([gate, weights.take(src + "up_proj.weight", (inter, h))])
     return {
         dst + "gate_up.weight": gate_up,
         dst + "down.weight": weights.take(src + "down_proj.weight", (h, inter)),
@@ -482,7 +519,7 @@ def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) 
         for e in range(count):
             expert = f"{src}block_sparse_moe.experts.{e}."
             gate, up = (weights.take(expert + w, (inter, h)) for w in ("w1.weight", "w3.weight"))
-            state[f"{dst}experts.{e}.gate_up.weight"] = cat_rows([gate, up])
+            state[f"{dst}experts.{e}.gate_up.weight"] = _fused([gate, up])
             state[f"{dst}experts.{e}.down.weight"] = weights.take(expert + "w2.weight", (h, inter))
         return state
     router = src + ("mlp.router." if src + "mlp.router.weight" in weights.tensors else "mlp.gate.")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from weft.kernels import GGUF_BLOCKS, BlockPart, PanelPart
+from weft.model.gguf_file import release_pages
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
@@ -230,6 +231,17 @@ def dequantized(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, (QuantizedRows, MixedRows, PartedRows)) else weight
 
 
+def release_read(weight: Weight) -> None:
+    """Drop the pages of a GGUF file's mapping that a weight in blocks is a view of, now that it has
+    been read (packed, copied, dequantized): `weft/model/gguf_file.py`. A copy, or a float tensor,
+    is left as it is."""
+    if isinstance(weight, QuantizedRows):
+        release_pages(weight.rows.data_ptr(), weight.rows.numel())
+    elif isinstance(weight, (MixedRows, PartedRows)):
+        for part in weight.parts:
+            release_read(part)
+
+
 def cat_rows(parts: list[Weight]) -> Weight:
     """Matrices stacked by rows (a fused q/k/v or gate/up): in blocks when every part is of one kind,
     `MixedRows` when they are k-quant parts of whole panels, Q8_0 where Q4_0, Q5_0 or IQ4_NL parts
@@ -276,4 +288,5 @@ __all__ = [
     "dequantized",
     "flat_blocks",
     "logical_shape",
+    "release_read",
 ]
