@@ -9,9 +9,10 @@ same panels in 4 KB pages.
 Allocations get 2 MB pages only where a process asks for them (`madvise(MADV_HUGEPAGE)`) on most
 distributions (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise`), so the loader moves
 the packed weights into such mappings: each matrix copied once, as it is packed or after, its old
-storage freed as it goes (the peak is the model plus one matrix). Packed straight into them, a
-model's panels never touch 4 KB pages at all: loading an 18.6 GB file took 4.5 million page
-faults less. Where the kernel has no transparent huge pages, or
+storage freed as it goes (the peak is the model plus one matrix). Packed straight into them
+(`HugePages`), a model's panels never touch 4 KB pages: the 18.6 GB Qwen3-30B-A3B file loads in
+49-53 s with 0.8-1.7 million page faults, against 177 s and 7.7 million when its panels were
+packed into the heap and moved after. Where the kernel has no transparent huge pages, or
 `WEFT_HUGE_PAGES=0`, the weights stay where they are.
 """
 
