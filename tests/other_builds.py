@@ -43,6 +43,7 @@ CHILD_TESTS = [
     ("", "test_quant_types.py"),  # Q2_K's products, Q3_K / IQ4 rewrites
     ("native", "test_sliding_window.py"),  # windows, sinks and soft caps in the attention kernels
     ("attention or written or half_cache or q8", "test_kv_cache_dtype.py"),  # half and Q8_0 caches
+    ("packed_linear_rows", "test_moe_rows.py"),  # a row's experts in one grouped product
 ]
 
 

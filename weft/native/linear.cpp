@@ -596,6 +596,24 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& panels, const st
               "packed_linear: bias must be a contiguous float32 [out_features]");
 }
 
+// out[e] = x[e] @ W_e.T: row e of x [E, K] float32 times the e-th of `panels`, int8 dot panels of
+// one shape and kind (pack_dot) without a bias, into out [E, out_features]: a layer's routed experts
+// at batch 1 (model/moe.py), each the same numbers as packed_linear(x[e : e + 1], panels[e]), in one
+// parallel region.
+at::Tensor packed_linear_rows(const at::Tensor& x_in, at::TensorList panels, int64_t out_features) {
+  TORCH_CHECK(!panels.empty() && x_in.dim() == 2 && x_in.size(0) == static_cast<int64_t>(panels.size()),
+              "packed_linear_rows: x must be [E, K], one row for each of the E matrices");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  for (const auto& p : panels) {
+    check_linear_inputs(x, p, std::nullopt, out_features);
+    TORCH_CHECK(p.scalar_type() == at::kChar && p.sizes() == panels[0].sizes(),
+                "packed_linear_rows: the matrices must be int8 dot panels of one shape and kind");
+  }
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  weft::dot_linear_rows(x, panels, out);
+  return out;
+}
+
 // The K values of a row rounded to bfloat16 as (K + 1) / 2 pair words (the last one's high half 0
 // where K is odd), a vector at a time (a scalar loop took 1 ms of a 4,096 x 576 product's 13).
 inline void round_to_pairs(const float* row, int64_t k, uint32_t* words) {
@@ -848,6 +866,7 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("embedding_from_panels(Tensor ids, Tensor panels, int num_rows, int num_features) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, bool bf16_dot=False) -> Tensor");
+  m.def("packed_linear_rows(Tensor x, Tensor[] panels, int out_features) -> Tensor");
   m.def("packed_glu_pairs(Tensor x, Tensor panels, int intermediate) -> Tensor");
   m.def("packed_linear_pairs(Tensor xq, int m, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("packed_glu_pairs_from_pairs(Tensor xq, int m, Tensor panels, int intermediate) -> Tensor");
@@ -858,6 +877,7 @@ TORCH_LIBRARY_IMPL(weft, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("embedding_from_panels", &embedding_from_panels);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_rows", &packed_linear_rows);
   m.impl("packed_glu_pairs", &packed_glu_pairs);
   m.impl("packed_linear_pairs", &packed_linear_pairs);
   m.impl("packed_glu_pairs_from_pairs", &packed_glu_pairs_from_pairs);

@@ -87,6 +87,7 @@ inline void quantize_q8_row(const float* x, BlockQ8* out, int64_t n) {
   }
 }
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
+void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool bf16_dot);
 

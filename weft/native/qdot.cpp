@@ -667,9 +667,50 @@ void run_dot(const at::Tensor& x, const at::Tensor& panels, const float* bias, a
                                 static_cast<const uint8_t*>(xq.data_ptr()), rows * row_bytes, row_bytes, row_bytes);
 }
 
+// out[e] = x[e] @ W_e.T for one row per matrix (a layer's routed experts at batch 1), each W_e of
+// `panels` (one shape, one kind): one quantization of the rows and one parallel region over every
+// panel of every matrix, where a call per matrix is a region each, its threads' streams ramping up
+// anew for a matrix of a megabyte or two.
+template <typename Tiles>
+void run_dot_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out) {
+  const at::Tensor xq = quantize_activations<Tiles::kActivations>(x);  // [E, row bytes]
+  const int64_t row_bytes = xq.size(1), k = x.size(1), n = out.size(1);
+  const int64_t per = panels[0].size(0), panel_bytes = panels[0].stride(0);
+  const weft::tiles::TileFn kernel = weft::tiles::kWholeTiles<Tiles>[1];
+  const float* xp = x.data_ptr<float>();
+  const auto* xqp = static_cast<const uint8_t*>(xq.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(panels.size()) * per, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = i / per, col = (i % per) * kPanel;
+      const auto* wp = static_cast<const uint8_t*>(panels[e].data_ptr()) + (i % per) * panel_bytes;
+      const Tile tile{xp + e * x.stride(0), x.stride(0), xqp + e * row_bytes, row_bytes, wp, k, op + e * n + col, n,
+                      std::min<int64_t>(kPanel, n - col), nullptr, 0};
+      kernel(tile);
+    }
+  });
+}
+
 }  // namespace
 
 namespace weft {
+
+void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out) {
+  switch (panels[0].size(2)) {
+    case kQ8DotBlockBytes: run_dot_rows<Q8DotTiles>(x, panels, out); break;
+    case kIq4NlDotBlockBytes: run_dot_rows<Iq4DotTiles<ActBlocks::kQ8_0>>(x, panels, out); break;
+    case kIq4XsDotBlockBytes: run_dot_rows<Iq4DotTiles<ActBlocks::kQ8_K>>(x, panels, out); break;
+    case kQ4_0DotBlockBytes: run_dot_rows<LegacyDotTiles<false, false>>(x, panels, out); break;
+    case kQ5_0DotBlockBytes: run_dot_rows<LegacyDotTiles<true, false>>(x, panels, out); break;
+    case kQ4_1DotBlockBytes: run_dot_rows<LegacyDotTiles<false, true>>(x, panels, out); break;
+    case kQ5_1DotBlockBytes: run_dot_rows<LegacyDotTiles<true, true>>(x, panels, out); break;
+    case kQ4KDotBlockBytes: run_dot_rows<Q4KDotTiles>(x, panels, out); break;
+    case kQ3KDotBlockBytes: run_dot_rows<SmallKDotTiles<3, false>>(x, panels, out); break;
+    case kQ2KDotBlockBytes: run_dot_rows<SmallKDotTiles<2, true>>(x, panels, out); break;
+    case kQ6KDotBlockBytes(false): run_dot_rows<SmallKDotTiles<6, false>>(x, panels, out); break;
+    default: run_dot_rows<SmallKDotTiles<6, true>>(x, panels, out); break;
+  }
+}
 
 bool is_dot_panels(const at::Tensor& panels, int64_t k) {
   if (panels.scalar_type() != at::kChar || panels.dim() != 3 || !panels.is_contiguous()) return false;
