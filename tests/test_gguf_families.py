@@ -150,12 +150,15 @@ def test_mxfp4_experts_run_from_their_blocks_exactly(gptoss_mxfp4, reference):
     from gguf.quants import dequantize
 
     from weft.model.gguf_checkpoint import GgufCheckpoint
+    from weft.model.quantized import DeferredRows
 
     checkpoint = GgufCheckpoint(gptoss_mxfp4)
     tensor = next(t for t in checkpoint.reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
     experts = dict(checkpoint._experts(tensor, 0, "up_proj.weight", keep_blocks=True))
-    rows = experts["model.layers.0.mlp.experts.1.up_proj.weight"]
+    deferred = experts["model.layers.0.mlp.experts.1.up_proj.weight"]
     exact = dequantize(np.asarray(tensor.data), tensor.tensor_type)[1]  # [out, in]
+    assert isinstance(deferred, DeferredRows) and deferred.shape == exact.shape  # made when taken
+    rows = deferred.make()
     assert rows.kind == "q5_0" and np.array_equal(dequantize(rows.rows.numpy(), gguf_q5_0()), exact)
     fast = LLM(str(gptoss_mxfp4), show_progress=False, max_logprobs=5)
     assert "Q5_0 for 32 matrices (int8 dot panels)" in fast.kernels["linear"]

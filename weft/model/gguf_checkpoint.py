@@ -24,6 +24,7 @@ Every error names the file and the problem, and says what weft reads instead.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -35,8 +36,8 @@ import torch
 
 from weft.config import ConfigError, ModelConfig
 from weft.model.gguf_file import GgufFile, release_pages
-from weft.model.mxfp4 import mxfp4_as_q5_0
-from weft.model.quantized import QuantizedRows, Weight
+from weft.model.mxfp4 import MXFP4_BLOCK_BYTES, mxfp4_as_q5_0
+from weft.model.quantized import DeferredRows, Loaded, QuantizedRows
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {
@@ -368,7 +369,7 @@ class GgufCheckpoint:
             raise GgufError(f"{self.path}: {ROPE_FREQS} has {len(values)} factors, not head_dim / 2")
         return replace(config, rope=replace(config.rope, freq_factors=values))
 
-    def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
+    def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Loaded]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
         with `keep_blocks` a quantized matrix as its rows of blocks (`QuantizedRows`)."""
         heads = self._key("attention.head_count")
@@ -402,14 +403,20 @@ class GgufCheckpoint:
 
     def _experts(
         self, tensor: Any, layer: int, matrix: str, keep_blocks: bool
-    ) -> Iterator[tuple[str, Weight]]:
+    ) -> Iterator[tuple[str, Loaded]]:
         """Each expert's matrix of an [experts, out, in] tensor (or bias of an [experts, out] one),
-        under Qwen3-MoE's names: in its blocks where asked and the type is kept so, else
-        dequantized to float32."""
+        under Qwen3-MoE's names: in its blocks where asked and the type is kept so (MXFP4's
+        rewritten as Q5_0 when the loader takes each, `DeferredRows`), else dequantized to float32."""
         kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
-        if kind:
+        weights: list[Loaded]
+        if kind and tensor.tensor_type.name == "MXFP4":
+            mapped = np.asarray(tensor.data, dtype=np.uint8)  # [E, out, bytes], a view of the mapping
+            shape = (mapped.shape[1], mapped.shape[2] // MXFP4_BLOCK_BYTES * 32)
+            make = [functools.partial(_mxfp4_expert, mapped, e) for e in range(mapped.shape[0])]
+            weights = [DeferredRows(shape, m) for m in make]
+        elif kind:
             rows = torch.from_numpy(_block_bytes(tensor))  # [E, out, bytes]
-            weights: list[Weight] = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
+            weights = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
         else:
             weights = list(self.dequantized(tensor))  # [out, in] each
         for e, weight in enumerate(weights):
@@ -430,6 +437,14 @@ class GgufCheckpoint:
 
     def _blocks(self, tensor: Any, kind: str) -> QuantizedRows:
         return QuantizedRows(kind, torch.from_numpy(_block_bytes(tensor)))  # [rows, bytes per row]
+
+
+def _mxfp4_expert(rows: np.ndarray, expert: int) -> QuantizedRows:
+    """Expert `expert` of an MXFP4 [E, out, bytes] tensor as Q5_0 blocks of the same weights, its
+    file pages then released (weft/model/gguf_file.py)."""
+    q5_0 = QuantizedRows("q5_0", torch.from_numpy(mxfp4_as_q5_0(rows[expert])))
+    release_pages(rows[expert].ctypes.data, rows[expert].nbytes)
+    return q5_0
 
 
 def _block_bytes(tensor: Any) -> np.ndarray:

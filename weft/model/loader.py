@@ -53,6 +53,8 @@ from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import (
+    DeferredRows,
+    Loaded,
     MixedRows,
     PartedRows,
     QuantizedRows,
@@ -107,7 +109,7 @@ def open_source(path: Path) -> Source:
 
 def checkpoint_tensors(
     source: Source, show_progress: bool = True, keep_blocks: bool = False
-) -> Iterator[tuple[str, Path, Weight]]:
+) -> Iterator[tuple[str, Path, Loaded]]:
     """(Hugging Face name, file, weight) for every tensor of a checkpoint directory or GGUF file
     (with `keep_blocks`, quantized matrices in their blocks: `weft/model/quantized.py`)."""
     if not isinstance(source, GgufCheckpoint):
@@ -147,12 +149,12 @@ class _Weights:
     """The checkpoint's tensors by Hugging Face name, remembering which file each came from."""
 
     def __init__(self) -> None:
-        self.tensors: dict[str, Weight] = {}
+        self.tensors: dict[str, Loaded] = {}  # a DeferredRows made as it is taken
         self.files: dict[str, Path] = {}
         self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
         self.kinds: dict[str, str] = {}  # the quantized kind of packed panels ("q8_0", ...)
 
-    def add(self, name: str, path: Path, tensor: Weight) -> None:
+    def add(self, name: str, path: Path, tensor: Loaded) -> None:
         self.tensors[name] = tensor
         self.files[name] = path
 
@@ -172,7 +174,8 @@ class _Weights:
     def take(self, name: str, shape: tuple[int, ...]) -> Weight:
         if name not in self.tensors:
             raise CheckpointError(f"checkpoint has no tensor {name!r}, which the config requires")
-        tensor = self.tensors.pop(name)
+        loaded = self.tensors.pop(name)
+        tensor = loaded.make() if isinstance(loaded, DeferredRows) else loaded
         if name in self.packed:  # checked when packed
             return tensor
         if logical_shape(tensor) != shape:
@@ -415,8 +418,8 @@ def _read_weights(
     with `cut`, each tensor is cut to a tensor-parallel rank's part as it is read."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
-        if cut is not None:
-            tensor = cut(name, tensor)
+        if cut is not None:  # (a rank's part of a deferred matrix: made now)
+            tensor = cut(name, tensor.make() if isinstance(tensor, DeferredRows) else tensor)
         if quantization is not None and quantizes(name, tensor, config.tie_word_embeddings):
             assert isinstance(tensor, torch.Tensor)
             tensor = quantize_rows(tensor, "q8_0" if name == EMBED else quantization)

@@ -23,6 +23,7 @@ the formats.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -183,6 +184,19 @@ class PartedRows:
 Weight = torch.Tensor | QuantizedRows | MixedRows | PartedRows
 
 
+@dataclass(frozen=True, slots=True)
+class DeferredRows:
+    """A matrix in blocks that is made when the loader takes it (`make`), not when the file is read:
+    an MXFP4 expert rewritten as Q5_0 blocks, which for all of gpt-oss-20b's experts at once would be
+    13 GB of copies beside the panels packed from them."""
+
+    shape: tuple[int, int]  # the [N, K] it stands for
+    make: Callable[[], QuantizedRows]
+
+
+Loaded = Weight | DeferredRows  # a tensor as a checkpoint reader yields it
+
+
 def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
     """Q4_0, Q5_0 or IQ4_NL rows of blocks [N, K / 32 * 18 or 22] as Q8_0 ones, exactly: each block's
     weights are d * (q - 8) or d * (q - 16), and q - 8 or q - 16 is an int8 under the same float16 d
@@ -279,6 +293,8 @@ __all__ = [
     "LEGACY",
     "NO_EXACT_PANELS",
     "REWRITTEN",
+    "DeferredRows",
+    "Loaded",
     "MixedRows",
     "PartedRows",
     "QuantizedRows",
