@@ -6,7 +6,9 @@ are those of a real file).
 fallback): Q4_K everywhere, but Q6_K for the output matrix (the token embedding where it is tied)
 and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last eighth of
 the layers, and every third between); rows that are not whole 256-feature super-blocks fall back as
-llama.cpp's do (Q4_K to Q5_0, Q6_K to Q8_0). `q8_0`, `q4_0`: every matrix in that type. Each
+llama.cpp's do (Q4_K to Q5_0, Q6_K to Q8_0). `q8_0`, `q4_0`: every matrix in that type. `mxfp4`
+(gpt-oss, as the published gpt-oss files are): the experts in MXFP4 blocks (each block's E8M0
+scale drawn from 2^-9 .. 2^-4), every other matrix in Q8_0. Each
 block's float16 scales are drawn small and finite, its quants uniformly; norms are 1. `f16`:
 float16 weights drawn normal (`stds`), the source from which llama.cpp's quantizer makes a file of
 any type (benchmarks/make_quant_files.py). The file carries the configuration but no tokenizer: the
@@ -34,7 +36,7 @@ SCALES = {
     "q5_k": (0, 2),
     "q6_k": (208,),
 }
-MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "f16")
+MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "f16", "mxfp4")
 # llama.cpp's fallbacks where a matrix's rows are not whole 256-feature super-blocks
 _FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
@@ -46,6 +48,8 @@ def _more_bits(layer: int, num_layers: int) -> bool:
 
 
 def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int) -> str:
+    if mix == "mxfp4":
+        return "mxfp4" if name.endswith("_exps") else "q8_0"
     if mix not in ("q4_k_m", "q5_k_m"):
         return mix
     six = name in ("output", "token_embd_tied") or (
@@ -70,6 +74,15 @@ def random_blocks(
     return data.reshape(rows, -1)
 
 
+def random_mxfp4(rows: int, features: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] uint8: random MXFP4 blocks (an E8M0 scale byte, then 16 bytes of 4-bit codes)."""
+    if features % 32:
+        raise ValueError(f"{features} input features are not whole MXFP4 blocks of 32")
+    data = rng.integers(0, 256, size=(rows, features // 32, 17), dtype=np.uint8)
+    data[..., 0] = rng.integers(118, 124, size=(rows, features // 32), dtype=np.uint8)  # 2^-9 .. 2^-4
+    return data.reshape(rows, -1)
+
+
 # Hugging Face architecture -> llama.cpp's (the families whose shapes these files take)
 GGUF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -79,6 +92,7 @@ GGUF_ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "SmolLM3ForCausalLM": "smollm3",  # llama's tensors; every 4th layer without rotary embedding
     "GraniteForCausalLM": "granite",  # llama's tensors, and its four scales
+    "GptOssForCausalLM": "gpt-oss",  # biases, sinks, YaRN, windows in every other layer, MXFP4 experts
 }
 # Granite's scales: config.json key -> llama.cpp's key (under the architecture's name)
 GRANITE_SCALES = {
@@ -136,7 +150,8 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2, "f16": 1}[mix])
+    writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2, "f16": 1, "mxfp4": 38}[mix])
+    _write_rope_scaling(writer, config.get("rope_scaling") or {})
     if config.get("sliding_window") and config.get("layer_types"):
         writer.add_sliding_window(config["sliding_window"])
     if config.get("attn_logit_softcapping"):
@@ -149,7 +164,23 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     if _num_experts(config):
         writer.add_expert_count(_num_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_feed_forward_length(
+            config.get("moe_intermediate_size", config["intermediate_size"])
+        )
+
+
+def _write_rope_scaling(writer: Any, scaling: dict[str, Any]) -> None:
+    """YaRN's keys (gpt-oss's), as llama.cpp's converter writes them."""
+    import gguf
+
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    for key in ("beta_fast", "beta_slow"):
+        if key in scaling:
+            writer.add_float32(f"{writer.arch}.rope.scaling.yarn_{key}", float(scaling[key]))
 
 
 def _num_experts(config: dict[str, Any]) -> int:
@@ -191,8 +222,11 @@ def _write_tensors(
             values = rng.normal(0.0, std, size=(max(experts, 1) * rows, features)).astype(np.float16)
             writer.add_tensor(name, values.reshape(experts, rows, -1) if experts else values)
             return
-        kind = tensor_kind(mix, kind_name, layer, layers, features)
-        blocks = random_blocks(kind, rows * max(experts, 1), features, rng)
+        kind = tensor_kind(mix, kind_name + ("_exps" if experts else ""), layer, layers, features)
+        if kind == "mxfp4":
+            blocks = random_mxfp4(rows * max(experts, 1), features, rng)
+        else:
+            blocks = random_blocks(kind, rows * max(experts, 1), features, rng)
         data = blocks.reshape(experts, rows, -1) if experts else blocks
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
 
@@ -200,6 +234,9 @@ def _write_tensors(
         writer.add_tensor(name, np.ones(size, dtype=np.float32))
 
     matrix("token_embd.weight", "token_embd_tied" if tied else "token_embd", 0, vocab, hidden)
+    if arch == "gpt-oss":
+        _write_gpt_oss_layers(writer, config, matrix, rng)
+        layers = 0
     for i in range(layers):
         ones(f"blk.{i}.attn_norm.weight", hidden)
         ones(f"blk.{i}.ffn_norm.weight", hidden)
@@ -228,6 +265,38 @@ def _write_tensors(
     ones("output_norm.weight", hidden)
     if not tied:
         matrix("output.weight", "output", 0, vocab, hidden)
+
+
+def _write_gpt_oss_layers(writer: Any, config: dict[str, Any], matrix: Any, rng: np.random.Generator) -> None:
+    """gpt-oss's layers under llama.cpp's names: q/k/v/o with biases (zeros), each head's attention
+    sink, post_attention_norm before the experts, a router with a bias, and the experts' gate, up and
+    down matrices with biases (zeros)."""
+    hidden, heads, kv_heads = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    head_dim, experts, inter = config["head_dim"], _num_experts(config), config["intermediate_size"]
+
+    def floats(name: str, *shape: int, std: float = 0.0) -> None:
+        writer.add_tensor(
+            name, rng.normal(0.0, std, size=shape).astype(np.float32) if std else np.zeros(shape, np.float32)
+        )
+
+    for i in range(config["num_hidden_layers"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.post_attention_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+            matrix(f"blk.{i}.attn_{name}.weight", f"attn_{name}", i, rows, hidden)
+            floats(f"blk.{i}.attn_{name}.bias", rows)
+        matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
+        floats(f"blk.{i}.attn_output.bias", hidden)
+        floats(f"blk.{i}.attn_sinks.weight", heads, std=1.0)
+        floats(f"blk.{i}.ffn_gate_inp.weight", experts, hidden, std=0.02)
+        floats(f"blk.{i}.ffn_gate_inp.bias", experts)
+        for name, rows, features in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+            matrix(f"blk.{i}.ffn_{name}_exps.weight", f"ffn_{name}", i, rows, features, experts)
+            floats(f"blk.{i}.ffn_{name}_exps.bias", experts, rows)
 
 
 def word_level_tokenizer(vocab_size: int, out: Path) -> Path:

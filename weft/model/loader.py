@@ -470,7 +470,7 @@ def _renamed(weights: _Weights, spec: DecoderSpec, config: ModelConfig) -> Itera
         if config.attention_sinks:
             yield dst + "attn.sinks", weights.take(src + "self_attn.sinks", (config.num_heads,))
         if config.layer_has_experts(i):
-            yield from _expert_weights(weights, src, dst + "mlp.", config).items()
+            yield from _expert_weights(weights, src, dst + "mlp.", config)
         else:
             yield from _mlp_weights(weights, src + "mlp.", dst + "mlp.", h, inter).items()
         yield from _layer_norms(weights, spec, src, dst, h).items()
@@ -510,36 +510,39 @@ def _mlp_weights(weights: _Weights, src: str, dst: str, h: int, inter: int) -> d
     }
 
 
-def _expert_weights(weights: _Weights, src: str, dst: str, config: ModelConfig) -> dict[str, Weight]:
-    """A mixture of experts' router and each expert's gate|up and down matrices: Qwen2/3-MoE's and
-    OLMoE's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj` (and Qwen2-MoE's
-    `mlp.shared_expert` and `mlp.shared_expert_gate`), Mixtral's `block_sparse_moe.gate` and
-    `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down)."""
+def _expert_weights(
+    weights: _Weights, src: str, dst: str, config: ModelConfig
+) -> Iterator[tuple[str, Weight]]:
+    """A mixture of experts' router and each expert's gate|up and down matrices, one expert at a
+    time: Qwen2/3-MoE's and OLMoE's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj` (and
+    Qwen2-MoE's `mlp.shared_expert` and `mlp.shared_expert_gate`), Mixtral's `block_sparse_moe.gate`
+    and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up) and `w2` (down)."""
     h, inter, count = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    state: dict[str, Weight] = {}
     if src + "block_sparse_moe.gate.weight" in weights.tensors:  # Mixtral's names
-        state[dst + "router.weight"] = weights.take(src + "block_sparse_moe.gate.weight", (count, h))
+        yield dst + "router.weight", weights.take(src + "block_sparse_moe.gate.weight", (count, h))
         for e in range(count):
             expert = f"{src}block_sparse_moe.experts.{e}."
             gate, up = (weights.take(expert + w, (inter, h)) for w in ("w1.weight", "w3.weight"))
-            state[f"{dst}experts.{e}.gate_up.weight"] = _fused([gate, up])
-            state[f"{dst}experts.{e}.down.weight"] = weights.take(expert + "w2.weight", (h, inter))
-        return state
+            yield f"{dst}experts.{e}.gate_up.weight", _fused([gate, up])
+            yield f"{dst}experts.{e}.down.weight", weights.take(expert + "w2.weight", (h, inter))
+        return
     router = src + ("mlp.router." if src + "mlp.router.weight" in weights.tensors else "mlp.gate.")
-    state[dst + "router.weight"] = weights.take(router + "weight", (count, h))
+    yield dst + "router.weight", weights.take(router + "weight", (count, h))
     if config.expert_bias:
-        state[dst + "router.bias"] = weights.take(router + "bias", (count,))
+        yield dst + "router.bias", weights.take(router + "bias", (count,))
     shared = config.shared_expert_intermediate_size
     if shared:  # Qwen2-MoE's shared expert and its gate
-        state.update(_mlp_weights(weights, src + "mlp.shared_expert.", dst + "shared_expert.", h, shared))
-        state[dst + "shared_gate.weight"] = weights.take(src + "mlp.shared_expert_gate.weight", (1, h))
+        shared_mlp = _mlp_weights(weights, src + "mlp.shared_expert.", dst + "shared_expert.", h, shared)
+        yield from shared_mlp.items()
+        yield dst + "shared_gate.weight", weights.take(src + "mlp.shared_expert_gate.weight", (1, h))
     if src + "mlp.experts.gate_up_proj" in weights.tensors:  # gpt-oss's experts, in three tensors each
-        return {**state, **_fused_experts(weights, src + "mlp.experts.", dst + "experts.", config)}
+        yield from _fused_experts(weights, src + "mlp.experts.", dst + "experts.", config).items()
+        return
     for e in range(count):
-        state.update(_mlp_weights(weights, f"{src}mlp.experts.{e}.", f"{dst}experts.{e}.", h, inter))
+        names = f"{src}mlp.experts.{e}.", f"{dst}experts.{e}."
+        yield from _mlp_weights(weights, *names, h, inter).items()
         if config.expert_bias:
-            state.update(_expert_biases(weights, f"{src}mlp.experts.{e}.", f"{dst}experts.{e}.", h, inter))
-    return state
+            yield from _expert_biases(weights, *names, h, inter).items()
 
 
 def _expert_biases(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:
