@@ -444,3 +444,24 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
     assert "Q8_0" in llm.kernels["linear"]
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_random_gpt_oss_files_hold_mxfp4_experts(checkpoint_factory, tmp_path):
+    """`--gguf-type mxfp4` writes gpt-oss's experts in MXFP4 blocks and its other matrices in Q8_0,
+    as the published files hold them, with its YaRN scaling; weft runs them (the experts as Q5_0
+    blocks of the same weights)."""
+    from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
+
+    config = checkpoint_factory("gptoss") / "config.json"
+    path = write_random_gguf(config, "mxfp4", tmp_path / "random.gguf", num_layers=2)
+    kinds = {t.name: t.tensor_type.name for t in GgufFile(path).tensors}
+    assert kinds["blk.1.ffn_up_exps.weight"] == kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    assert kinds["blk.0.attn_q.weight"] == kinds["output.weight"] == "Q8_0"
+    tokenizer = word_level_tokenizer(384, tmp_path / "tokenizer")
+    llm = LLM(str(path), tokenizer=str(tokenizer), show_progress=False)
+    model = llm.config.model
+    assert (model.num_layers, model.num_experts, model.rope.theta) == (2, 4, 150000.0)
+    assert (model.rope.rope_type.value, model.rope.factor) == ("yarn", 8.0)
+    assert "Q5_0 for 16 matrices" in llm.kernels["linear"], llm.kernels["linear"]  # 2 layers x 4 x 2
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4

@@ -43,13 +43,19 @@ def test_packed_linear_rows_refuses_what_it_cannot_multiply():
         torch.ops.weft.packed_linear_rows(torch.randn(2, 256), [q4k, q8], 64)
 
 
-@pytest.fixture(scope="module")
-def moe_llm(checkpoint_factory, tmp_path_factory) -> LLM:
+FILES = [("qwen3moe", "q8_0"), ("gptoss", "mxfp4")]
+
+
+@pytest.fixture(scope="module", params=FILES, ids=[arch for arch, _ in FILES])
+def moe_llm(request, checkpoint_factory, tmp_path_factory) -> LLM:
+    """Random files of two layers: Qwen3-MoE's experts in Q8_0; gpt-oss's in MXFP4 (run as Q5_0),
+    with biases and its clamped SwiGLU."""
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 
-    out = tmp_path_factory.mktemp("moe-rows")
-    config = checkpoint_factory("qwen3moe") / "config.json"
-    path = write_random_gguf(Path(config), "q8_0", out / "random.gguf", num_layers=2)
+    arch, mix = request.param
+    out = tmp_path_factory.mktemp(f"moe-rows-{arch}")
+    config = checkpoint_factory(arch) / "config.json"
+    path = write_random_gguf(Path(config), mix, out / "random.gguf", num_layers=2)
     return LLM(str(path), tokenizer=str(word_level_tokenizer(384, out / "tokenizer")), show_progress=False)
 
 

@@ -139,7 +139,7 @@ def test_bad_rows_are_refused_with_the_layout_they_need():
         RuntimeError, match=r"rewrite_blocks: expected a GGUF tensor's rows as uint8 \[N, K / block \* 110\]"
     ):
         torch.ops.weft.rewrite_blocks(torch.zeros(2, 100, dtype=torch.uint8), "q3_k")
-    with pytest.raises(RuntimeError, match="kind must be q3_k, iq4_nl or iq4_xs, not q4_k"):
+    with pytest.raises(RuntimeError, match="kind must be q3_k, iq4_nl, iq4_xs or mxfp4, not q4_k"):
         torch.ops.weft.rewrite_blocks(torch.zeros(2, 144, dtype=torch.uint8), "q4_k")
     with pytest.raises(ValueError, match="q2_k has no exact quantized panels"):
         QuantizedRows("q2_k", random_low_bit("q2_k", 32, 256, seed=0)).pack(dot=False)
@@ -175,3 +175,20 @@ def test_a_fusion_no_one_layout_holds_runs_in_parts():
         ]
     )
     assert torch.equal(fused.dequantize(), reference)
+
+
+def test_mxfp4_blocks_are_rewritten_as_the_numpy_rewrite_does():
+    """The native MXFP4 -> Q5_0 rewrite of gpt-oss's experts is weft/model/mxfp4.py's, bit for bit:
+    every code, and scales from 2^-128 (zero in float16) through float16's subnormals up to 2^15."""
+    from weft.model.mxfp4 import mxfp4_as_q5_0
+
+    require_native_kernels()
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(64, 40, 17), dtype=np.uint8)
+    blocks[..., 0] = rng.integers(0, 144, size=(64, 40))  # e - 128 from -128 to 15
+    rows = blocks.reshape(64, -1)
+    native = torch.ops.weft.rewrite_blocks(torch.from_numpy(rows), "mxfp4")
+    assert np.array_equal(native.numpy(), mxfp4_as_q5_0(rows))
+    blocks[0, 0, 0] = 144
+    with pytest.raises(RuntimeError, match="above 2\\^15"):
+        torch.ops.weft.rewrite_blocks(torch.from_numpy(blocks.reshape(64, -1)), "mxfp4")

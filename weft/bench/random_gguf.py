@@ -147,11 +147,12 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers 5: the latter)
+    writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2, "f16": 1, "mxfp4": 38}[mix])
-    _write_rope_scaling(writer, config.get("rope_scaling") or {})
+    _write_rope_scaling(writer, rope)
     if config.get("sliding_window") and config.get("layer_types"):
         writer.add_sliding_window(config["sliding_window"])
     if config.get("attn_logit_softcapping"):

@@ -442,7 +442,10 @@ class GgufCheckpoint:
 def _mxfp4_expert(rows: np.ndarray, expert: int) -> QuantizedRows:
     """Expert `expert` of an MXFP4 [E, out, bytes] tensor as Q5_0 blocks of the same weights, its
     file pages then released (weft/model/gguf_file.py)."""
-    q5_0 = QuantizedRows("q5_0", torch.from_numpy(mxfp4_as_q5_0(rows[expert])))
+    if hasattr(torch.ops.weft, "rewrite_blocks"):  # weft's kernels: 12-22x faster than numpy
+        q5_0 = QuantizedRows("q5_0", torch.ops.weft.rewrite_blocks(torch.from_numpy(rows[expert]), "mxfp4"))
+    else:
+        q5_0 = QuantizedRows("q5_0", torch.from_numpy(mxfp4_as_q5_0(rows[expert])))
     release_pages(rows[expert].ctypes.data, rows[expert].nbytes)
     return q5_0
 

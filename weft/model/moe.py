@@ -12,8 +12,9 @@ expert that every row runs, its output scaled by sigmoid(gate . x) with a gate v
 Each expert is an ordinary pair of `Linear` layers, so quantized experts run through the same
 panels as dense matrices. A row alone (batch 1) whose experts are all in int8 dot panels of one
 kind takes them in two grouped products instead (`packed_linear_rows`: the row's gate|up rows, then
-its down rows, each product one parallel region over every routed expert's panels), the same
-numbers in 4 calls a layer where the expert-by-expert loop made 40.
+its down rows, each product one parallel region over every routed expert's panels, and gpt-oss's
+biases added after, as a tile adds them), the same numbers in a few calls a layer where the
+expert-by-expert loop made 40.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class Expert(nn.Module):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        gate_up = self.gate_up(x)  # [N, 2I]
+        return self.down(self.activation(self.gate_up(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2I] -> [N, I], row by row
         if self.limit is None:
-            return self.down(self.kernels.silu_mul(gate_up))
+            return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         gate = gate.clamp(max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return self.down(up.clamp(-self.limit, self.limit).add_(1.0).mul_(glu))
+        return up.clamp(-self.limit, self.limit).add_(1.0).mul_(glu)
 
 
 class SparseMoE(nn.Module):
@@ -63,6 +66,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = Expert(config, kernels, shared) if shared else None
         self.shared_gate = Linear(config.hidden_size, 1) if shared else None
         self._grouped: bool | None = None  # whether a row alone takes the grouped products (`_groups`)
+        self._biases: tuple[torch.Tensor, torch.Tensor] | None = None  # every expert's, [E, 2I], [E, hidden]
 
     def forward(self, x: torch.Tensor | BFloat16Pairs, rows: object = None) -> torch.Tensor:  # [T, hidden]
         assert isinstance(x, torch.Tensor)  # (its norm writes floats: `takes_pairs` is False)
@@ -100,27 +104,33 @@ class SparseMoE(nn.Module):
         gate_up = torch.ops.weft.packed_linear_rows(
             x.expand(k, hidden), [e.gate_up.weight for e in experts], experts[0].gate_up.out_features
         )  # [k, 2I]
-        act = experts[0].kernels.silu_mul(gate_up)  # [k, I]
+        if self._biases is not None:  # (a tile adds its bias to the same sums: the same numbers)
+            gate_up.add_(self._biases[0].index_select(0, chosen[0]))
+        act = experts[0].activation(gate_up)  # [k, I]
         y = torch.ops.weft.packed_linear_rows(act, [e.down.weight for e in experts], hidden)  # [k, hidden]
+        if self._biases is not None:
+            y.add_(self._biases[1].index_select(0, chosen[0]))
         out = y.mul_(weights[0, :, None].to(y.dtype)).view(1, k, hidden).sum(1)  # [1, hidden]
         if self.shared_expert is not None and self.shared_gate is not None:
             out.add_(self.shared_expert(x).mul_(torch.sigmoid(self.shared_gate(x))))
         return out
 
     def _groups(self) -> bool:
-        """Whether every expert's two matrices are int8 dot panels without bias, of one shape each
-        (what `packed_linear_rows` multiplies), with a plain SwiGLU between: decided once."""
+        """Whether every expert's two matrices are int8 dot panels of one shape each (what
+        `packed_linear_rows` multiplies), all with a bias or none: decided once, and their biases
+        stacked."""
         if self._grouped is None:
             linears = [(e.gate_up, e.down) for e in cast(list[Expert], list(self.experts))]
-            self._grouped = (
-                hasattr(torch.ops.weft, "packed_linear_rows")
-                and all(e.limit is None for e in self.experts)
-                and all(
-                    len({lin[i].weight.shape for lin in linears}) == 1
-                    and all(_dot_panels(lin[i]) for lin in linears)
-                    for i in (0, 1)
-                )
+            self._grouped = hasattr(torch.ops.weft, "packed_linear_rows") and all(
+                len({(lin[i].weight.shape, lin[i].bias is None) for lin in linears}) == 1
+                and all(_dot_panels(lin[i]) for lin in linears)
+                for i in (0, 1)
             )
+            if self._grouped and linears[0][0].bias is not None:
+                self._biases = cast(
+                    tuple[torch.Tensor, torch.Tensor],
+                    tuple(torch.stack([cast(torch.Tensor, lin[i].bias) for lin in linears]) for i in (0, 1)),
+                )
         return self._grouped
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] float32, [T, k] int64
@@ -136,12 +146,12 @@ class SparseMoE(nn.Module):
 
 
 def _dot_panels(linear: Linear) -> bool:
-    """Whether a Linear holds one matrix of int8 dot panels on the CPU, without a bias."""
-    weight = linear.weight
+    """Whether a Linear holds one matrix of int8 dot panels on the CPU (and a float32 bias or none)."""
+    weight, bias = linear.weight, linear.bias
     return (
         linear.layout is WeightLayout.PANELS
         and linear.parts is None
-        and linear.bias is None
+        and (bias is None or bias.dtype == torch.float32)
         and weight.dtype == torch.int8
         and weight.dim() == 3
         and weight.device.type == "cpu"

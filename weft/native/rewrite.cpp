@@ -11,6 +11,8 @@
 //   IQ4_XS -> IQ4_NL with each sub-block's scale d * (ls - 32) rounded to float16 (at most 2^-11 of it
 //             where it is a normal float16, against the 2^-8 of the int8 activations of a dot product;
 //             4.5 bits instead of 4.25), for its dot panels. Exact products dequantize the file's blocks.
+//   MXFP4  -> Q5_0, exactly (gpt-oss's experts; weft/model/mxfp4.py says how, and holds the same
+//             rewrite in numpy for when these kernels are not built): 5.5 bits a weight instead of 4.25.
 //
 // The layouts are llama.cpp's (ggml-common.h): block_q3_K {hmask[32], qs[64], scales[12], d},
 // block_q6_K {ql[128], qh[64], scales[16], d}, block_iq4_nl {d, qs[16]}, block_iq4_xs {d,
@@ -34,6 +36,8 @@ namespace {
 
 constexpr int64_t kSuper = 256;  // features per k-quant super-block
 constexpr int64_t kQ3KBytes = 110, kQ6KBytes = 210, kIq4NlBytes = 18, kIq4XsBytes = 136, kQ8Bytes = 34;
+constexpr int64_t kMxfp4Bytes = 17, kQ5_0Bytes = 22;
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // e2m1, doubled
 
 
 // Q6_K's block from its 256 quants q (-32..31), 16 int8 scales and float16 d (bits): feature
@@ -88,6 +92,26 @@ void iq4_xs_as_iq4_nl(const uint8_t* in, uint8_t* out) {
   }
 }
 
+// An MXFP4 block {e, qs[16]} (weight j: kvalues[code j] * 2^(e - 128), code j in the low nibble of
+// qs[j] for j < 16, the high one of qs[j - 16] above) as Q5_0's {d, qh, qs[16]}: d = 2^(e - 128) as
+// float16 (rounded to 0 below 2^-24, as the numpy rewrite's float16 cast rounds it), q = kvalue + 16.
+void mxfp4_as_q5_0(const uint8_t* in, uint8_t* out) {
+  const int e = static_cast<int>(in[0]) - 128;
+  TORCH_CHECK(e <= 15, "rewrite_blocks: an MXFP4 block's scale is above 2^15, past what Q5_0's float16 scale holds");
+  const c10::Half d(std::ldexp(1.0f, e));
+  std::memcpy(out, &d.x, 2);
+  uint32_t high = 0;
+  uint8_t low[32];
+  for (int j = 0; j < 32; ++j) {
+    const int code = j < 16 ? in[1 + j] & 0xF : in[1 + j - 16] >> 4;
+    const int q = kMxfp4Values[code] + 16;  // 4..28
+    high |= static_cast<uint32_t>((q >> 4) & 1) << j;
+    low[j] = static_cast<uint8_t>(q & 0xF);
+  }
+  std::memcpy(out + 2, &high, 4);  // little-endian, as x86 stores it
+  for (int j = 0; j < 16; ++j) out[6 + j] = static_cast<uint8_t>(low[j] | (low[j + 16] << 4));
+}
+
 using Rewrite = void (*)(const uint8_t*, uint8_t*);
 
 at::Tensor rewrite_rows(const at::Tensor& rows_in, int64_t in_bytes, int64_t out_bytes, Rewrite rewrite) {
@@ -105,12 +129,13 @@ at::Tensor rewrite_rows(const at::Tensor& rows_in, int64_t in_bytes, int64_t out
   return out;
 }
 
-// The rows of a GGUF tensor of `kind` ("q3_k", "iq4_nl", "iq4_xs") as rows of the type weft packs
-// it as (Q6_K, Q8_0, IQ4_NL).
+// The rows of a GGUF tensor of `kind` ("q3_k", "iq4_nl", "iq4_xs", "mxfp4") as rows of the type weft
+// packs it as (Q6_K, Q8_0, IQ4_NL, Q5_0).
 at::Tensor rewrite_blocks(const at::Tensor& rows, c10::string_view kind) {
   if (kind == "q3_k") return rewrite_rows(rows, kQ3KBytes, kQ6KBytes, q3_k_as_q6_k);
   if (kind == "iq4_nl") return rewrite_rows(rows, kIq4NlBytes, kQ8Bytes, iq4_nl_as_q8_0);
-  TORCH_CHECK(kind == "iq4_xs", "rewrite_blocks: kind must be q3_k, iq4_nl or iq4_xs, not ", kind);
+  if (kind == "mxfp4") return rewrite_rows(rows, kMxfp4Bytes, kQ5_0Bytes, mxfp4_as_q5_0);
+  TORCH_CHECK(kind == "iq4_xs", "rewrite_blocks: kind must be q3_k, iq4_nl, iq4_xs or mxfp4, not ", kind);
   return rewrite_rows(rows, kIq4XsBytes, 8 * kIq4NlBytes, iq4_xs_as_iq4_nl);
 }
 
