@@ -318,10 +318,10 @@ def _expect_quantized(
 ) -> dict[str, torch.Tensor]:
     """Pack every matrix that came in blocks into panels (`dot`: dot panels, for int8 products), its
     Linear (still on the meta device) taking their shape (a fusion of parts no one layout holds: in
-    parts, `PartedRows`); an untied embedding table in blocks, and for exact products a fusion of
-    mixed kinds or a matrix with no exact panels, are dequantized. An untied embedding table in
-    blocks goes into dot panels too, where the products are int8 ones, and is looked up there (a
-    float32 copy of a 151,936-token table is 1.2 GB). Each matrix is packed as it comes, into
+    parts, `PartedRows`). With int8 products an untied embedding table in blocks goes into dot
+    panels of its own and is looked up there (a float32 copy of a 151,936-token table is 1.2 GB);
+    with exact products it is dequantized, as a fusion of mixed kinds or a matrix with no exact
+    panels is. Each matrix is packed as it comes, into
     `pages` where given (huge pages), and the pages of the file it was read from leave resident
     memory (`release_read`)."""
     tensors: dict[str, torch.Tensor] = {}
