@@ -80,28 +80,21 @@ class HugePageArena:
         piece.copy_(tensor)
         return piece
 
-    @property
-    def used(self) -> int:
-        return self._next
-
 
 class HugePages:
     """Arenas of `chunk` bytes of address space each (or of one larger tensor), a new one where the
     last is full: weights copied into 2 MB pages one at a time, as a loader packs them, without
     knowing in advance how many bytes they will take."""
 
-    def __init__(self, chunk: int = 4 << 30) -> None:
+    def __init__(self, chunk: int = 1 << 30) -> None:
         self.chunk = chunk
         self.arenas: list[HugePageArena] = []
         self.bytes = 0  # the bytes of the tensors copied in
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in huge pages. Every GB copied, the heap gives back what the copied
-        tensors' freed storage left it (else a loader's peak is the model and a GB more)."""
+        """A copy of `tensor` in huge pages."""
         if not self.arenas or not self.arenas[-1].fits(tensor):
             self.arenas.append(HugePageArena(max(self.chunk, _nbytes(tensor) + _ALIGN)))
-        if (self.bytes + _nbytes(tensor)) >> 30 > self.bytes >> 30:
-            _return_freed_memory()
         self.bytes += _nbytes(tensor)
         return self.arenas[-1].copy(tensor)
 
