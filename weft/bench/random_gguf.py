@@ -251,21 +251,29 @@ def _write_tensors(
         matrix(f"blk.{i}.attn_k.weight", "attn_k", i, kv_heads * head_dim, hidden)
         matrix(f"blk.{i}.attn_v.weight", "attn_v", i, kv_heads * head_dim, hidden)
         matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
-        if arch == "qwen3moe":
-            experts, inter = _num_experts(config), config["moe_intermediate_size"]
-            router = rng.normal(0.0, 0.02, size=(experts, hidden)).astype(np.float32)
-            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
-            matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", i, inter, hidden, experts)
-            matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", i, inter, hidden, experts)
-            matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", i, hidden, inter, experts)
-            continue
+        _write_mlp(writer, config, arch == "qwen3moe", i, matrix, rng)
+    ones("output_norm.weight", hidden)
+    if not tied:
+        matrix("output.weight", "output", 0, vocab, hidden)
+
+
+def _write_mlp(
+    writer: Any, config: dict[str, Any], moe: bool, i: int, matrix: Any, rng: np.random.Generator
+) -> None:
+    """Layer i's MLP: gate, up and down, or (Qwen3-MoE) a router and its experts' three tensors."""
+    hidden = config["hidden_size"]
+    if not moe:
         inter = config["intermediate_size"]
         matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", i, inter, hidden)
         matrix(f"blk.{i}.ffn_up.weight", "ffn_up", i, inter, hidden)
         matrix(f"blk.{i}.ffn_down.weight", "ffn_down", i, hidden, inter)
-    ones("output_norm.weight", hidden)
-    if not tied:
-        matrix("output.weight", "output", 0, vocab, hidden)
+        return
+    experts, inter = _num_experts(config), config["moe_intermediate_size"]
+    router = rng.normal(0.0, 0.02, size=(experts, hidden)).astype(np.float32)
+    writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+    matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", i, inter, hidden, experts)
+    matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", i, inter, hidden, experts)
+    matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", i, hidden, inter, experts)
 
 
 def _write_gpt_oss_layers(writer: Any, config: dict[str, Any], matrix: Any, rng: np.random.Generator) -> None:
