@@ -92,9 +92,14 @@ class HugePages:
         self.bytes = 0  # the bytes of the tensors copied in
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in huge pages."""
+        """A copy of `tensor` in huge pages. Every GB copied, the C heap gives back the pages that
+        the copied tensors' freed storage left it: packing a model's matrices into the heap one after
+        the other, with a CPU engine's malloc thresholds (weft/engine/heap.py), otherwise leaves
+        gigabytes there beside the model."""
         if not self.arenas or not self.arenas[-1].fits(tensor):
             self.arenas.append(HugePageArena(max(self.chunk, _nbytes(tensor) + _ALIGN)))
+        if (self.bytes + _nbytes(tensor)) >> 30 > self.bytes >> 30:
+            _return_freed_memory()
         self.bytes += _nbytes(tensor)
         return self.arenas[-1].copy(tensor)
 
