@@ -11,7 +11,7 @@ distributions (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise`), so t
 the packed weights into such mappings: each matrix copied once, as it is packed or after, its old
 storage freed as it goes (the peak is the model plus one matrix). Packed straight into them
 (`HugePages`), a model's panels never touch 4 KB pages: the 18.6 GB Qwen3-30B-A3B file loads in
-49-53 s with 0.8-1.7 million page faults, against 177 s and 7.7 million when its panels were
+39-53 s with 0.8-1.7 million page faults, against 177 s and 7.7 million when its panels were
 packed into the heap and moved after. Where the kernel has no transparent huge pages, or
 `WEFT_HUGE_PAGES=0`, the weights stay where they are.
 """
