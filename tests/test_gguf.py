@@ -448,8 +448,8 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
 
 def test_random_gpt_oss_files_hold_mxfp4_experts(checkpoint_factory, tmp_path):
     """`--gguf-type mxfp4` writes gpt-oss's experts in MXFP4 blocks and its other matrices in Q8_0,
-    as the published files hold them, with its YaRN scaling; weft runs them (the experts as Q5_0
-    blocks of the same weights)."""
+    as the published files hold them, with its YaRN scaling; weft runs them (the experts from MXFP4
+    dot panels of their own)."""
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 
     config = checkpoint_factory("gptoss") / "config.json"
@@ -462,6 +462,6 @@ def test_random_gpt_oss_files_hold_mxfp4_experts(checkpoint_factory, tmp_path):
     model = llm.config.model
     assert (model.num_layers, model.num_experts, model.rope.theta) == (2, 4, 150000.0)
     assert (model.rope.rope_type.value, model.rope.factor) == ("yarn", 8.0)
-    assert "Q5_0 for 16 matrices" in llm.kernels["linear"], llm.kernels["linear"]  # 2 layers x 4 x 2
+    assert "MXFP4 for 16 matrices" in llm.kernels["linear"], llm.kernels["linear"]  # 2 layers x 4 x 2
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4

@@ -144,24 +144,22 @@ def gptoss_mxfp4(tmp_path_factory) -> Path:
 
 
 def test_mxfp4_experts_run_from_their_blocks_exactly(gptoss_mxfp4, reference):
-    """MXFP4 experts become Q5_0 blocks of exactly the same weights (gguf's dequantization of both
-    agrees bit for bit) and run through the int8 dot panels, whose logprobs along llama.cpp's tokens
-    stay within int8 activations' rounding of the exact float32 products of the same weights."""
+    """MXFP4 experts stay in their blocks (views of the file, gguf's dequantization of them bit for
+    bit) and run through dot panels of their own, whose logprobs along llama.cpp's tokens stay
+    within int8 activations' rounding of the exact float32 products of the same weights."""
     from gguf.quants import dequantize
 
     from weft.model.gguf_checkpoint import GgufCheckpoint
-    from weft.model.quantized import DeferredRows
 
     checkpoint = GgufCheckpoint(gptoss_mxfp4)
     tensor = next(t for t in checkpoint.reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
     experts = dict(checkpoint._experts(tensor, 0, "up_proj.weight", keep_blocks=True))
-    deferred = experts["model.layers.0.mlp.experts.1.up_proj.weight"]
+    rows = experts["model.layers.0.mlp.experts.1.up_proj.weight"]
     exact = dequantize(np.asarray(tensor.data), tensor.tensor_type)[1]  # [out, in]
-    assert isinstance(deferred, DeferredRows) and deferred.shape == exact.shape  # made when taken
-    rows = deferred.make()
-    assert rows.kind == "q5_0" and np.array_equal(dequantize(rows.rows.numpy(), gguf_q5_0()), exact)
+    assert rows.kind == "mxfp4" and rows.shape == exact.shape
+    assert np.array_equal(rows.dequantize().numpy(), exact)
     fast = LLM(str(gptoss_mxfp4), show_progress=False, max_logprobs=5)
-    assert "Q5_0 for 32 matrices (int8 dot panels)" in fast.kernels["linear"]
+    assert "MXFP4 for 32 matrices (int8 dot panels)" in fast.kernels["linear"], fast.kernels["linear"]
     exact_llm = LLM(str(gptoss_mxfp4), show_progress=False, max_logprobs=5, matmul_precision="float32")
     prompts = [
         p + run["tokens"]
@@ -176,9 +174,3 @@ def test_mxfp4_experts_run_from_their_blocks_exactly(gptoss_mxfp4, reference):
     ]
     # int8 activations against exact products: measured 0.0021 on average, 0.0083 at most
     assert float(np.mean(gaps)) <= 0.005 and max(gaps) <= 0.03, (np.mean(gaps), max(gaps))
-
-
-def gguf_q5_0():
-    import gguf
-
-    return gguf.GGMLQuantizationType.Q5_0

@@ -48,7 +48,7 @@ FILES = [("qwen3moe", "q8_0"), ("gptoss", "mxfp4")]
 
 @pytest.fixture(scope="module", params=FILES, ids=[arch for arch, _ in FILES])
 def moe_llm(request, checkpoint_factory, tmp_path_factory) -> LLM:
-    """Random files of two layers: Qwen3-MoE's experts in Q8_0; gpt-oss's in MXFP4 (run as Q5_0),
+    """Random files of two layers: Qwen3-MoE's experts in Q8_0; gpt-oss's in MXFP4 (dot panels of its own),
     with biases and its clamped SwiGLU."""
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 

@@ -16,6 +16,7 @@ from conftest import require_native_kernels
 from test_quant import (
     random_legacy,
     random_low_bit,
+    random_mxfp4,
     random_q4_k,
     random_q5_k,
     random_q6_k,
@@ -35,14 +36,23 @@ RANDOM = {
     "q5_k": random_q5_k,
     "q6_k": random_q6_k,
     **{kind: functools.partial(random_low_bit, kind) for kind in ("q2_k", "q3_k", "iq4_nl", "iq4_xs")},
+    "mxfp4": random_mxfp4,
 }
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
 BLOCK_BYTES |= {("q2_k", True): 7296, ("q3_k", False): 6720, ("q3_k", True): 7296, ("iq4_nl", False): 2304}
-BLOCK_BYTES |= {("iq4_xs", False): 4608, ("q2_k", False): 3200, ("q3_k", False): 3648}
+BLOCK_BYTES |= {("iq4_xs", False): 4608, ("q2_k", False): 3200, ("q3_k", False): 3648, ("mxfp4", False): 544}
 PANEL_BLOCK = {"iq4_nl": 128}  # input features per dot panel block, where not the activations' block
-SMALL_BLOCKS = ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "iq4_nl")  # blocks of 32 features: activations too
+SMALL_BLOCKS = (
+    "q8_0",
+    "q4_0",
+    "q5_0",
+    "q4_1",
+    "q5_1",
+    "iq4_nl",
+    "mxfp4",
+)  # blocks of 32 features: activations too
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -273,7 +283,7 @@ def test_bad_dot_panels_are_clear_errors():
     with pytest.raises(RuntimeError, match="int8 weights must be dot panels"):
         torch.ops.weft.packed_linear(torch.randn(1, 96), panels, None, 32)
     with pytest.raises(
-        RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k"
+        RuntimeError, match="kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k or mxfp4"
     ):
         torch.ops.weft.pack_dot(random_q8_0(32, 64, seed=0), "iq4_nl", False)
     with pytest.raises(ValueError, match="q5_k has no exact quantized panels"):

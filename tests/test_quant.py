@@ -95,6 +95,16 @@ def random_low_bit(kind: str, rows: int, in_features: int, seed: int, scale: flo
     return torch.from_numpy(raw.reshape(rows, -1).copy())
 
 
+def random_mxfp4(rows: int, in_features: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """Random MXFP4 rows (gpt-oss's experts), uint8 [rows, in / 32 * 17]: random codes under E8M0
+    exponents e (weights kvalue * 2^(e - 128)) about a real model's, 2^-10 to 2^0, or with `extreme`
+    from 2^-108 to 2^32."""
+    gen = np.random.default_rng(seed)
+    raw = gen.integers(0, 256, (rows, in_features // 32, 17), dtype=np.uint8)
+    raw[..., 0] = gen.integers(20, 161, raw.shape[:2]) if extreme else gen.integers(118, 129, raw.shape[:2])
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
 def reference_dequantize(raw: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

@@ -1,7 +1,8 @@
-"""The low-bit types of the files users download (Q2_K, Q3_K, IQ4_NL, IQ4_XS): each against
+"""The low-bit types of the files users download (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4): each against
 `gguf.quants.dequantize` of the same blocks. Each has dot panels of its own (Q2_K and Q3_K in the
 Q6_K layout's order with 2-bit planes and a plane of third bits; IQ4_NL and IQ4_XS as Q4_0's blocks
-whose nibbles are looked up as the IQ4 levels, IQ4_XS's scales rounded to float16); Q2_K and Q3_K
+whose nibbles are looked up as the IQ4 levels, IQ4_XS's scales rounded to float16; MXFP4's the same
+nibbles under E8M0 exponents); Q2_K and Q3_K
 also go into the Q6_K layout with mins for fusions; Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0
 blocks for exact products, bit-identical to the file's. Run on every ISA build
 (tests/other_builds.py)."""
@@ -13,7 +14,14 @@ import pytest
 import torch
 from conftest import require_native_kernels
 from test_qdot import check_product, rounded_activations
-from test_quant import random_low_bit, random_q5_k, random_q6_k, random_q8_0, reference_dequantize
+from test_quant import (
+    random_low_bit,
+    random_mxfp4,
+    random_q5_k,
+    random_q6_k,
+    random_q8_0,
+    reference_dequantize,
+)
 
 from weft.model.quantized import MixedRows, QuantizedRows, cat_rows
 
@@ -192,3 +200,44 @@ def test_mxfp4_blocks_are_rewritten_as_the_numpy_rewrite_does():
     blocks[0, 0, 0] = 144
     with pytest.raises(RuntimeError, match="above 2\\^15"):
         torch.ops.weft.rewrite_blocks(torch.from_numpy(blocks.reshape(64, -1)), "mxfp4")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13])
+def test_mxfp4_multiplies_from_its_own_dot_panels(rows):
+    """MXFP4 (gpt-oss's experts) in dot panels of its own, 4.25 bits a weight as in the file: the
+    product of the file's weights with the activations rounded for Q8_0 weights (llama.cpp
+    multiplies MXFP4 with Q8_0 activations), on every tile height, a last panel of 13 columns, odd
+    numbers of blocks (every other one off a cache line) and exponents from 2^-108 to 2^32; exact
+    products from Q8_0's exact panels (MXFP4 rewritten as Q5_0)."""
+    check_product(random_mxfp4(45, 96, seed=rows), "mxfp4", False, rows, bias=rows % 2 == 1)
+    check_product(random_mxfp4(40, 160, seed=rows, extreme=True), "mxfp4", False, rows, bias=False)
+    raw = random_mxfp4(45, 96, seed=rows)
+    assert QuantizedRows("mxfp4", raw).pack(dot=True).shape == (2, 3, 544)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    exact = torch.ops.weft.packed_linear(x, QuantizedRows("mxfp4", raw).pack(), None, 45)
+    torch.testing.assert_close(exact, x @ reference_dequantize(raw, "MXFP4").T, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_rows_are_looked_up_exactly_at_every_exponent():
+    """Rows of MXFP4 dot panels (an expert's row, a table) are gguf's dequantization bit for bit, at
+    every exponent: 2^-128 and 2^-127 (float32 subnormals) up to 2^127."""
+    raw = random_mxfp4(64, 1024, seed=1).numpy().reshape(64, 32, 17)
+    raw[..., 0] = (np.arange(64 * 32) % 256).reshape(64, 32)  # every exponent, 8 times
+    rows = torch.from_numpy(raw.reshape(64, -1).copy())
+    looked_up = torch.ops.weft.embedding_from_panels(
+        torch.arange(64), QuantizedRows("mxfp4", rows).pack(dot=True), 64, 1024
+    )
+    with np.errstate(over="ignore"):  # 12 * 2^127 is inf, there as here
+        assert torch.equal(looked_up, reference_dequantize(rows, "MXFP4"))
+
+
+def test_mxfp4_experts_run_grouped_as_one_by_one():
+    """packed_linear_rows over MXFP4 experts (a routed row each, one parallel region) is the product
+    of each row with its own expert's panels, bit for bit."""
+    experts = [QuantizedRows("mxfp4", random_mxfp4(70, 160, seed=e)).pack(dot=True) for e in range(4)]
+    x = torch.randn(4, 160, generator=torch.Generator().manual_seed(0))
+    grouped = torch.ops.weft.packed_linear_rows(x, experts, 70)
+    one_by_one = torch.cat(
+        [torch.ops.weft.packed_linear(x[e : e + 1], experts[e], None, 70) for e in range(4)]
+    )
+    assert torch.equal(grouped, one_by_one)

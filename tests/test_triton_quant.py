@@ -81,3 +81,43 @@ def test_bfloat16_activations_round_only_the_tile():
     got = quantized_linear(x.to(DEVICE), flat(rows), parts, 64).cpu().float()
     expected = x.float() @ reference("q4_k", rows).T
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_kinds_the_kernels_lack_run_rewritten_where_exact():
+    """On a kernel set that multiplies blocks (CUDA's), MXFP4 experts and Q3_K and IQ4_NL matrices
+    are kept as the Q5_0, Q6_K and Q8_0 blocks of the same weights (exactly), not dequantized;
+    IQ4_XS, whose rewrite rounds its scales, is dequantized."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from weft.model.layers import Linear
+    from weft.model.loader import _expect_blocks
+    from weft.model.quantized import QuantizedRows
+
+    gen = np.random.default_rng(0)
+    matrices = {
+        "mxfp4": random_gguf.random_mxfp4(40, 256, gen),
+        "q3_k": random_gguf.random_blocks("q3_k", 40, 256, gen, (0.001, 0.01)),
+        "iq4_nl": random_gguf.random_blocks("iq4_nl", 40, 256, gen, (0.001, 0.01)),
+        "iq4_xs": random_gguf.random_blocks("iq4_xs", 40, 256, gen, (0.001, 0.01)),
+    }
+    with torch.device("meta"):
+        model = nn.ModuleDict({kind: Linear(256, 40, bias=False) for kind in matrices})
+    kernels = SimpleNamespace(block_kinds=frozenset(KINDS))
+    state = (
+        (f"{kind}.weight", QuantizedRows(kind, torch.from_numpy(rows))) for kind, rows in matrices.items()
+    )
+    tensors = _expect_blocks(model, state, kernels)  # type: ignore[arg-type]
+    labels = {kind: model[kind].quantized for kind in matrices}
+    assert labels == {"mxfp4": "q5_0", "q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": None}
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    for kind in ("mxfp4", "q3_k", "iq4_nl"):
+        got = quantized_linear(
+            x.to(DEVICE), tensors[f"{kind}.weight"].to(DEVICE), model[kind].blocks.parts, 40
+        )
+        expected = x @ reference(kind, matrices[kind]).T
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(
+        tensors["iq4_xs.weight"], reference("iq4_xs", matrices["iq4_xs"]), rtol=0, atol=0
+    )

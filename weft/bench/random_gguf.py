@@ -35,6 +35,10 @@ SCALES = {
     "q4_k": (0, 2),
     "q5_k": (0, 2),
     "q6_k": (208,),
+    "q2_k": (80, 82),  # d and dmin
+    "q3_k": (108,),
+    "iq4_nl": (0,),
+    "iq4_xs": (0,),
 }
 MIXES = ("q4_k_m", "q5_k_m", "q8_0", "q4_0", "f16", "mxfp4")
 # llama.cpp's fallbacks where a matrix's rows are not whole 256-feature super-blocks

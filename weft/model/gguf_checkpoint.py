@@ -24,7 +24,6 @@ Every error names the file and the problem, and says what weft reads instead.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -36,8 +35,7 @@ import torch
 
 from weft.config import ConfigError, ModelConfig
 from weft.model.gguf_file import GgufFile, release_pages
-from weft.model.mxfp4 import MXFP4_BLOCK_BYTES, mxfp4_as_q5_0
-from weft.model.quantized import DeferredRows, Loaded, QuantizedRows
+from weft.model.quantized import QuantizedRows, Weight
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {
@@ -87,7 +85,7 @@ KEPT_IN_BLOCKS = {
     "Q3_K": "q3_k",
     "IQ4_NL": "iq4_nl",
     "IQ4_XS": "iq4_xs",
-    "MXFP4": "q5_0",  # gpt-oss's experts, rewritten exactly as Q5_0 blocks (weft/model/mxfp4.py)
+    "MXFP4": "mxfp4",  # gpt-oss's experts
 }
 
 _GLOBAL_NAMES = {
@@ -369,7 +367,7 @@ class GgufCheckpoint:
             raise GgufError(f"{self.path}: {ROPE_FREQS} has {len(values)} factors, not head_dim / 2")
         return replace(config, rope=replace(config.rope, freq_factors=values))
 
-    def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Loaded]]:
+    def read_tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, Weight]]:
         """(Hugging Face name, weight) for every tensor, one at a time: float32 [out, in] or [n], or
         with `keep_blocks` a quantized matrix as its rows of blocks (`QuantizedRows`)."""
         heads = self._key("attention.head_count")
@@ -403,18 +401,13 @@ class GgufCheckpoint:
 
     def _experts(
         self, tensor: Any, layer: int, matrix: str, keep_blocks: bool
-    ) -> Iterator[tuple[str, Loaded]]:
+    ) -> Iterator[tuple[str, Weight]]:
         """Each expert's matrix of an [experts, out, in] tensor (or bias of an [experts, out] one),
-        under Qwen3-MoE's names: in its blocks where asked and the type is kept so (MXFP4's
-        rewritten as Q5_0 when the loader takes each, `DeferredRows`), else dequantized to float32."""
+        under Qwen3-MoE's names: in its blocks where asked and the type is kept so (views of the
+        file's mapping), else dequantized to float32."""
         kind = KEPT_IN_BLOCKS.get(tensor.tensor_type.name) if keep_blocks else None
-        weights: list[Loaded]
-        if kind and tensor.tensor_type.name == "MXFP4":
-            mapped = np.asarray(tensor.data, dtype=np.uint8)  # [E, out, bytes], a view of the mapping
-            shape = (mapped.shape[1], mapped.shape[2] // MXFP4_BLOCK_BYTES * 32)
-            make = [functools.partial(_mxfp4_expert, mapped, e) for e in range(mapped.shape[0])]
-            weights = [DeferredRows(shape, m) for m in make]
-        elif kind:
+        weights: list[Weight]
+        if kind:
             rows = torch.from_numpy(_block_bytes(tensor))  # [E, out, bytes]
             weights = [QuantizedRows(kind, rows[e]) for e in range(rows.shape[0])]
         else:
@@ -439,27 +432,9 @@ class GgufCheckpoint:
         return QuantizedRows(kind, torch.from_numpy(_block_bytes(tensor)))  # [rows, bytes per row]
 
 
-def _mxfp4_expert(rows: np.ndarray, expert: int) -> QuantizedRows:
-    """Expert `expert` of an MXFP4 [E, out, bytes] tensor as Q5_0 blocks of the same weights, its
-    file pages then released (weft/model/gguf_file.py)."""
-    q5_0 = QuantizedRows("q5_0", torch.from_numpy(_mxfp4_as_q5_0(rows[expert])))
-    release_pages(rows[expert].ctypes.data, rows[expert].nbytes)
-    return q5_0
-
-
-def _mxfp4_as_q5_0(rows: np.ndarray) -> np.ndarray:  # [N, blocks * 17] -> [N, blocks * 22]
-    """MXFP4 rows as Q5_0 rows of the same weights: weft's kernels' rewrite (12-22x faster), else
-    numpy's (weft/model/mxfp4.py), bit for bit the same."""
-    if hasattr(torch.ops.weft, "rewrite_blocks"):
-        return cast(np.ndarray, torch.ops.weft.rewrite_blocks(torch.from_numpy(rows), "mxfp4").numpy())
-    return mxfp4_as_q5_0(rows)
-
-
 def _block_bytes(tensor: Any) -> np.ndarray:
-    """A quantized tensor's rows of blocks: a view of the mapping, read when they are packed
-    (MXFP4's copied as Q5_0's)."""
-    rows = np.asarray(tensor.data, dtype=np.uint8)
-    return _mxfp4_as_q5_0(rows) if tensor.tensor_type.name == "MXFP4" else rows
+    """A quantized tensor's rows of blocks: a view of the mapping, read when they are packed."""
+    return np.asarray(tensor.data, dtype=np.uint8)
 
 
 __all__ = ["GgufCheckpoint", "GgufError", "hf_name", "is_gguf", "unpermute_rotary_rows"]

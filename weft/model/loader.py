@@ -53,8 +53,7 @@ from weft.model.llama import DecoderSpec, LlamaForCausalLM
 from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import (
-    DeferredRows,
-    Loaded,
+    REWRITTEN,
     MixedRows,
     PartedRows,
     QuantizedRows,
@@ -109,7 +108,7 @@ def open_source(path: Path) -> Source:
 
 def checkpoint_tensors(
     source: Source, show_progress: bool = True, keep_blocks: bool = False
-) -> Iterator[tuple[str, Path, Loaded]]:
+) -> Iterator[tuple[str, Path, Weight]]:
     """(Hugging Face name, file, weight) for every tensor of a checkpoint directory or GGUF file
     (with `keep_blocks`, quantized matrices in their blocks: `weft/model/quantized.py`)."""
     if not isinstance(source, GgufCheckpoint):
@@ -149,12 +148,12 @@ class _Weights:
     """The checkpoint's tensors by Hugging Face name, remembering which file each came from."""
 
     def __init__(self) -> None:
-        self.tensors: dict[str, Loaded] = {}  # a DeferredRows made as it is taken
+        self.tensors: dict[str, Weight] = {}
         self.files: dict[str, Path] = {}
         self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
         self.kinds: dict[str, str] = {}  # the quantized kind of packed panels ("q8_0", ...)
 
-    def add(self, name: str, path: Path, tensor: Loaded) -> None:
+    def add(self, name: str, path: Path, tensor: Weight) -> None:
         self.tensors[name] = tensor
         self.files[name] = path
 
@@ -174,8 +173,7 @@ class _Weights:
     def take(self, name: str, shape: tuple[int, ...]) -> Weight:
         if name not in self.tensors:
             raise CheckpointError(f"checkpoint has no tensor {name!r}, which the config requires")
-        loaded = self.tensors.pop(name)
-        tensor = loaded.make() if isinstance(loaded, DeferredRows) else loaded
+        tensor = self.tensors.pop(name)
         if name in self.packed:  # checked when packed
             return tensor
         if logical_shape(tensor) != shape:
@@ -366,11 +364,14 @@ def _expect_blocks(
 ) -> dict[str, torch.Tensor]:
     """Keep every matrix that came in blocks in them, flat (`WeightLayout.BLOCKS`), its Linear or
     Embedding (still on the meta device) taking their size: the kernel set multiplies them as they
-    are; a kind it does not multiply (`block_kinds`) is dequantized. A tied table is one tensor for
-    both (re-tied after the move to the device)."""
+    are; a kind it does not multiply (`block_kinds`) goes in the kind it is rewritten as where that
+    one is multiplied (MXFP4 as Q5_0, Q3_K as Q6_K, IQ4_NL as Q8_0: exactly), else is dequantized. A
+    tied table is one tensor for both (re-tied after the move to the device)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(weight, QuantizedRows) and _rewrites_for(weight.kind, kernels.block_kinds):
+            weight = weight.rewritten()
         if (
             isinstance(weight, (QuantizedRows, MixedRows))
             and isinstance(module, (Linear, Embedding))
@@ -385,6 +386,11 @@ def _expect_blocks(
         else:
             tensors[name] = dequantized(weight)
     return tensors
+
+
+def _rewrites_for(kind: str, multiplied: frozenset[str]) -> bool:
+    """Whether a matrix of `kind` goes to kernels that multiply the `multiplied` kinds rewritten."""
+    return kind not in multiplied and REWRITTEN.get(kind) in multiplied
 
 
 def _dense_rows(model: LlamaForCausalLM, dtype: torch.dtype, show_progress: bool) -> dict[Shape, int]:
@@ -418,8 +424,8 @@ def _read_weights(
     with `cut`, each tensor is cut to a tensor-parallel rank's part as it is read."""
     weights = _Weights()
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
-        if cut is not None:  # (a rank's part of a deferred matrix: made now)
-            tensor = cut(name, tensor.make() if isinstance(tensor, DeferredRows) else tensor)
+        if cut is not None:
+            tensor = cut(name, tensor)
         if quantization is not None and quantizes(name, tensor, config.tie_word_embeddings):
             assert isinstance(tensor, torch.Tensor)
             tensor = quantize_rows(tensor, "q8_0" if name == EMBED else quantization)

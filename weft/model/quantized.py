@@ -10,8 +10,10 @@ float32 ones (`pack(dot=...)`; Q4_0 and Q5_0 have dot panels of their own, and e
 Q4_1 and Q5_1 have dot panels of their own, and for exact products are dequantized to float32).
 Q2_K and Q3_K have dot panels of their own (3.1 and 3.6 bits a weight); IQ4_NL and IQ4_XS too (Q4_0's
 blocks whose nibbles index the IQ4 levels; the IQ4_XS sub-block scales rounded to float16 on the
-way, `REWRITTEN`). For exact products Q3_K goes into Q6_K's exact panels and IQ4_NL into Q8_0's,
-rewritten exactly (weft/native/rewrite.cpp); Q2_K and IQ4_XS are dequantized.
+way, `REWRITTEN`), and MXFP4 (gpt-oss's experts: the same nibbles under E8M0 exponents, 4.25 bits a
+weight as in the file). For exact products Q3_K goes into Q6_K's exact panels, IQ4_NL into Q8_0's
+and MXFP4 into Q5_0's (and so Q8_0's), rewritten exactly (weft/native/rewrite.cpp); Q2_K and IQ4_XS
+are dequantized.
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
 elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
 exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
@@ -23,7 +25,6 @@ the formats.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -32,6 +33,7 @@ import torch
 
 from weft.kernels import GGUF_BLOCKS, BlockPart, PanelPart
 from weft.model.gguf_file import release_pages
+from weft.model.mxfp4 import mxfp4_as_q5_0
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
@@ -40,7 +42,7 @@ LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact produ
 # float32 products the exact dequantization.
 NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k", "iq4_xs")
 # Kinds packed as another kind's blocks (weft/native/rewrite.cpp): exactly, but IQ4_XS's scales
-REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_nl"}
+REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_nl", "mxfp4": "q5_0"}
 # IQ4 dot panels: Q4_0's blocks (the same file layout), 4 to a block of 128 features (IQ4_NL) or 8 to
 # a super-block of 256 (IQ4_XS), panels.h
 IQ4_DOT_BLOCKS = {"iq4_nl": 4, "iq4_xs": 8}
@@ -100,7 +102,11 @@ class QuantizedRows:
         return panels.view(panels.shape[0], -1, IQ4_DOT_BLOCKS[self.kind] * Q4_0_DOT_BLOCK)
 
     def rewritten(self) -> QuantizedRows:
-        """Q3_K, IQ4_NL or IQ4_XS rows as the rows of the kind they are packed as (`REWRITTEN`)."""
+        """Q3_K, IQ4_NL, IQ4_XS or MXFP4 rows as the rows of the kind they are packed as for exact
+        products (`REWRITTEN`; MXFP4's also by numpy where weft's kernels are not built, bit for bit
+        the same)."""
+        if self.kind == "mxfp4" and not hasattr(torch.ops.weft, "rewrite_blocks"):
+            return QuantizedRows("q5_0", torch.from_numpy(mxfp4_as_q5_0(self.rows.numpy())))
         return QuantizedRows(REWRITTEN[self.kind], torch.ops.weft.rewrite_blocks(self.rows, self.kind))
 
     @property
@@ -182,19 +188,6 @@ class PartedRows:
 
 
 Weight = torch.Tensor | QuantizedRows | MixedRows | PartedRows
-
-
-@dataclass(frozen=True, slots=True)
-class DeferredRows:
-    """A matrix in blocks that is made when the loader takes it (`make`), not when the file is read:
-    an MXFP4 expert rewritten as Q5_0 blocks, which for all of gpt-oss-20b's experts at once would be
-    13 GB of copies beside the panels packed from them."""
-
-    shape: tuple[int, int]  # the [N, K] it stands for
-    make: Callable[[], QuantizedRows]
-
-
-Loaded = Weight | DeferredRows  # a tensor as a checkpoint reader yields it
 
 
 def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
@@ -293,8 +286,6 @@ __all__ = [
     "LEGACY",
     "NO_EXACT_PANELS",
     "REWRITTEN",
-    "DeferredRows",
-    "Loaded",
     "MixedRows",
     "PartedRows",
     "QuantizedRows",

@@ -99,6 +99,17 @@ constexpr int64_t kQ5_1FileBlockBytes = 24;  // d, m, qh[4], qs[16]
 constexpr int64_t kIq4NlDotBlockBytes = 4 * kQ4_0DotBlockBytes;  // 2,304
 constexpr int64_t kIq4XsDotBlockBytes = 8 * kQ4_0DotBlockBytes;  // 4,608
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4 (gpt-oss's experts; a file block: an E8M0 exponent e, then 16 bytes of 4-bit e2m1 codes):
+// per block of 32 features the 32 columns' exponents (a byte each), then Q4_0's 8 groups of nibbles,
+// each code looked up as its doubled e2m1 level (kMxfp4Levels) and scaled by 2^(e - 128), as
+// llama.cpp multiplies MXFP4 with Q8_0 activations: 4.25 bits a weight, as in the file. Blocks of
+// 544 bytes: every other one starts 32 bytes into a cache line (each 32-byte half of a group's
+// vector still within one line).
+constexpr int64_t kMxfp4DotHeaderBytes = kPanel;
+constexpr int64_t kMxfp4DotBlockBytes = kMxfp4DotHeaderBytes + kQ8Block * kPanel / 2;  // 544
+constexpr int64_t kMxfp4FileBlockBytes = 17;
+constexpr int64_t mxfp4_dot_nibbles(int64_t g) { return kMxfp4DotHeaderBytes + 64 * g; }
+constexpr int8_t kMxfp4Levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr bool is_legacy_dot_block(int64_t block_bytes) {
   return block_bytes == kQ4_0DotBlockBytes || block_bytes == kQ5_0DotBlockBytes || block_bytes == kQ4_1DotBlockBytes ||
          block_bytes == kQ5_1DotBlockBytes;
@@ -153,7 +164,8 @@ void gather_dot_rows(const int8_t* panels, int64_t block_bytes, int64_t k, const
 
 // Whether `block_bytes` is a dot panel block's size, and the input features of its blocks (0: not one).
 constexpr int64_t dot_block_features(int64_t block_bytes) {
-  return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes)) ? kQ8Block
+  return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes) || block_bytes == kMxfp4DotBlockBytes)
+             ? kQ8Block
          : block_bytes == kIq4NlDotBlockBytes                                     ? 4 * kQ8Block
          : (block_bytes == kQ4KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes || block_bytes == kQ3KDotBlockBytes ||
             block_bytes == kQ2KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||

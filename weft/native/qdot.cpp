@@ -1,7 +1,8 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
 // is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
-// fusion mixing Q4_K and Q6_K, and for Q5_K; Q2_K, Q3_K, IQ4_NL and IQ4_XS) and x is quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256
-// (k-quants), to int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
+// fusion mixing Q4_K and Q6_K, and for Q5_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4) and x is
+// quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256 (k-quants), to
+// int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
 // products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2), four features
 // per 32-bit lane, summed exactly in int32 over a sub-block and then scaled in float32:
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -340,40 +342,98 @@ void dot_tile_q8_0(const Tile& t) {
   finish_tile<kRows, kV>(t, a.acc);
 }
 
-// IQ4's nibbles as its signed levels (panels.h: kIq4Levels), by vpshufb within each 128-bit lane.
-inline vecb iq4_levels(vecb nibbles) {
+// What a legacy block's nibbles stand for: unsigned quants (Q4_0, Q5_0, Q4_1, Q5_1), or indices of
+// signed levels, IQ4's (kIq4Levels, under a float16 d) or MXFP4's (kMxfp4Levels, under an E8M0
+// exponent byte).
+enum class Codes { kQuants, kIq4, kMxfp4 };
+
+// Nibbles as the bytes of `table` (16), by vpshufb within each 128-bit lane.
+inline vecb looked_up(vecb nibbles, const int8_t* table) {
 #if defined(__AVX512BW__)
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weft::kIq4Levels)));
-  return reinterpret_cast<vecb>(_mm512_shuffle_epi8(table, reinterpret_cast<__m512i>(nibbles)));
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return reinterpret_cast<vecb>(_mm512_shuffle_epi8(levels, reinterpret_cast<__m512i>(nibbles)));
 #elif defined(__AVX2__) && !defined(__AVX512F__)
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weft::kIq4Levels)));
-  return reinterpret_cast<vecb>(_mm256_shuffle_epi8(table, reinterpret_cast<__m256i>(nibbles)));
+  const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return reinterpret_cast<vecb>(_mm256_shuffle_epi8(levels, reinterpret_cast<__m256i>(nibbles)));
 #else
-  vecb levels;
-  for (int b = 0; b < 4 * kLanes; ++b) levels[b] = weft::kIq4Levels[nibbles[b] & 0xF];
-  return levels;
+  vecb out;
+  for (int b = 0; b < 4 * kLanes; ++b) out[b] = table[nibbles[b] & 0xF];
+  return out;
 #endif
 }
 
-// The legacy types, Q4_0 and Q5_0 (kHigh) and with kMin Q4_1 and Q5_1: a block's sum(q * x8) of its
-// unsigned quants (0..15, or 0..31) in int32, scaled by d * d_x, less 8 or 16 times x8's block sum
-// (in int32), or plus m * s (Q4_1, Q5_1: s the activations' float16 d_x * sum(x8), llama.cpp's
-// q8_1 `s`, `block_s`). Without VNNI the byte pair sums add up in 16 bits over
-// all 8 groups (4 bits: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (5 bits: 4 * 2 * 31 * 127 =
-// 31,496) before one vpmaddwd widens them. With kTable (IQ4_NL, IQ4_XS) each nibble is looked up as
-// its signed level and multiplied as Q8_0's signed quants are (dot_signed: with VNNI less 128 times
-// the block sum).
-template <int kRows, int kV, bool kHigh, bool kMin, bool kTable = false>
+// Signed levels plus `bias`, as the unsigned bytes that vpdpbusd and vpmaddubsw take.
+constexpr std::array<int8_t, 16> biased(const int8_t (&levels)[16], int bias) {
+  std::array<int8_t, 16> out{};
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<int8_t>(static_cast<uint8_t>(levels[i] + bias));
+  return out;
+}
+
+inline veci widen_bytes(const void* p) {  // kLanes uint8 as int32
+#if defined(__AVX512F__)
+  return reinterpret_cast<veci>(_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<veci>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+#else
+  veci v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<const uint8_t*>(p)[l];
+  return v;
+#endif
+}
+
+// kLanes E8M0 exponents e as the floats 2^(e - 128) (llama.cpp's GGML_E8M0_TO_FP32_HALF: MXFP4's
+// doubled levels halved back), exactly: e = 0 and 1 are float32's subnormals 2^-128 and 2^-127.
+inline vecf e8m0_halves(const void* p) {
+  const veci e = widen_bytes(p);
+  const veci normal = (e - 1) << 23, subnormal = (veci{} + 0x00200000) << e;
+  return reinterpret_cast<vecf>(e < 2 ? subnormal : normal);
+}
+
+// A legacy dot block's layout (panels.h) and arithmetic: its bytes, its scales, where group g's
+// nibbles are, and what they are multiplied as. Quants are unsigned, and so are levels with a bias
+// (the caller takes bias * sum(x8) off): MXFP4's + 12 (0..24), IQ4's + 128 with VNNI; without VNNI
+// IQ4's stay signed (dot_signed). Without VNNI unsigned bytes' pair sums add up in 16 bits over 8
+// groups (4 bits: at most 8 * 2 * 15 * 127 = 30,480) or over 4 (5 bits: 4 * 2 * 31 * 127 = 31,496;
+// MXFP4: 4 * 2 * 24 * 127 = 24,384) before one vpmaddwd widens them.
+template <bool kHigh, bool kMin, Codes kCodes>
+struct LegacyLayout {
+  static constexpr bool kMx = kCodes == Codes::kMxfp4;
+  static constexpr bool kSigned = kCodes == Codes::kIq4 && !kVnni;
+  static constexpr int32_t kBias = kMx ? 12 : kCodes == Codes::kIq4 ? (kVnni ? 128 : 0) : kMin ? 0 : kHigh ? 16 : 8;
+  static constexpr std::array<int8_t, 16> kTable = kMx ? biased(weft::kMxfp4Levels, 12)
+                                                   : biased(weft::kIq4Levels, kVnni ? 128 : 0);
+  static constexpr int kChunks = weft::kQ8Block / (2 * kDotGroup);
+  static constexpr int kRun = kHigh || kMx ? 2 : kChunks;  // chunks whose pair sums add up in 16 bits
+  static constexpr bool kPairs = !kVnni && !kSigned;
+  static constexpr int64_t kBlockBytes = kMx ? weft::kMxfp4DotBlockBytes : weft::legacy_dot_block_bytes(kHigh, kMin);
+  static constexpr int64_t nibbles(int64_t g) {
+    return kMx ? weft::mxfp4_dot_nibbles(g) : weft::legacy_dot_nibbles(kHigh, kMin, g);
+  }
+  static vecf scale(const int8_t* block, int v) {  // column vector v's d (MXFP4: 2^(e - 128))
+    return kMx ? e8m0_halves(block + kLanes * v) : widen_halves(block + 2 * kLanes * v);
+  }
+  static vecb levels(vecb w) {
+    if constexpr (kCodes == Codes::kQuants) return w;
+    return looked_up(w, kTable.data());
+  }
+};
+
+// The legacy types, Q4_0 and Q5_0 (kHigh) and with kMin Q4_1 and Q5_1, and the levels of IQ4_NL,
+// IQ4_XS and MXFP4 (LegacyLayout): a block's sum(q * x8) of its unsigned quants (0..15, or 0..31)
+// in int32, scaled by d * d_x, less 8 or 16 times x8's block sum (in int32), or plus m * s (Q4_1,
+// Q5_1: s the activations' float16 d_x * sum(x8), llama.cpp's q8_1 `s`, `block_s`).
+template <int kRows, int kV, bool kHigh, bool kMin, Codes kCodes = Codes::kQuants>
 void dot_tile_legacy(const Tile& t) {
+  using Layout = LegacyLayout<kHigh, kMin, kCodes>;
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
-  constexpr int64_t kBlockBytes = weft::legacy_dot_block_bytes(kHigh, kMin);
-  constexpr int kChunks = weft::kQ8Block / (2 * kDotGroup), kRun = kHigh ? 2 : kChunks;  // chunks summed in 16 bits
-  constexpr int32_t kBias = kTable ? (kVnni ? 128 : 0) : kMin ? 0 : kHigh ? 16 : 8;
-  constexpr bool kPairs = !kVnni && !kTable;  // summed in 16 bits before widening
+  constexpr int64_t kBlockBytes = Layout::kBlockBytes;
+  constexpr int kChunks = Layout::kChunks, kRun = Layout::kRun;
+  constexpr int32_t kBias = Layout::kBias;
+  constexpr bool kPairs = Layout::kPairs;
   vecw shift[kV];
   for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t b = 0; b < t.k / weft::kQ8Block; ++b) {
@@ -383,7 +443,7 @@ void dot_tile_legacy(const Tile& t) {
       __builtin_prefetch(block + kPrefetchBytes + line);     // where a block's lines come in one burst
     vecf d[kV], m[kV];
     for (int j = 0; j < kV; ++j) {
-      d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
+      d[j] = Layout::scale(block, v0 + j);
       if constexpr (kMin) m[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
     }
     a.clear_sub();
@@ -396,15 +456,15 @@ void dot_tile_legacy(const Tile& t) {
         for (int g = 0; g < 2; ++g) {  // the chunk's two groups
           vecb w[kV];
           for (int j = 0; j < kV; ++j) {
-            w[j] = nibbles(block + weft::legacy_dot_nibbles(kHigh, kMin, 2 * h + g), v0 + j);
+            w[j] = nibbles(block + Layout::nibbles(2 * h + g), v0 + j);
             if constexpr (kHigh) w[j] |= reinterpret_cast<vecb>((g == 0 ? high << (4 - shift[j]) : high >> shift[j]) & 0x10101010u);
-            if constexpr (kTable) w[j] = iq4_levels(w[j]);
+            w[j] = Layout::levels(w[j]);
           }
           const int64_t offset = b * weft::kQ8Block + kDotGroup * (2 * h + g);
           if constexpr (kPairs) {
             add_pair_sums(x, offset, w, pairs);
           } else {
-            a.template dot<kTable>(x, offset, w);
+            a.template dot<Layout::kSigned>(x, offset, w);
           }
         }
       }
@@ -640,11 +700,12 @@ struct LegacyDotTiles {
   static constexpr ActBlocks kActivations = kMin ? ActBlocks::kQ8_1 : ActBlocks::kQ8_0;
   template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, kHigh, kMin>(t); }
 };
-// IQ4_NL and IQ4_XS: the legacy tiles with their nibbles looked up, with Q8_0 or k-quant activations.
-template <ActBlocks kBlocks>
-struct Iq4DotTiles : LegacyDotTiles<false, false> {
+// IQ4_NL and IQ4_XS: the legacy tiles with their nibbles looked up, with Q8_0 or k-quant activations;
+// MXFP4 likewise, under its exponents, with Q8_0 activations.
+template <ActBlocks kBlocks, Codes kCodes = Codes::kIq4>
+struct LevelDotTiles : LegacyDotTiles<false, false> {
   static constexpr ActBlocks kActivations = kBlocks;
-  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, false, false, true>(t); }
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_legacy<kRows, kV, false, false, kCodes>(t); }
 };
 struct KQuantTiles {
   static constexpr int kMaxRows = kLanes == 16 ? 6 : 3;
@@ -691,25 +752,32 @@ void run_dot_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out) {
   });
 }
 
+// fn(Tiles{}) for the tiles of dot panel blocks of `block_bytes` bytes (panels.h).
+template <typename Fn>
+void with_dot_tiles(int64_t block_bytes, Fn&& fn) {
+  switch (block_bytes) {
+    case weft::kQ8DotBlockBytes: fn(Q8DotTiles{}); break;
+    case weft::kIq4NlDotBlockBytes: fn(LevelDotTiles<ActBlocks::kQ8_0>{}); break;
+    case weft::kIq4XsDotBlockBytes: fn(LevelDotTiles<ActBlocks::kQ8_K>{}); break;
+    case weft::kMxfp4DotBlockBytes: fn(LevelDotTiles<ActBlocks::kQ8_0, Codes::kMxfp4>{}); break;
+    case weft::kQ4_0DotBlockBytes: fn(LegacyDotTiles<false, false>{}); break;
+    case weft::kQ5_0DotBlockBytes: fn(LegacyDotTiles<true, false>{}); break;
+    case weft::kQ4_1DotBlockBytes: fn(LegacyDotTiles<false, true>{}); break;
+    case weft::kQ5_1DotBlockBytes: fn(LegacyDotTiles<true, true>{}); break;
+    case weft::kQ4KDotBlockBytes: fn(Q4KDotTiles{}); break;
+    case weft::kQ3KDotBlockBytes: fn(SmallKDotTiles<3, false>{}); break;
+    case weft::kQ2KDotBlockBytes: fn(SmallKDotTiles<2, true>{}); break;
+    case weft::kQ6KDotBlockBytes(false): fn(SmallKDotTiles<6, false>{}); break;
+    default: fn(SmallKDotTiles<6, true>{}); break;
+  }
+}
+
 }  // namespace
 
 namespace weft {
 
 void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out) {
-  switch (panels[0].size(2)) {
-    case kQ8DotBlockBytes: run_dot_rows<Q8DotTiles>(x, panels, out); break;
-    case kIq4NlDotBlockBytes: run_dot_rows<Iq4DotTiles<ActBlocks::kQ8_0>>(x, panels, out); break;
-    case kIq4XsDotBlockBytes: run_dot_rows<Iq4DotTiles<ActBlocks::kQ8_K>>(x, panels, out); break;
-    case kQ4_0DotBlockBytes: run_dot_rows<LegacyDotTiles<false, false>>(x, panels, out); break;
-    case kQ5_0DotBlockBytes: run_dot_rows<LegacyDotTiles<true, false>>(x, panels, out); break;
-    case kQ4_1DotBlockBytes: run_dot_rows<LegacyDotTiles<false, true>>(x, panels, out); break;
-    case kQ5_1DotBlockBytes: run_dot_rows<LegacyDotTiles<true, true>>(x, panels, out); break;
-    case kQ4KDotBlockBytes: run_dot_rows<Q4KDotTiles>(x, panels, out); break;
-    case kQ3KDotBlockBytes: run_dot_rows<SmallKDotTiles<3, false>>(x, panels, out); break;
-    case kQ2KDotBlockBytes: run_dot_rows<SmallKDotTiles<2, true>>(x, panels, out); break;
-    case kQ6KDotBlockBytes(false): run_dot_rows<SmallKDotTiles<6, false>>(x, panels, out); break;
-    default: run_dot_rows<SmallKDotTiles<6, true>>(x, panels, out); break;
-  }
+  with_dot_tiles(panels[0].size(2), [&](auto tiles) { run_dot_rows<decltype(tiles)>(x, panels, out); });
 }
 
 bool is_dot_panels(const at::Tensor& panels, int64_t k) {
@@ -719,20 +787,7 @@ bool is_dot_panels(const at::Tensor& panels, int64_t k) {
 }
 
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out) {
-  switch (panels.size(2)) {
-    case kQ8DotBlockBytes: run_dot<Q8DotTiles>(x, panels, bias, out); break;
-    case kIq4NlDotBlockBytes: run_dot<Iq4DotTiles<ActBlocks::kQ8_0>>(x, panels, bias, out); break;
-    case kIq4XsDotBlockBytes: run_dot<Iq4DotTiles<ActBlocks::kQ8_K>>(x, panels, bias, out); break;
-    case kQ4_0DotBlockBytes: run_dot<LegacyDotTiles<false, false>>(x, panels, bias, out); break;
-    case kQ5_0DotBlockBytes: run_dot<LegacyDotTiles<true, false>>(x, panels, bias, out); break;
-    case kQ4_1DotBlockBytes: run_dot<LegacyDotTiles<false, true>>(x, panels, bias, out); break;
-    case kQ5_1DotBlockBytes: run_dot<LegacyDotTiles<true, true>>(x, panels, bias, out); break;
-    case kQ4KDotBlockBytes: run_dot<Q4KDotTiles>(x, panels, bias, out); break;
-    case kQ3KDotBlockBytes: run_dot<SmallKDotTiles<3, false>>(x, panels, bias, out); break;
-    case kQ2KDotBlockBytes: run_dot<SmallKDotTiles<2, true>>(x, panels, bias, out); break;
-    case kQ6KDotBlockBytes(false): run_dot<SmallKDotTiles<6, false>>(x, panels, bias, out); break;
-    default: run_dot<SmallKDotTiles<6, true>>(x, panels, bias, out); break;
-  }
+  with_dot_tiles(panels.size(2), [&](auto tiles) { run_dot<decltype(tiles)>(x, panels, bias, out); });
 }
 
 }  // namespace weft

@@ -477,6 +477,18 @@ void pack_legacy_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
+// An MXFP4 dot panel block (panels.h): each column's exponent byte e, then its codes (the file's
+// qs[16]: code j < 16 in the low nibble of qs[j], j >= 16 in the high one of qs[j - 16]) as nibbles.
+void pack_mxfp4_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ8Block] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    block[c] = columns[c][0];
+    const uint8_t* qs = columns[c] + 1;
+    for (int64_t j = 0; j < kQ8Block; ++j) q[c * kQ8Block + j] = j < 16 ? qs[j] & 0xF : qs[j - 16] >> 4;
+  }
+  for (int64_t g = 0; g < kQ8Block / kDotGroup; ++g) put_nibbles(q, kQ8Block, kDotGroup * g, block + mxfp4_dot_nibbles(g));
+}
+
 void pack_q4_k_dot_block(const Columns& columns, uint8_t* block) {
   uint8_t q[kPanel * kQ4KBlock] = {};
   for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
@@ -548,7 +560,7 @@ void pack_low_k_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
-// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q2_k", "q4_k", "q5_k", "q6_k") into dot panels
+// GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q2_k", "q4_k", "q5_k", "q6_k", "mxfp4") into dot panels
 // (int8; panels.h); with `mins` (Q2_K, Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion
 // that mixes them); Q5_K always goes into that layout. Q3_K (without mins) and Q2_K have layouts of their own.
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
@@ -571,6 +583,9 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   if (kind == "q5_1" && !mins) {
     return pack_panel_blocks(rows, kQ5_1FileBlockBytes, kQ5_1DotBlockBytes, pack_legacy_dot_block<true, true>, message,
                              at::kChar);
+  }
+  if (kind == "mxfp4" && !mins) {
+    return pack_panel_blocks(rows, kMxfp4FileBlockBytes, kMxfp4DotBlockBytes, pack_mxfp4_dot_block, message, at::kChar);
   }
   if (kind == "q4_k" && !mins) {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block, message, at::kChar);
@@ -595,7 +610,7 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q4_k>,
                              message, at::kChar);
   }
-  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k or q6_k (mins: q2_k, q4_k, q5_k or q6_k), not ", kind);
+  TORCH_CHECK(kind == "q6_k", "pack_dot: kind must be q8_0, q4_0, q5_0, q4_1, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k or mxfp4 (mins: q2_k, q4_k, q5_k or q6_k), not ", kind);
   if (mins) {
     return pack_panel_blocks(rows, kQ6KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q6_k>,
                              message, at::kChar);
@@ -694,6 +709,12 @@ void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, co
       const LegacySpot at = legacy_dot_spot(false, false, kk, c);
       const int q = c < 16 ? block[at.nibble] & 0xF : block[at.nibble] >> 4;
       return half_at(block + 2 * c) * static_cast<float>(kIq4Levels[q]);
+    });
+  } else if (block_bytes == kMxfp4DotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+      const uint8_t byte = block[mxfp4_dot_nibbles(kk / kDotGroup) + kDotGroup * (c % 16) + kk % kDotGroup];
+      const int e = block[c];  // 2^(e - 128), as llama.cpp's GGML_E8M0_TO_FP32_HALF
+      return std::ldexp(static_cast<float>(kMxfp4Levels[c < 16 ? byte & 0xF : byte >> 4]), e - 128);
     });
   } else if (block_bytes == kQ8DotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
