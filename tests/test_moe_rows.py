@@ -12,6 +12,7 @@ from conftest import require_native_kernels
 
 from weft import LLM, SamplingParams
 from weft.bench.random_gguf import random_blocks
+from weft.model import moe
 from weft.model.moe import SparseMoE
 from weft.model.quantized import QuantizedRows
 
@@ -72,3 +73,15 @@ def test_a_row_alone_takes_its_experts_in_two_products_with_the_loops_numbers(mo
     grouped = records(moe_llm)
     monkeypatch.setattr(SparseMoE, "_groups", lambda self: False)
     assert records(moe_llm) == grouped
+
+
+def test_a_long_prefill_takes_its_experts_in_chunks_with_the_same_numbers(moe_llm, monkeypatch):
+    """A prefill longer than `MOE_CHUNK_BYTES` allows routes its rows a chunk at a time (bounding the
+    [T * k, hidden] buffers of a 2,048-token step): each row's output is the one it gets unchunked,
+    bit for bit, the last chunk short."""
+    require_native_kernels()
+    layer = next(m for m in moe_llm.engine.model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(45, layer.router.in_features, generator=torch.Generator().manual_seed(0))
+    whole = layer(x)
+    monkeypatch.setattr(moe, "MOE_CHUNK_BYTES", 2 * 4 * layer.top_k * x.shape[1] * 8)  # 8 rows a chunk
+    assert torch.equal(layer(x), whole)

@@ -14,7 +14,8 @@ panels as dense matrices. A row alone (batch 1) whose experts are all in int8 do
 kind takes them in two grouped products instead (`packed_linear_rows`: the row's gate|up rows, then
 its down rows, each product one parallel region over every routed expert's panels, and gpt-oss's
 biases added after, as a tile adds them), the same numbers in a few calls a layer where the
-expert-by-expert loop made 40.
+expert-by-expert loop made 40. A long prefill routes its rows in chunks (`MOE_CHUNK_BYTES`), so
+that the grouped outputs of a 2,048-token step do not hold 2 x 134 MB at Qwen3-30B-A3B's shape.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from torch import nn
 from weft.config import ModelConfig
 from weft.kernels import TorchKernels
 from weft.model.layers import BFloat16Pairs, Linear, WeightLayout
+
+# A long prefill's experts in chunks of rows: each row's k outputs, grouped by expert and then put
+# back in row order ([T * k, hidden] float32, twice), at most this many bytes.
+MOE_CHUNK_BYTES = 32 << 20
 
 
 class Expert(nn.Module):
@@ -70,6 +75,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor | BFloat16Pairs, rows: object = None) -> torch.Tensor:  # [T, hidden]
         assert isinstance(x, torch.Tensor)  # (its norm writes floats: `takes_pairs` is False)
+        chunk = max(1, MOE_CHUNK_BYTES // (2 * 4 * self.top_k * x.shape[1]))
+        if x.shape[0] <= chunk:
+            return self._rows(x)
+        out = x.new_empty(x.shape)  # [T, hidden]: a long prefill, `chunk` rows at a time
+        for start in range(0, x.shape[0], chunk):
+            out[start : start + chunk] = self._rows(x[start : start + chunk])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, chosen = self.route(x)  # [T, k] each
         num_rows, hidden = x.shape
         if num_rows == 1 and x.dtype == torch.float32 and self._groups():
