@@ -446,6 +446,22 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_random_q4_k_m_files_take_llama_cpps_mix():
+    """Q4_K_M as llama.cpp's quantizer makes it: Q6_K for the output matrix and, in the layers its
+    use_more_bits picks (the first and last eighth, and every third between), for attn_v and ffn_down,
+    a MoE layer's ffn_down_exps included; Q5_0 where a matrix's rows are not whole super-blocks."""
+    from weft.bench.random_gguf import tensor_kind
+
+    picked = [
+        layer for layer in range(48) if tensor_kind("q4_k_m", "ffn_down_exps", layer, 48, 768) == "q6_k"
+    ]
+    assert picked == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47]
+    assert [tensor_kind("q4_k_m", "attn_v", layer, 48, 2048) for layer in picked] == ["q6_k"] * len(picked)
+    assert tensor_kind("q4_k_m", "ffn_gate_exps", 0, 48, 2048) == "q4_k"
+    assert tensor_kind("q4_k_m", "output", 0, 48, 2048) == "q6_k"
+    assert tensor_kind("q4_k_m", "ffn_down", 6, 48, 1152) == "q5_0"  # 1,152 features
+
+
 def test_random_gpt_oss_files_hold_mxfp4_experts(checkpoint_factory, tmp_path):
     """`--gguf-type mxfp4` writes gpt-oss's experts in MXFP4 blocks and its other matrices in Q8_0,
     as the published files hold them, with its YaRN scaling; weft runs them (the experts from MXFP4

@@ -57,8 +57,8 @@ def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int)
     if mix not in ("q4_k_m", "q5_k_m"):
         return mix
     six = name in ("output", "token_embd_tied") or (
-        name in ("attn_v", "ffn_down") and _more_bits(layer, num_layers)
-    )
+        name.removesuffix("_exps") in ("attn_v", "ffn_down") and _more_bits(layer, num_layers)
+    )  # (llama.cpp matches "ffn_down" within a name: a MoE layer's ffn_down_exps too)
     kind = "q6_k" if six else mix[:4]
     return _FALLBACK[kind] if features % 256 else kind
 
