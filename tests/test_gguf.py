@@ -425,11 +425,11 @@ def test_triton_kernels_multiply_the_blocks_as_the_file_stores_them(name, monkey
             assert abs(logprob.logprob - expected[len(ids) - 1 + step, token].item()) <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe", "smollm3", "granite", "phi3"])
 def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, arch):
-    """`weft bench throughput --gguf-type` files of Gemma, Qwen3-MoE, SmolLM3 and Granite shapes (the
-    first layer of two): weft reads their configuration back (Granite's scales too) and runs them
-    from their blocks."""
+    """`weft bench throughput --gguf-type` files of Gemma, Qwen3-MoE, SmolLM3, Granite and Phi-3 shapes
+    (the first layer of two): weft reads their configuration back (Granite's scales, Phi-3's partial
+    rotary embedding and LongRoPE factors too) and runs them from their blocks."""
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 
     config = checkpoint_factory(arch) / "config.json"
@@ -441,6 +441,11 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
     assert llm.config.model.num_experts == (source.get("num_local_experts") or 0)
     if arch == "granite":
         assert (llm.config.model.embedding_multiplier, llm.config.model.logits_scaling) == (3.0, 2.0)
+    if arch == "phi3":
+        rope, scaling = llm.config.model.rope, source.get("rope_scaling") or source["rope_parameters"]
+        assert rope.rope_type.value == "longrope" and rope.partial_rotary_factor == 0.75
+        for factors in ("long_factor", "short_factor"):  # float32 tensors in the file, as llama.cpp's
+            assert list(getattr(rope, factors)) == np.float32(scaling[factors]).tolist()
     assert "Q8_0" in llm.kernels["linear"]
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
@@ -449,7 +454,8 @@ def test_random_gguf_files_of_other_families_run(checkpoint_factory, tmp_path, a
 def test_random_q4_k_m_files_take_llama_cpps_mix():
     """Q4_K_M as llama.cpp's quantizer makes it: Q6_K for the output matrix and, in the layers its
     use_more_bits picks (the first and last eighth, and every third between), for attn_v and ffn_down,
-    a MoE layer's ffn_down_exps included; Q5_0 where a matrix's rows are not whole super-blocks."""
+    a MoE layer's ffn_down_exps included; Q5_K for a fused q|k|v; Q5_0 where a matrix's rows are not
+    whole super-blocks."""
     from weft.bench.random_gguf import tensor_kind
 
     picked = [
@@ -460,6 +466,7 @@ def test_random_q4_k_m_files_take_llama_cpps_mix():
     assert tensor_kind("q4_k_m", "ffn_gate_exps", 0, 48, 2048) == "q4_k"
     assert tensor_kind("q4_k_m", "output", 0, 48, 2048) == "q6_k"
     assert tensor_kind("q4_k_m", "ffn_down", 6, 48, 1152) == "q5_0"  # 1,152 features
+    assert tensor_kind("q4_k_m", "attn_qkv", 6, 32, 3072) == "q5_k"  # Phi-3's fused q|k|v
 
 
 def test_random_gpt_oss_files_hold_mxfp4_experts(checkpoint_factory, tmp_path):

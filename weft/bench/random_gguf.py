@@ -18,6 +18,7 @@ benchmark feeds token ids and names a word-level tokenizer of the vocabulary's s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,9 @@ def tensor_kind(mix: str, name: str, layer: int, num_layers: int, features: int)
         return "mxfp4" if name.endswith("_exps") else "q8_0"
     if mix not in ("q4_k_m", "q5_k_m"):
         return mix
+    if name == "attn_qkv":  # llama.cpp's fused q|k|v: a k-quant above the mix's
+        kind = "q5_k" if mix == "q4_k_m" else "q6_k"
+        return _FALLBACK[kind] if features % 256 else kind
     six = name in ("output", "token_embd_tied") or (
         name.removesuffix("_exps") in ("attn_v", "ffn_down") and _more_bits(layer, num_layers)
     )  # (llama.cpp matches "ffn_down" within a name: a MoE layer's ffn_down_exps too)
@@ -97,6 +101,7 @@ GGUF_ARCHS = {
     "SmolLM3ForCausalLM": "smollm3",  # llama's tensors; every 4th layer without rotary embedding
     "GraniteForCausalLM": "granite",  # llama's tensors, and its four scales
     "GptOssForCausalLM": "gpt-oss",  # biases, sinks, YaRN, windows in every other layer, MXFP4 experts
+    "Phi3ForCausalLM": "phi3",  # fused q|k|v and gate|up, partial rotary embedding, LongRoPE's factors
 }
 # Granite's scales: config.json key -> llama.cpp's key (under the architecture's name)
 GRANITE_SCALES = {
@@ -151,12 +156,14 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads", heads))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers 5: the latter)
+    rope = _rope_scaling(config)
     writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type({"q4_k_m": 15, "q5_k_m": 17, "q8_0": 7, "q4_0": 2, "f16": 1, "mxfp4": 38}[mix])
     _write_rope_scaling(writer, rope)
+    if writer.arch == "phi3":
+        _write_phi3_rope(writer, config, head_dim)
     if config.get("sliding_window") and config.get("layer_types"):
         writer.add_sliding_window(config["sliding_window"])
     if config.get("attn_logit_softcapping"):
@@ -174,6 +181,10 @@ def _write_config(writer: Any, config: dict[str, Any], mix: str) -> None:
         )
 
 
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers 5: the latter)
+
+
 def _write_rope_scaling(writer: Any, scaling: dict[str, Any]) -> None:
     """YaRN's keys (gpt-oss's), as llama.cpp's converter writes them."""
     import gguf
@@ -186,6 +197,17 @@ def _write_rope_scaling(writer: Any, scaling: dict[str, Any]) -> None:
     for key in ("beta_fast", "beta_slow"):
         if key in scaling:
             writer.add_float32(f"{writer.arch}.rope.scaling.yarn_{key}", float(scaling[key]))
+
+
+def _write_phi3_rope(writer: Any, config: dict[str, Any], head_dim: int) -> None:
+    """Phi-3's rotating share of each head and LongRoPE's keys, as llama.cpp's converter writes them
+    (its factors are tensors: `_write_tensors`)."""
+    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
+    original = config.get("original_max_position_embeddings")
+    if original:
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
 
 
 def _num_experts(config: dict[str, Any]) -> int:
@@ -241,6 +263,9 @@ def _write_tensors(
     matrix("token_embd.weight", "token_embd_tied" if tied else "token_embd", 0, vocab, hidden)
     if arch == "gpt-oss":
         _write_gpt_oss_layers(writer, config, matrix, rng)
+        layers = 0
+    if arch == "phi3":
+        _write_phi3_layers(writer, config, matrix)
         layers = 0
     for i in range(layers):
         ones(f"blk.{i}.attn_norm.weight", hidden)
@@ -310,6 +335,27 @@ def _write_gpt_oss_layers(writer: Any, config: dict[str, Any], matrix: Any, rng:
         for name, rows, features in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
             matrix(f"blk.{i}.ffn_{name}_exps.weight", f"ffn_{name}", i, rows, features, experts)
             floats(f"blk.{i}.ffn_{name}_exps.bias", experts, rows)
+
+
+def _write_phi3_layers(writer: Any, config: dict[str, Any], matrix: Any) -> None:
+    """Phi-3's layers under llama.cpp's names: a fused q|k|v (`attn_qkv`), a fused gate|up
+    (`ffn_up`, 2 x intermediate rows), and LongRoPE's long and short factors where the config has
+    them."""
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    kv_heads, inter = config.get("num_key_value_heads", heads), config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    scaling = _rope_scaling(config)
+    for factors in ("long", "short"):
+        if f"{factors}_factor" in scaling:
+            values = np.asarray(scaling[f"{factors}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{factors}.weight", values)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        matrix(f"blk.{i}.attn_qkv.weight", "attn_qkv", i, (heads + 2 * kv_heads) * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", "attn_output", i, hidden, heads * head_dim)
+        matrix(f"blk.{i}.ffn_up.weight", "ffn_up", i, 2 * inter, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", "ffn_down", i, hidden, inter)
 
 
 def word_level_tokenizer(vocab_size: int, out: Path) -> Path:
