@@ -41,6 +41,7 @@ RANDOM = {
 BLOCK_BYTES = {("q8_0", False): 1088, ("q4_0", False): 576, ("q5_0", False): 704, ("q4_k", False): 4736}
 BLOCK_BYTES |= {("q4_1", False): 640, ("q5_1", False): 768}
 BLOCK_BYTES |= {("q6_k", False): 6720, ("q4_k", True): 7296, ("q6_k", True): 7296, ("q5_k", True): 7296}
+BLOCK_BYTES |= {("q5_k", False): 5760}
 BLOCK_BYTES |= {("q2_k", True): 7296, ("q3_k", False): 6720, ("q3_k", True): 7296, ("iq4_nl", False): 2304}
 BLOCK_BYTES |= {("iq4_xs", False): 4608, ("q2_k", False): 3200, ("q3_k", False): 3648, ("mxfp4", False): 544}
 PANEL_BLOCK = {"iq4_nl": 128}  # input features per dot panel block, where not the activations' block
@@ -165,11 +166,12 @@ def test_legacy_dot_panels_compute_the_product_of_rounded_activations(kind, rows
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 25])
 @pytest.mark.parametrize(
-    ("kind", "mins"), [("q4_k", False), ("q6_k", False), ("q4_k", True), ("q6_k", True), ("q5_k", True)]
+    ("kind", "mins"),
+    [("q4_k", False), ("q6_k", False), ("q5_k", False), ("q4_k", True), ("q6_k", True), ("q5_k", True)],
 )
 def test_k_quant_dot_panels_compute_the_product_of_rounded_activations(kind, mins, rows):
-    """Q4_K and Q6_K, each in its own layout and in the Q6_K layout with mins (what a fusion that
-    mixes them is packed in), and Q5_K, always in that layout: the same product."""
+    """Q4_K, Q5_K and Q6_K, each in its own layout and in the Q6_K layout with mins (what a fusion that
+    mixes them is packed in): the same product."""
     check_product(RANDOM[kind](70, 512, seed=rows), kind, mins, rows, bias=rows % 2 == 0)
 
 
@@ -180,6 +182,7 @@ def test_extreme_scales_and_activations():
         check_product(random_q8_0(40, 64, seed=rows, extreme=True), "q8_0", False, rows, bias=False)
         check_product(random_q4_k(40, 256, seed=rows, extreme=True), "q4_k", True, rows, bias=False)
         check_product(random_q5_k(40, 256, seed=rows, extreme=True), "q5_k", True, rows, bias=False)
+        check_product(random_q5_k(40, 256, seed=rows, extreme=True), "q5_k", False, rows, bias=False)
     raw = random_q6_k(32, 256, seed=1)
     x = torch.full((2, 256), 1e30)
     x[1] = -1e-30
@@ -216,6 +219,7 @@ def largest_quants(kind: str, rows: int, k: int) -> torch.Tensor:
         ("q5_1", False),
         ("q4_k", False),
         ("q4_k", True),
+        ("q5_k", False),
         ("q5_k", True),
         ("q6_k", False),
     ],

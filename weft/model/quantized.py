@@ -38,8 +38,8 @@ from weft.model.mxfp4 import mxfp4_as_q5_0
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
 LEGACY = ("q4_0", "q5_0")  # blocks of 32 with their own dot panels, exact products as Q8_0
 # Kinds no exact quantized panel holds (Q4_1 and Q5_1's d * q + m, Q5_K's fifth bits, Q2_K's mins
-# per 16, IQ4_XS's scales per 32): dot panels only (Q5_K's: the Q6_K layout with mins), and for
-# float32 products the exact dequantization.
+# per 16, IQ4_XS's scales per 32): dot panels only, and for float32 products the exact
+# dequantization.
 NO_EXACT_PANELS = ("q4_1", "q5_1", "q2_k", "q5_k", "iq4_xs")
 # Kinds packed as another kind's blocks (weft/native/rewrite.cpp): exactly, but IQ4_XS's scales
 REWRITTEN = {"q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_nl", "mxfp4": "q5_0"}
@@ -85,9 +85,9 @@ class QuantizedRows:
         return cast(torch.Tensor, getattr(torch.ops.weft, f"pack_{self.kind}")(self.rows))
 
     def _dot_panels(self, mins: bool) -> torch.Tensor:
-        """Every kind has dot panels of its own, but Q5_K's are always the Q6_K layout with mins (and
-        with `mins` Q3_K goes into them as Q6_K blocks); IQ4_NL's where its input features are not
-        whole blocks of 128 are Q8_0's."""
+        """Every kind has dot panels of its own (with `mins`, the k-quants go into the Q6_K layout
+        with mins, Q3_K as Q6_K blocks); IQ4_NL's where its input features are not whole blocks of
+        128 are Q8_0's."""
         if self.kind in IQ4_DOT_BLOCKS:
             if self.shape[1] % (32 * IQ4_DOT_BLOCKS[self.kind]):
                 return self.rewritten().pack(dot=True)

@@ -42,8 +42,9 @@ constexpr int64_t kQ6KBlockBytes = kQ6KQuantsOffset + kQ6KBlock * kPanel;       
 constexpr int64_t kQ6KFileBlockBytes = 210;
 
 // Q5_K (GGUF's 5-bit k-quant): super-blocks of 256 as Q4_K's (d, dmin, 6-bit scales and mins per
-// sub-block of 32) with a fifth bit per quant (q 0..31). Its dot panels are the Q6_K layout with
-// mins (below), which holds it exactly at 7.1 bits a weight (the file: 5.5); no exact panels.
+// sub-block of 32) with a fifth bit per quant (q 0..31). Dot panels of its own (Q4_K's with a plane
+// of fifth bits, below: 5.6 bits a weight, the file 5.5), and in a fusion with other k-quants the
+// Q6_K layout with mins (7.1 bits); no exact panels.
 constexpr int64_t kQ5KFileBlockBytes = 176;
 
 // Q2_K (GGUF's 2-bit k-quant): super-blocks of 256 with d and dmin, a 4-bit scale and min per
@@ -122,6 +123,17 @@ constexpr int64_t kQ4KDotSubBlockBytes = 2 * kPanel + 32 * kPanel / 2;  // 576
 constexpr int64_t q4k_dot_sub_block(int64_t s) { return kQ4KDotHeaderBytes + s * kQ4KDotSubBlockBytes; }
 constexpr int64_t kQ4KDotBlockBytes = q4k_dot_sub_block(kQ4KSubBlocks);  // 4,736
 
+// Q5_K: Q4_K's layout with, in each sub-block after its scales and mins, 4 chunks of two groups:
+// the two groups' fifth bits in 32 bytes (as Q5_0's: byte 4 (c % 8) + f holding column c's at bit
+// c / 8 for the first group, 4 + c / 8 for the second), then their nibbles (2 x 64 bytes): 5.6 bits
+// a weight.
+constexpr int64_t kQ5KDotChunkBytes = 32 + 2 * 64;
+constexpr int64_t kQ5KDotSubBlockBytes = 2 * kPanel + 4 * kQ5KDotChunkBytes;  // 704
+constexpr int64_t q5k_dot_sub_block(int64_t s) { return kQ4KDotHeaderBytes + s * kQ5KDotSubBlockBytes; }
+constexpr int64_t q5k_dot_fifth(int64_t g) { return 2 * kPanel + kQ5KDotChunkBytes * (g / 2); }  // in a sub-block
+constexpr int64_t q5k_dot_nibbles(int64_t g) { return q5k_dot_fifth(g) + 32 + 64 * (g % 2); }
+constexpr int64_t kQ5KDotBlockBytes = q5k_dot_sub_block(kQ4KSubBlocks);  // 5,760
+
 // Q6_K: per super-block of 256, d (float16), then per pair of sub-blocks of 16 their int8 scales
 // ([2][32]) and their quants biased to q + 32 (0..63) in 4 chunks of two groups: the two groups'
 // low 4 bits as nibbles (2 x 64 bytes), then their high 2 bits (2 x 32 bytes, byte 4 (c % 8) + f
@@ -167,7 +179,8 @@ constexpr int64_t dot_block_features(int64_t block_bytes) {
   return (block_bytes == kQ8DotBlockBytes || is_legacy_dot_block(block_bytes) || block_bytes == kMxfp4DotBlockBytes)
              ? kQ8Block
          : block_bytes == kIq4NlDotBlockBytes                                     ? 4 * kQ8Block
-         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes || block_bytes == kQ3KDotBlockBytes ||
+         : (block_bytes == kQ4KDotBlockBytes || block_bytes == kQ5KDotBlockBytes || block_bytes == kIq4XsDotBlockBytes ||
+            block_bytes == kQ3KDotBlockBytes ||
             block_bytes == kQ2KDotBlockBytes || block_bytes == kQ6KDotBlockBytes(false) ||
             block_bytes == kQ6KDotBlockBytes(true))
              ? kQ4KBlock

@@ -487,17 +487,38 @@ void dot_tile_legacy(const Tile& t) {
   finish_tile<kRows, kV>(t, a.acc);
 }
 
-// Q4_K with vpdpbusd: each sub-block's int32 sums scaled in float32.
-template <int kRows, int kV>
+// Q4_K's dot layout, and with kFifth Q5_K's (panels.h): where a sub-block's scales, mins and groups
+// of nibbles are, and column vector v of group g's quants (0..15, or 0..31 with the fifth bits of
+// its chunk, `high`, shifted by fifth_shift(v) as Q5_0's).
+template <bool kFifth>
+struct Q4KLayout {
+  static constexpr int64_t kBlockBytes = kFifth ? weft::kQ5KDotBlockBytes : weft::kQ4KDotBlockBytes;
+  static constexpr int64_t sub_block(int64_t s) { return kFifth ? weft::q5k_dot_sub_block(s) : weft::q4k_dot_sub_block(s); }
+  static constexpr int64_t nibbles(int64_t g) { return kFifth ? weft::q5k_dot_nibbles(g) : 2 * kPanel + 64 * g; }
+  static vecb quants(const int8_t* sub, int64_t g, int v, vecw shift) {
+    vecb w = ::nibbles(sub + nibbles(g), v);
+    if constexpr (kFifth) {
+      const vecw high = load_high(sub + weft::q5k_dot_fifth(g));
+      w |= reinterpret_cast<vecb>((g % 2 == 0 ? high << (4 - shift) : high >> shift) & 0x10101010u);
+    }
+    return w;
+  }
+};
+
+// Q4_K and Q5_K with vpdpbusd: each sub-block's int32 sums scaled in float32.
+template <int kRows, int kV, bool kFifth>
 void dot_tile_q4_k_vnni(const Tile& t) {
+  using Layout = Q4KLayout<kFifth>;
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
   constexpr int64_t kSub = weft::kQ4KBlock / weft::kQ4KSubBlocks;  // 32: one activation block
+  vecw shift[kV];
+  for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
-    const int8_t* block = panel + sb * weft::kQ4KDotBlockBytes;
+    const int8_t* block = panel + sb * Layout::kBlockBytes;
     vecf d[kV], dmin[kV];
     for (int j = 0; j < kV; ++j) {
       d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
@@ -505,18 +526,17 @@ void dot_tile_q4_k_vnni(const Tile& t) {
     }
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
       prefetch_out_line<kRows, kV>(t, sb * weft::kQ4KSubBlocks + s);
-      const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
+      const int8_t* sub = block + Layout::sub_block(s);  // scales, mins, then quants
       vecf scale[kV], min[kV];
       for (int j = 0; j < kV; ++j) {
         scale[j] = d[j] * widen_uint8(sub + kLanes * (v0 + j));
         min[j] = dmin[j] * widen_uint8(sub + kPanel + kLanes * (v0 + j));
       }
       a.clear_sub();
-      const int8_t* quants = sub + 2 * kPanel;
       for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
-        prefetch_weights<kRows>(quants + 64 * g + kPrefetchBytes);
+        prefetch_weights<kRows>(sub + Layout::nibbles(g) + kPrefetchBytes);
         vecb w[kV];
-        for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
+        for (int j = 0; j < kV; ++j) w[j] = Layout::quants(sub, g, v0 + j, shift[j]);
         a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
       }
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
@@ -538,41 +558,46 @@ inline vech pair_multipliers(const int8_t* p, bool both) {
   return reinterpret_cast<vech>(both ? v | v << 16 : v);
 }
 
-// Q4_K without VNNI (llama.cpp's AVX2 arithmetic): a sub-block's 16-bit pair sums are multiplied by
-// its scale in the widening vpmaddwd itself, and its mins by the activations' sums in another, so
-// that a super-block is summed in int32 (at most 8 * 2 * 30,480 * 63 < 2^31) and meets float32
-// once, not once per sub-block.
-template <int kRows, int kV>
+// Q4_K and Q5_K without VNNI (llama.cpp's AVX2 arithmetic): a sub-block's 16-bit pair sums are
+// multiplied by its scale in the widening vpmaddwd itself, and its mins by the activations' sums in
+// another, so that a super-block is summed in int32 (at most 8 * 2 * 2 * 31,496 * 63 < 2^31) and
+// meets float32 once, not once per sub-block. Q4_K's pair sums add up over a sub-block's 8 groups
+// (8 * 2 * 15 * 127 = 30,480), Q5_K's over 4 (4 * 2 * 31 * 127 = 31,496), each run widened alone.
+template <int kRows, int kV, bool kFifth>
 void dot_tile_q4_k_pairs(const Tile& t) {
+  using Layout = Q4KLayout<kFifth>;
   vecf acc[kRows][kV] = {};
   ActRow x[kRows];
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
   constexpr int64_t kSub = weft::kQ4KBlock / weft::kQ4KSubBlocks;  // 32: one activation block
-  constexpr int kGroups = kSub / kDotGroup;  // 8: pair sums of at most 8 * 2 * 15 * 127 = 30,480
+  constexpr int kGroups = kFifth ? 4 : 8;  // groups whose pair sums add up in 16 bits
+  vecw shift[kV];
+  for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
-    const int8_t* block = panel + sb * weft::kQ4KDotBlockBytes;
+    const int8_t* block = panel + sb * Layout::kBlockBytes;
     veci scaled[kRows][kV] = {}, mins[kRows][kV] = {};
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
       prefetch_out_line<kRows, kV>(t, sb * weft::kQ4KSubBlocks + s);
-      const int8_t* sub = block + weft::q4k_dot_sub_block(s);  // scales, mins, then quants
-      const int8_t* quants = sub + 2 * kPanel;
-      vech pairs[kRows][kV];
-      group_pair_sums<kGroups>(x, sb * weft::kQ4KBlock + s * kSub, [&](int g, vecb (&w)[kV]) {
-        prefetch_weights<kRows>(quants + 64 * g + kPrefetchBytes);
-        for (int j = 0; j < kV; ++j) w[j] = nibbles(quants + 64 * g, v0 + j);
-      }, pairs);
+      const int8_t* sub = block + Layout::sub_block(s);  // scales, mins, then quants
+      vech scale[kV];
+      for (int j = 0; j < kV; ++j) scale[j] = pair_multipliers(sub + kLanes * (v0 + j), true);
+      for (int run = 0; run < kSub / kDotGroup / kGroups; ++run) {
+        vech pairs[kRows][kV];
+        group_pair_sums<kGroups>(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * kGroups * run, [&](int g, vecb (&w)[kV]) {
+          prefetch_weights<kRows>(sub + Layout::nibbles(kGroups * run + g) + kPrefetchBytes);
+          for (int j = 0; j < kV; ++j) w[j] = Layout::quants(sub, kGroups * run + g, v0 + j, shift[j]);
+        }, pairs);
+        for (int j = 0; j < kV; ++j)
+          for (int i = 0; i < kRows; ++i) scaled[i][j] += madd_pairs(pairs[i][j], scale[j]);
+      }
       const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
       vech sums[kRows];  // each row's sum of the block's quants, |sum| <= 4,064
       for (int i = 0; i < kRows; ++i) sums[i] = reinterpret_cast<vech>(veci{} + (x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]));
       for (int j = 0; j < kV; ++j) {
-        const vech scale = pair_multipliers(sub + kLanes * (v0 + j), true);
         const vech min = pair_multipliers(sub + kPanel + kLanes * (v0 + j), false);
-        for (int i = 0; i < kRows; ++i) {
-          scaled[i][j] += madd_pairs(pairs[i][j], scale);
-          mins[i][j] += madd_pairs(min, sums[i]);
-        }
+        for (int i = 0; i < kRows; ++i) mins[i][j] += madd_pairs(min, sums[i]);
       }
     }
     const int64_t xb = sb * (weft::kQ4KBlock / kActBlock);  // one activation scale a super-block
@@ -588,12 +613,12 @@ void dot_tile_q4_k_pairs(const Tile& t) {
   finish_tile<kRows, kV>(t, acc);
 }
 
-template <int kRows, int kV>
+template <int kRows, int kV, bool kFifth>
 void dot_tile_q4_k(const Tile& t) {
   if constexpr (kVnni) {
-    dot_tile_q4_k_vnni<kRows, kV>(t);
+    dot_tile_q4_k_vnni<kRows, kV, kFifth>(t);
   } else {
-    dot_tile_q4_k_pairs<kRows, kV>(t);
+    dot_tile_q4_k_pairs<kRows, kV, kFifth>(t);
   }
 }
 
@@ -712,8 +737,9 @@ struct KQuantTiles {
   static constexpr int kHalfRows = 0;
   static constexpr ActBlocks kActivations = ActBlocks::kQ8_K;
 };
+template <bool kFifth>  // Q5_K
 struct Q4KDotTiles : KQuantTiles {
-  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q4_k<kRows, kV>(t); }
+  template <int kRows, int kV> static void run(const Tile& t) { dot_tile_q4_k<kRows, kV, kFifth>(t); }
 };
 template <int kBits, bool kMins>
 struct SmallKDotTiles : KQuantTiles {
@@ -764,7 +790,8 @@ void with_dot_tiles(int64_t block_bytes, Fn&& fn) {
     case weft::kQ5_0DotBlockBytes: fn(LegacyDotTiles<true, false>{}); break;
     case weft::kQ4_1DotBlockBytes: fn(LegacyDotTiles<false, true>{}); break;
     case weft::kQ5_1DotBlockBytes: fn(LegacyDotTiles<true, true>{}); break;
-    case weft::kQ4KDotBlockBytes: fn(Q4KDotTiles{}); break;
+    case weft::kQ4KDotBlockBytes: fn(Q4KDotTiles<false>{}); break;
+    case weft::kQ5KDotBlockBytes: fn(Q4KDotTiles<true>{}); break;
     case weft::kQ3KDotBlockBytes: fn(SmallKDotTiles<3, false>{}); break;
     case weft::kQ2KDotBlockBytes: fn(SmallKDotTiles<2, true>{}); break;
     case weft::kQ6KDotBlockBytes(false): fn(SmallKDotTiles<6, false>{}); break;

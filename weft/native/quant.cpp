@@ -508,6 +508,29 @@ void pack_q4_k_dot_block(const Columns& columns, uint8_t* block) {
   }
 }
 
+// A Q5_K dot panel block (panels.h: Q4_K's, each sub-block's quants in chunks of fifth bits and
+// nibbles).
+void pack_q5_k_dot_block(const Columns& columns, uint8_t* block) {
+  uint8_t q[kPanel * kQ4KBlock] = {};
+  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
+    const KBlock b = decode_q5_k(columns[c]);
+    std::memcpy(block + 2 * c, &b.d, 2);
+    std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
+    for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
+      block[q5k_dot_sub_block(s) + c] = static_cast<uint8_t>(b.sc[2 * s]);
+      block[q5k_dot_sub_block(s) + kPanel + c] = static_cast<uint8_t>(b.m[2 * s]);
+    }
+    std::memcpy(q + c * kQ4KBlock, b.q, kQ4KBlock);
+  }
+  for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
+    uint8_t* sub = block + q5k_dot_sub_block(s);
+    for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
+      put_bits(q, kQ4KBlock, 32 * s + kDotGroup * g, 4, 1, 4 * (g % 2), sub + q5k_dot_fifth(g));
+      put_nibbles(q, kQ4KBlock, 32 * s + kDotGroup * g, sub + q5k_dot_nibbles(g));
+    }
+  }
+}
+
 // A Q6_K dot panel block (kMins: with dmin and mins, from either kind's decoded super-block).
 template <bool kMins, KBlock (*kDecode)(const uint8_t*)>
 void pack_q6_k_dot_block(const Columns& columns, uint8_t* block) {
@@ -561,8 +584,8 @@ void pack_low_k_dot_block(const Columns& columns, uint8_t* block) {
 }
 
 // GGUF rows of `kind` ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1", "q2_k", "q4_k", "q5_k", "q6_k", "mxfp4") into dot panels
-// (int8; panels.h); with `mins` (Q2_K, Q4_K or Q6_K) the Q6_K layout with mins, which holds them all (a fusion
-// that mixes them); Q5_K always goes into that layout. Q3_K (without mins) and Q2_K have layouts of their own.
+// (int8; panels.h); with `mins` (Q2_K, Q4_K, Q5_K or Q6_K) the Q6_K layout with mins, which holds them all (a
+// fusion that mixes them). Q3_K (without mins), Q2_K and Q5_K have layouts of their own.
 at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   const char* message = "pack_dot: expected a GGUF tensor's rows of its kind as uint8 [N, K / block * block bytes]";
   if (kind == "q8_0" && !mins) {
@@ -590,7 +613,10 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
   if (kind == "q4_k" && !mins) {
     return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block, message, at::kChar);
   }
-  if (kind == "q5_k") {  // only in the Q6_K layout with mins, which holds it exactly
+  if (kind == "q5_k" && !mins) {
+    return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ5KDotBlockBytes, pack_q5_k_dot_block, message, at::kChar);
+  }
+  if (kind == "q5_k") {  // in a fusion: the Q6_K layout with mins, which holds it exactly
     return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q5_k>,
                              message, at::kChar);
   }
@@ -731,6 +757,15 @@ void gather_dot_rows(const int8_t* panels_in, int64_t block_bytes, int64_t k, co
     gather_rows(panels, k, ids, tokens, out, kQ8Block, block_bytes, legacy_dot_weight<true, true>);
   } else if (block_bytes == kQ4KDotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, k_dot_weight<true, false>);
+  } else if (block_bytes == kQ5KDotBlockBytes) {
+    gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, [](const uint8_t* block, int64_t c, int64_t kk) {
+      const uint8_t* sub = block + q5k_dot_sub_block(kk / 32);
+      const int64_t g = (kk % 32) / kDotGroup, f = kk % kDotGroup;
+      const uint8_t byte = sub[q5k_dot_nibbles(g) + kDotGroup * (c % 16) + f];
+      const int q = (c < 16 ? byte & 0xF : byte >> 4) | ((sub[q5k_dot_fifth(g) + kDotGroup * (c % 8) + f] >> (4 * (g % 2) + c / 8)) & 1) << 4;
+      const float d = half_at(block + 2 * c), sc = static_cast<float>(sub[c]), m = static_cast<float>(sub[kPanel + c]);
+      return d * sc * static_cast<float>(q) - half_at(block + 2 * kPanel + 2 * c) * m;
+    });
   } else if (block_bytes == kQ3KDotBlockBytes) {
     gather_rows(panels, k, ids, tokens, out, kQ4KBlock, block_bytes, low_k_dot_weight<true, false>);
   } else if (block_bytes == kQ2KDotBlockBytes) {
