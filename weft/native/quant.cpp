@@ -489,44 +489,27 @@ void pack_mxfp4_dot_block(const Columns& columns, uint8_t* block) {
   for (int64_t g = 0; g < kQ8Block / kDotGroup; ++g) put_nibbles(q, kQ8Block, kDotGroup * g, block + mxfp4_dot_nibbles(g));
 }
 
+// A Q4_K or (kFifth) Q5_K dot panel block (panels.h: Q5_K's sub-blocks hold their quants in chunks
+// of fifth bits and nibbles).
+template <bool kFifth>
 void pack_q4_k_dot_block(const Columns& columns, uint8_t* block) {
+  constexpr auto sub_block = [](int64_t s) { return kFifth ? q5k_dot_sub_block(s) : q4k_dot_sub_block(s); };
   uint8_t q[kPanel * kQ4KBlock] = {};
   for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
-    const KBlock b = decode_q4_k(columns[c]);
+    const KBlock b = kFifth ? decode_q5_k(columns[c]) : decode_q4_k(columns[c]);
     std::memcpy(block + 2 * c, &b.d, 2);
     std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
     for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
-      block[q4k_dot_sub_block(s) + c] = static_cast<uint8_t>(b.sc[2 * s]);
-      block[q4k_dot_sub_block(s) + kPanel + c] = static_cast<uint8_t>(b.m[2 * s]);
+      block[sub_block(s) + c] = static_cast<uint8_t>(b.sc[2 * s]);
+      block[sub_block(s) + kPanel + c] = static_cast<uint8_t>(b.m[2 * s]);
     }
     std::memcpy(q + c * kQ4KBlock, b.q, kQ4KBlock);
   }
   for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
+    uint8_t* sub = block + sub_block(s);
     for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
-      put_nibbles(q, kQ4KBlock, 32 * s + kDotGroup * g, block + q4k_dot_sub_block(s) + 2 * kPanel + 64 * g);
-    }
-  }
-}
-
-// A Q5_K dot panel block (panels.h: Q4_K's, each sub-block's quants in chunks of fifth bits and
-// nibbles).
-void pack_q5_k_dot_block(const Columns& columns, uint8_t* block) {
-  uint8_t q[kPanel * kQ4KBlock] = {};
-  for (int64_t c = 0; c < kPanel && columns[c] != nullptr; ++c) {
-    const KBlock b = decode_q5_k(columns[c]);
-    std::memcpy(block + 2 * c, &b.d, 2);
-    std::memcpy(block + 2 * kPanel + 2 * c, &b.dmin, 2);
-    for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
-      block[q5k_dot_sub_block(s) + c] = static_cast<uint8_t>(b.sc[2 * s]);
-      block[q5k_dot_sub_block(s) + kPanel + c] = static_cast<uint8_t>(b.m[2 * s]);
-    }
-    std::memcpy(q + c * kQ4KBlock, b.q, kQ4KBlock);
-  }
-  for (int64_t s = 0; s < kQ4KSubBlocks; ++s) {
-    uint8_t* sub = block + q5k_dot_sub_block(s);
-    for (int64_t g = 0; g < 32 / kDotGroup; ++g) {
-      put_bits(q, kQ4KBlock, 32 * s + kDotGroup * g, 4, 1, 4 * (g % 2), sub + q5k_dot_fifth(g));
-      put_nibbles(q, kQ4KBlock, 32 * s + kDotGroup * g, sub + q5k_dot_nibbles(g));
+      if (kFifth) put_bits(q, kQ4KBlock, 32 * s + kDotGroup * g, 4, 1, 4 * (g % 2), sub + q5k_dot_fifth(g));
+      put_nibbles(q, kQ4KBlock, 32 * s + kDotGroup * g, sub + (kFifth ? q5k_dot_nibbles(g) : 2 * kPanel + 64 * g));
     }
   }
 }
@@ -611,10 +594,10 @@ at::Tensor pack_dot(const at::Tensor& rows, c10::string_view kind, bool mins) {
     return pack_panel_blocks(rows, kMxfp4FileBlockBytes, kMxfp4DotBlockBytes, pack_mxfp4_dot_block, message, at::kChar);
   }
   if (kind == "q4_k" && !mins) {
-    return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block, message, at::kChar);
+    return pack_panel_blocks(rows, kQ4KFileBlockBytes, kQ4KDotBlockBytes, pack_q4_k_dot_block<false>, message, at::kChar);
   }
   if (kind == "q5_k" && !mins) {
-    return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ5KDotBlockBytes, pack_q5_k_dot_block, message, at::kChar);
+    return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ5KDotBlockBytes, pack_q4_k_dot_block<true>, message, at::kChar);
   }
   if (kind == "q5_k") {  // in a fusion: the Q6_K layout with mins, which holds it exactly
     return pack_panel_blocks(rows, kQ5KFileBlockBytes, kQ6KDotBlockBytes(true), pack_q6_k_dot_block<true, decode_q5_k>,
