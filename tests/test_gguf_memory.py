@@ -91,3 +91,24 @@ def test_huge_pages_take_tensors_across_arenas():
     for tensor, copy in zip(tensors, copies, strict=True):
         assert torch.equal(tensor, copy) and copy.data_ptr() % 64 == 0
         assert pages.holds(copy) and not pages.holds(tensor)
+
+
+def test_a_file_larger_than_the_memory_available_is_refused_before_loading(moe_file, monkeypatch, capsys):
+    """Where the kernel reports less memory available than the file holds, `LLM` says so, names both
+    sizes and what to do, before reading a tensor; otherwise loading says what it loaded, from how
+    many bytes, in how long and what the process holds."""
+    from weft.config import ConfigError
+    from weft.engine import fit
+
+    path, tokenizer = moe_file
+    assert fit.mem_available() is not None and fit.checkpoint_bytes(path) == path.stat().st_size
+    monkeypatch.setattr(fit, "mem_available", lambda: path.stat().st_size // 2)
+    monkeypatch.setattr("weft.engine.loading.load_model", lambda *a, **k: pytest.fail("loading started"))
+    with pytest.raises(
+        ConfigError, match=r"GB of weights.*GB available \(MemAvailable\).*smaller quantization"
+    ):
+        LLM(str(path), tokenizer=str(tokenizer), show_progress=False)
+    monkeypatch.undo()
+    LLM(str(path), tokenizer=str(tokenizer), show_progress=True)
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("weft: loaded")]
+    assert len(line) == 1 and path.name in line[0] and " s, " in line[0] and "B resident" in line[0], line

@@ -5,6 +5,7 @@ settled the same way for an engine (`weft.engine.factory`) and for each tensor-p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from weft.config import (
     resolve_dtype,
 )
 from weft.engine.args import EngineArgs
+from weft.engine.fit import check_fits, report_load
 from weft.engine.kv_pools import bytes_per_token, has_window_pool
 from weft.engine.runner import ModelRunner
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
@@ -94,9 +96,14 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
     budget = _kv_budget_tokens(args, model_config, kv_dtype, device)
     max_len = _max_model_len(args.max_model_len, model_config, budget)
     progress = args.show_progress and (tp is None or tp.rank == 0)
+    if device.type == "cpu" and tp is None:
+        check_fits(path)  # before reading a tensor (weft/engine/fit.py)
+    start = time.perf_counter()
     model = load_model(
         source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp
     )
+    if progress:
+        report_load(path, time.perf_counter() - start)
     return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len, kv_dtype)
 
 

@@ -1,0 +1,73 @@
+"""Whether a checkpoint can fit this machine's memory, said before loading starts, and what a load
+took, said after.
+
+On CPU weft packs every matrix into panels of its own (weft/model/loader.py): at least the
+checkpoint's bytes of memory (a quantized file's panels hold about its bytes, float ones as many or,
+widened to float32, more), beside the KV cache and the runtime. A file larger than the memory the
+kernel reports available (`MemAvailable`, which counts the page cache it can reclaim) cannot run,
+and loading it would end, minutes later, in the out-of-memory killer: `check_fits` refuses it first
+and says what to do. Linux only (elsewhere nothing is checked).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from weft.config import ConfigError
+
+MEMINFO = Path("/proc/meminfo")
+STATUS = Path("/proc/self/status")
+
+
+def _kilobytes(path: Path, key: str) -> int | None:
+    """A "Key:  N kB" line of a /proc file, in bytes (None where there is no such file or line)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == key:
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def mem_available() -> int | None:
+    return _kilobytes(MEMINFO, "MemAvailable")
+
+
+def resident_bytes() -> int | None:
+    return _kilobytes(STATUS, "VmRSS")
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes of a GGUF file, or of a checkpoint directory's safetensors files."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
+def check_fits(path: Path) -> None:
+    """Refuse, before reading a tensor, a checkpoint larger than the memory available to run it."""
+    available = mem_available()
+    size = checkpoint_bytes(path)
+    if available is not None and size > available:
+        raise ConfigError(
+            f"{path} holds {size / 1e9:.1f} GB of weights, and weft needs at least that much memory to run "
+            f"it on CPU; this machine has {available / 1e9:.1f} GB available (MemAvailable). Close other "
+            "programs, or use a smaller quantization of the model (e.g. Q4_K_M in place of Q8_0)"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.0f} MB"
+
+
+def report_load(path: Path, seconds: float) -> None:
+    """One line on stderr: what was loaded, from how many bytes, how long it took, what it holds."""
+    resident = resident_bytes()
+    held = f", {_size(resident)} resident" if resident is not None else ""
+    print(
+        f"weft: loaded {path.name} ({_size(checkpoint_bytes(path))}) in {seconds:.1f} s{held}",
+        file=sys.stderr,
+    )
