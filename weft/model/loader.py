@@ -114,12 +114,8 @@ def checkpoint_tensors(
     if not isinstance(source, GgufCheckpoint):
         yield from read_tensors(safetensors_files(source), show_progress)
         return
-    count = len(source.reader.tensors)
-    bar = tqdm(total=count, desc="Loading GGUF", unit="tensor", disable=not show_progress, leave=False)
-    with bar:
-        for name, tensor in source.read_tensors(keep_blocks):
-            bar.update(1)
-            yield name, source.path, tensor
+    for name, tensor in source.read_tensors(keep_blocks):  # views of the mapping: read when packed
+        yield name, source.path, tensor
 
 
 def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tuple[str, Path, torch.Tensor]]:
@@ -231,7 +227,11 @@ def load_model(
         model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))  # (on meta)
         model.embed.read_from_panels(model.lm_head)
     pages = HugePages() if panels and huge_pages_available() else None  # panels go there as packed
-    state = _expected_state(model, _convert(weights, arch.spec, config), kernels, blocks, int8_dot, pages)
+    converted = _convert(weights, arch.spec, config)
+    if show_progress:  # where the time goes: a GGUF file's tensors are read as they are packed
+        names = len(model.state_dict())
+        converted = tqdm(converted, total=names, desc="Packing weights", unit="tensor", leave=False)
+    state = _expected_state(model, converted, kernels, blocks, int8_dot, pages)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
     model = model.to(device=device, dtype=dtype).eval()
