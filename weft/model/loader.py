@@ -212,9 +212,8 @@ def load_model(
         model = arch.model_class(config, arch.spec, max_positions, kernels)
     if tp is not None and cut is not None:
         model.shard(tp, cut.shard.vocab_start(cut.full))
-    measured = layout is WeightLayout.PANELS and not bf16_dot
-    dense_rows = _dense_rows(model, dtype, show_progress) if measured else {}
     panels = layout is WeightLayout.PANELS
+    dense_rows = _dense_rows(model, dtype, show_progress) if panels and not bf16_dot else {}
     blocks = not panels and kernels.multiplies_blocks(device)  # quantized matrices stay in their blocks
     _check_quantization(quantization, layout)
     weights = _read_weights(
@@ -227,10 +226,7 @@ def load_model(
         model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))  # (on meta)
         model.embed.read_from_panels(model.lm_head)
     pages = HugePages() if panels and huge_pages_available() else None  # panels go there as packed
-    converted = _convert(weights, arch.spec, config)
-    if show_progress:  # where the time goes: a GGUF file's tensors are read as they are packed
-        names = len(model.state_dict())
-        converted = tqdm(converted, total=names, desc="Packing weights", unit="tensor", leave=False)
+    converted = _packing_progress(_convert(weights, arch.spec, config), model, show_progress)
     state = _expected_state(model, converted, kernels, blocks, int8_dot, pages)
     model.load_state_dict(state, assign=True, strict=True)
     del state, weights  # the model holds the only references: packing frees each matrix as it goes
@@ -244,6 +240,17 @@ def load_model(
     model.set_bf16_dot(bf16_dot)
     model.fuse_stack()
     return model
+
+
+def _packing_progress(
+    converted: Iterator[tuple[str, Weight]], model: LlamaForCausalLM, show: bool
+) -> Iterator[tuple[str, Weight]]:
+    """The weights as they are converted and packed, counted on a progress bar where `show`: where
+    a load's time goes (a GGUF file's tensors are views of its mapping, read as they are packed)."""
+    if not show:
+        return converted
+    bar = tqdm(converted, total=len(model.state_dict()), desc="Packing weights", unit="tensor", leave=False)
+    return iter(bar)
 
 
 def _panel_modules(model: LlamaForCausalLM) -> list[nn.Module]:
