@@ -256,6 +256,11 @@ inline vecw fifth_shift(int v) {
   return shift;
 }
 
+// The fifth bits of a chunk's group `second` (0 or 1) from its 32 bytes `high` (load_high), in place.
+inline vecb fifth_bits(vecw high, bool second, vecw shift) {
+  return reinterpret_cast<vecb>((second ? high >> shift : high << (4 - shift)) & 0x10101010u);
+}
+
 // A tile's float32 outputs and the current sub-block's int32 sums. (Summing a sub-block in 2-4
 // interleaved parts, against vpdpbusd's 4-5 cycles of latency, measured no faster at one row.)
 template <int kRows, int kV>
@@ -457,7 +462,7 @@ void dot_tile_legacy(const Tile& t) {
           vecb w[kV];
           for (int j = 0; j < kV; ++j) {
             w[j] = nibbles(block + Layout::nibbles(2 * h + g), v0 + j);
-            if constexpr (kHigh) w[j] |= reinterpret_cast<vecb>((g == 0 ? high << (4 - shift[j]) : high >> shift[j]) & 0x10101010u);
+            if constexpr (kHigh) w[j] |= fifth_bits(high, g == 1, shift[j]);
             w[j] = Layout::levels(w[j]);
           }
           const int64_t offset = b * weft::kQ8Block + kDotGroup * (2 * h + g);
@@ -499,7 +504,7 @@ struct Q4KLayout {
     vecb w = ::nibbles(sub + nibbles(g), v);
     if constexpr (kFifth) {
       const vecw high = load_high(sub + weft::q5k_dot_fifth(g));
-      w |= reinterpret_cast<vecb>((g % 2 == 0 ? high << (4 - shift) : high >> shift) & 0x10101010u);
+      w |= fifth_bits(high, g % 2 == 1, shift);
     }
     return w;
   }

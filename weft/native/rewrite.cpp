@@ -35,9 +35,7 @@ namespace weft {
 namespace {
 
 constexpr int64_t kSuper = 256;  // features per k-quant super-block
-constexpr int64_t kQ3KBytes = 110, kQ6KBytes = 210, kIq4NlBytes = 18, kIq4XsBytes = 136, kQ8Bytes = 34;
-constexpr int64_t kMxfp4Bytes = 17, kQ5_0Bytes = 22;
-constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // e2m1, doubled
+constexpr int64_t kIq4NlBytes = 18, kIq4XsBytes = 136;  // (the other file blocks' sizes: panels.h)
 
 
 // Q6_K's block from its 256 quants q (-32..31), 16 int8 scales and float16 d (bits): feature
@@ -45,7 +43,7 @@ constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4,
 // and its top two bits at bits 2 r of qh[32 h + l] (llama.cpp's dequantize_row_q6_K, reversed).
 void encode_q6_k(const int8_t* q, const int8_t* scales, uint16_t d, uint8_t* out) {
   uint8_t *ql = out, *qh = out + 128;
-  std::memset(out, 0, kQ6KBytes);
+  std::memset(out, 0, kQ6KFileBlockBytes);
   for (int64_t f = 0; f < kSuper; ++f) {
     const int64_t h = f / 128, r = (f % 128) / 32, l = f % 32;
     const auto v = static_cast<uint8_t>(q[f] + 32);  // 0..63
@@ -104,7 +102,7 @@ void mxfp4_as_q5_0(const uint8_t* in, uint8_t* out) {
   uint8_t low[32];
   for (int j = 0; j < 32; ++j) {
     const int code = j < 16 ? in[1 + j] & 0xF : in[1 + j - 16] >> 4;
-    const int q = kMxfp4Values[code] + 16;  // 4..28
+    const int q = kMxfp4Levels[code] + 16;  // 4..28
     high |= static_cast<uint32_t>((q >> 4) & 1) << j;
     low[j] = static_cast<uint8_t>(q & 0xF);
   }
@@ -132,9 +130,9 @@ at::Tensor rewrite_rows(const at::Tensor& rows_in, int64_t in_bytes, int64_t out
 // The rows of a GGUF tensor of `kind` ("q3_k", "iq4_nl", "iq4_xs", "mxfp4") as rows of the type weft
 // packs it as (Q6_K, Q8_0, IQ4_NL, Q5_0).
 at::Tensor rewrite_blocks(const at::Tensor& rows, c10::string_view kind) {
-  if (kind == "q3_k") return rewrite_rows(rows, kQ3KBytes, kQ6KBytes, q3_k_as_q6_k);
-  if (kind == "iq4_nl") return rewrite_rows(rows, kIq4NlBytes, kQ8Bytes, iq4_nl_as_q8_0);
-  if (kind == "mxfp4") return rewrite_rows(rows, kMxfp4Bytes, kQ5_0Bytes, mxfp4_as_q5_0);
+  if (kind == "q3_k") return rewrite_rows(rows, kQ3KFileBlockBytes, kQ6KFileBlockBytes, q3_k_as_q6_k);
+  if (kind == "iq4_nl") return rewrite_rows(rows, kIq4NlBytes, kQ8FileBlockBytes, iq4_nl_as_q8_0);
+  if (kind == "mxfp4") return rewrite_rows(rows, kMxfp4FileBlockBytes, kQ5_0FileBlockBytes, mxfp4_as_q5_0);
   TORCH_CHECK(kind == "iq4_xs", "rewrite_blocks: kind must be q3_k, iq4_nl, iq4_xs or mxfp4, not ", kind);
   return rewrite_rows(rows, kIq4XsBytes, 8 * kIq4NlBytes, iq4_xs_as_iq4_nl);
 }
