@@ -85,8 +85,11 @@ def test_a_gguf_file_is_a_whole_model(gguf_llm):
     if name == "q8_0":  # every matrix, the tied table included, runs from its Q8_0 blocks
         assert llm.kernels["linear"].endswith("Q8_0 for 9 matrices (int8 dot panels)"), llm.kernels
         assert llm.engine.model.embed.weight.dtype == torch.int8
-    if name == "q4_k_m":  # the q/k/v fusion mixing Q4_K and Q6_K stays quantized (Q6_K layout with mins)
+    if name == "q4_k_m":  # the q/k/v fusion mixing Q4_K and Q6_K stays quantized, each part in its own panels
         assert "Q4_K+Q6_K for 1 matrices" in llm.kernels["linear"], llm.kernels
+        qkv = [layer.attn.qkv for layer in llm.engine.model.layers]
+        assert [len(lin.parts or ()) for lin in qkv] == [0, 2], "the last layer's v is Q6_K (llama.cpp's mix)"
+    assert llm.engine.model.stack is not None  # decode steps in one decoder_stack_ call, parts and all
     assert llm.kernels["matmul"].startswith("quantized matrices: int8 activations")
     family = SHARED / "tokenizers" / "smollm2"
     hf = Tokenizer.from_dir(family)
@@ -153,6 +156,22 @@ def test_gguf_model_computes_the_reference_dequantized_product(name):
     for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
         for token, logprob in entry.items():
             assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
+
+
+def test_a_fusion_in_two_dot_layouts_decodes_in_the_stack_as_layer_by_layer():
+    """The Q4_K_M file's q|k|v in its Q4_K and Q6_K parts (each in its own dot panels): decode steps
+    in one `decoder_stack_` call give the tokens and logprobs of the layer-by-layer path."""
+    path = str(GGUF_DIR / FILES["q4_k_m"])
+    fused, layered = (LLM(path, show_progress=False, max_logprobs=5) for _ in range(2))
+    assert any(layer.attn.qkv.parts for layer in fused.engine.model.layers)
+    assert fused.engine.model.stack is not None
+    layered.engine.model.stack = None
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [[17, 4000, 123, 9000], [48000, 77]]
+    outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_int8_products_are_for_quantized_matrices(checkpoint_factory):

@@ -959,5 +959,6 @@ def test_the_server_keeps_the_contract_its_document_states(api_document):
         try:
             check()
         except Exception as exc:  # every operation is checked; all failures are reported together
-            failures.append(f"{operation.label}: {exc}")
+            causes = getattr(exc, "exceptions", ())  # hypothesis' flaky failures group what they saw
+            failures.append("\n".join([f"{operation.label}: {exc}", *(f"  {cause!r}" for cause in causes)]))
     assert not failures, "\n\n".join(failures)

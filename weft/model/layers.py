@@ -164,12 +164,20 @@ class Linear(nn.Module):
 
     def _parted_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         out = x.new_empty(x.shape[0], self.out_features)
+        for panels, columns in self.part_panels():
+            bias = None if self.bias is None else self.bias[columns]
+            rows = columns.stop - columns.start
+            out[:, columns] = torch.ops.weft.packed_linear(x, panels, bias, rows, False)
+        return out
+
+    def part_panels(self) -> list[tuple[torch.Tensor, slice]]:
+        """Each part's dot panels (a view of the flat weight, [P, blocks, block bytes]) and its
+        columns of the output (`PartedRows`)."""
+        views = []
         for part in self.parts or ():
             panels = self.weight[part.start : part.start + math.prod(part.shape)].view(part.shape)
-            columns = slice(part.out_start, part.out_start + part.rows)
-            bias = None if self.bias is None else self.bias[columns]
-            out[:, columns] = torch.ops.weft.packed_linear(x, panels, bias, part.rows, False)
-        return out
+            views.append((panels, slice(part.out_start, part.out_start + part.rows)))
+        return views
 
     def dense_forward(
         self, x: torch.Tensor, generated: torch.Tensor | None = None

@@ -470,16 +470,19 @@ def _stackable(layer: DecoderLayer) -> bool:
     if not isinstance(mlp, MLP):
         return False  # (a mixture of experts)
     matrices = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-    packed = all(lin.layout is WeightLayout.PANELS and lin.parts is None for lin in matrices)
-    return attn.q_norm is None and attn.head_dim <= 256 and packed
+    packed = all(lin.layout is WeightLayout.PANELS for lin in matrices)
+    whole = all(lin.parts is None for lin in matrices[1:]) and len(attn.qkv.parts or ()) <= 2
+    return attn.q_norm is None and attn.head_dim <= 256 and packed and whole
 
 
 def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
     """One layer's weights in the order of `decoder_stack_` (weft/native/decoder.cpp)."""
     attn, mlp, empty = layer.attn, cast(MLP, layer.mlp), torch.empty(0)
+    qkv = [panels for panels, _ in attn.qkv.part_panels()] if attn.qkv.parts else [attn.qkv.weight]
     return [
         layer.input_norm.weight,
-        attn.qkv.weight,
+        *qkv,
+        *([empty] * (2 - len(qkv))),  # a fused q/k/v in one dot layout, or in two parts (`PartedRows`)
         empty if attn.qkv.bias is None else attn.qkv.bias,
         attn.o.weight,
         empty if attn.o.bias is None else attn.o.bias,

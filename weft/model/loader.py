@@ -331,13 +331,10 @@ def _expect_quantized(
     memory (`release_read`)."""
     tensors: dict[str, torch.Tensor] = {}
     place = pages.copy if pages is not None else (lambda packed: packed)
-    for name, weight in state:
+    for name, source in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        blocks = (isinstance(weight, QuantizedRows) and (dot or weight.exact_panels)) or (
-            dot and isinstance(weight, MixedRows)
-        )
-        if blocks and isinstance(module, Linear):
-            assert isinstance(weight, (QuantizedRows, MixedRows))
+        weight = source.in_own_layouts() if dot and isinstance(source, MixedRows) else source
+        if isinstance(weight, QuantizedRows) and (dot or weight.exact_panels) and isinstance(module, Linear):
             tensors[name] = place(weight.pack(dot))
             module.expect_panels(tensors[name].shape, quantized=weight.label)
         elif dot and isinstance(weight, PartedRows) and isinstance(module, Linear):
@@ -349,7 +346,7 @@ def _expect_quantized(
             module.expect_panels(tensors[name].shape)
         else:
             tensors[name] = dequantized(weight)
-        release_read(weight)
+        release_read(source)
     return tensors
 
 

@@ -15,8 +15,11 @@ weight as in the file). For exact products Q3_K goes into Q6_K's exact panels, I
 and MXFP4 into Q5_0's (and so Q8_0's), rewritten exactly (weft/native/rewrite.cpp); Q2_K and IQ4_XS
 are dequantized.
 A fusion whose parts differ in kind (Q4_K_M gives attn_v and ffn_down Q6_K in some layers, Q4_K
-elsewhere) is `MixedRows`: in dot panels of the Q6_K layout with mins, which holds both kinds
-exactly; for exact products, float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
+elsewhere) is `MixedRows`: the kernel sets that multiply blocks as they are (CUDA) take it whole,
+and weft's CPU dot products take it in parts of one kind each, each in its kind's own dot panels
+(`in_own_layouts`, a `PartedRows`: a Q5_K q|k beside a Q6_K v is 5.6 bits a weight there, 7.1 in
+the Q6_K layout with mins that holds every k-quant, and its tile is faster); for exact products,
+float32. Q4_0 and Q5_0 parts fused with Q8_0 ones (Q4_K_M's
 fallbacks where the input features are not a multiple of 256) become Q8_0 blocks, exactly. Parts no
 one layout holds (IQ4_XS files' q and k with a Q5_K v) are `PartedRows`: each part in its own dot
 panels, one flat tensor that `Linear.parts` multiplies part by part. Nothing above `weft/model` sees
@@ -143,6 +146,17 @@ class MixedRows:
             raise ValueError("exact quantized panels hold one kind; dequantize a mixed fusion instead")
         return torch.cat([p.pack(dot=True, mins=True) for p in self.parts])
 
+    def in_own_layouts(self) -> PartedRows:
+        """The fusion in parts of one kind each, every part in its kind's own dot panels (a Q5_K
+        part in 5.6 bits a weight instead of the layout with mins' 7.1, and its faster tile)."""
+        runs: list[list[QuantizedRows]] = []
+        for part in self.parts:
+            if runs and runs[-1][-1].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return PartedRows(tuple(_joined(run) for run in runs))
+
     @property
     def kinds(self) -> tuple[str, ...]:  # each kind once, in the parts' order
         return tuple(dict.fromkeys(p.kind for p in self.parts))
@@ -264,6 +278,11 @@ def cat_rows(parts: list[Weight]) -> Weight:
             return MixedRows(tuple(blocks))
         return PartedRows(tuple(_runs(blocks)))
     return torch.cat([dequantized(p) for p in parts])
+
+
+def _joined(run: list[QuantizedRows]) -> QuantizedRows:
+    """Matrices of one kind stacked by rows (one is kept as it is: a view of the file)."""
+    return run[0] if len(run) == 1 else QuantizedRows(run[0].kind, torch.cat([p.rows for p in run]))
 
 
 def _runs(blocks: list[QuantizedRows]) -> list[QuantizedRows | MixedRows]:

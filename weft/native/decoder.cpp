@@ -16,11 +16,14 @@
 #include <vector>
 
 #include "ops.h"
+#include "panels.h"
 
 namespace {
 
 // Per layer, in this order (see weft/model/llama.py, `_stack_weights`):
-enum Weight { kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kWeightsPerLayer };
+// kQkvTail: the fused q/k/v's rows after kQkv's where they come in another dot layout (a Q4_K_M file's
+// Q6_K v beside Q4_K q and k, `PartedRows`), or an empty tensor.
+enum Weight { kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kWeightsPerLayer };
 
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
@@ -35,6 +38,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
   return bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias);
+}
+
+// The fused q/k/v projection [T, n]: one matrix, or its two parts (kQkv's panels of 32 rows each,
+// then kQkvTail's) each into its columns.
+at::Tensor qkv_projection(const at::Tensor& h, const at::Tensor* w, int64_t n, const StackShape& s) {
+  const std::optional<at::Tensor> bias = bias_or_none(w[kQkvBias]);
+  if (w[kQkvTail].numel() == 0) return linear(h, w[kQkv], bias, n, s);
+  const int64_t head = w[kQkv].size(0) * weft::kPanel;  // the first part's rows: whole panels
+  const auto part_bias = [&](int64_t start, int64_t rows) {
+    return bias ? std::optional<at::Tensor>(bias->narrow(0, start, rows)) : std::nullopt;
+  };
+  at::Tensor out = at::empty({h.size(0), n}, h.options());
+  out.narrow(1, 0, head).copy_(linear(h, w[kQkv], part_bias(0, head), head, s));
+  out.narrow(1, head, n - head).copy_(linear(h, w[kQkvTail], part_bias(head, n - head), n - head, s));
+  return out;
 }
 
 // One token's keys and values into its slot, rounded to the cache's type C (to nearest even, as
@@ -104,8 +122,7 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
                    const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
   const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
-  at::Tensor qkv = linear(h, w[kQkv], bias_or_none(w[kQkvBias]), (heads + 2 * kv_heads) * d, s)
-                       .view({tokens, heads + 2 * kv_heads, d});
+  at::Tensor qkv = qkv_projection(h, w, (heads + 2 * kv_heads) * d, s).view({tokens, heads + 2 * kv_heads, d});
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
