@@ -1,6 +1,6 @@
 // Quantized linear layers with int8 activations (llama.cpp's arithmetic): y = x @ W.T + b where W
-// is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K, and Q6_K with mins for a
-// fusion mixing Q4_K and Q6_K, and for Q5_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4) and x is
+// is in dot panels (panels.h: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K, and Q6_K with mins,
+// which holds every k-quant; Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4) and x is
 // quantized once per call, each row in blocks of 32 features (Q8_0 weights) or 256 (k-quants), to
 // int8 quants with a scale d = max |x| / 127 (and the sum of every 16 quants), exactly
 // as llama.cpp quantizes activations for the same weights. The products are byte dot
@@ -8,6 +8,9 @@
 // per 32-bit lane, summed exactly in int32 over a sub-block and then scaled in float32:
 //
 //   y = sum over sub-blocks of  d_x * (d * sc) * sum(q * x8)  -  d_x * (dmin * m) * sum(x8)
+//
+// (the k-quants with AVX-512: each sub-block's sum times its integer scale sc, added up in int32
+// over the super-block, then scaled once by d_x * d, as llama.cpp does).
 //
 // Not the float32 product of the dequantized weights (x is rounded to 8 bits, as llama.cpp rounds
 // it), at a quarter of the instructions per weight of widening the weights to float32: what lets a
@@ -510,7 +513,32 @@ struct Q4KLayout {
   }
 };
 
-// Q4_K and Q5_K with vpdpbusd: each sub-block's int32 sums scaled in float32.
+// Each lane's two 16-bit halves: lo and hi (int16 values) as one 32-bit word, for madd_pairs.
+inline vech halves(veci lo, veci hi) { return reinterpret_cast<vech>((lo & 0xFFFF) | (hi << 16)); }
+
+// The activations' sum of quants over block b of 32 (|sum| <= 4,064).
+inline int32_t block_sum(const ActRow& x, int64_t b) { return x.sums[2 * b] + x.sums[2 * b + 1]; }
+
+// sum over a super-block's 8 sub-blocks s of m_s * xsum_s (each column's 6-bit mins m, the row's
+// sums of quants), in int32: 4 vpmaddwd of sub-blocks in pairs.
+template <typename Layout>
+inline veci mins_dot(const int8_t* block, int64_t column, const ActRow& x, int64_t xb) {
+  veci total{};
+  for (int64_t p = 0; p < weft::kQ4KSubBlocks / 2; ++p) {
+    const vech mins = halves(widen_bytes(block + Layout::sub_block(2 * p) + kPanel + column),
+                             widen_bytes(block + Layout::sub_block(2 * p + 1) + kPanel + column));
+    const vech sums = halves(veci{} + block_sum(x, xb + 2 * p), veci{} + block_sum(x, xb + 2 * p + 1));
+    total += madd_pairs(mins, sums);
+  }
+  return total;
+}
+
+// Q4_K and Q5_K with vpdpbusd, in llama.cpp's arithmetic: each sub-block's int32 sums times its
+// 6-bit scale (vpmulld), added up over the super-block in int32 (at most 8 * 63 * 32 * 31 * 127 <
+// 2^26), and the mins times the activations' sums likewise (`mins_dot`), so that a super-block
+// meets float32 once, not once per sub-block. (Scaled in float32 per sub-block, the 1B shape's
+// gate|up at 128 rows ran at 517 GFLOP/s in Q5_K and 571-575 in Q4_K on a Zen 4; so, 567-577 and
+// 592-601: docs/benchmarks.md.)
 template <int kRows, int kV, bool kFifth>
 void dot_tile_q4_k_vnni(const Tile& t) {
   using Layout = Q4KLayout<kFifth>;
@@ -524,19 +552,10 @@ void dot_tile_q4_k_vnni(const Tile& t) {
   for (int j = 0; j < kV; ++j) shift[j] = fifth_shift(v0 + j);
   for (int64_t sb = 0; sb < t.k / weft::kQ4KBlock; ++sb) {
     const int8_t* block = panel + sb * Layout::kBlockBytes;
-    vecf d[kV], dmin[kV];
-    for (int j = 0; j < kV; ++j) {
-      d[j] = widen_halves(block + 2 * kLanes * (v0 + j));
-      dmin[j] = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
-    }
+    veci scaled[kRows][kV] = {};
     for (int64_t s = 0; s < weft::kQ4KSubBlocks; ++s) {
       prefetch_out_line<kRows, kV>(t, sb * weft::kQ4KSubBlocks + s);
       const int8_t* sub = block + Layout::sub_block(s);  // scales, mins, then quants
-      vecf scale[kV], min[kV];
-      for (int j = 0; j < kV; ++j) {
-        scale[j] = d[j] * widen_uint8(sub + kLanes * (v0 + j));
-        min[j] = dmin[j] * widen_uint8(sub + kPanel + kLanes * (v0 + j));
-      }
       a.clear_sub();
       for (int64_t g = 0; g < kSub / kDotGroup; ++g) {
         prefetch_weights<kRows>(sub + Layout::nibbles(g) + kPrefetchBytes);
@@ -544,11 +563,19 @@ void dot_tile_q4_k_vnni(const Tile& t) {
         for (int j = 0; j < kV; ++j) w[j] = Layout::quants(sub, g, v0 + j, shift[j]);
         a.dot(x, sb * weft::kQ4KBlock + s * kSub + kDotGroup * g, w);
       }
-      const int64_t xb = sb * (weft::kQ4KBlock / kActBlock) + s;  // the activation block
+      for (int j = 0; j < kV; ++j) {
+        const veci scale = widen_bytes(sub + kLanes * (v0 + j));
+        for (int i = 0; i < kRows; ++i) scaled[i][j] += a.sub[i][j] * scale;
+      }
+    }
+    const int64_t xb = sb * (weft::kQ4KBlock / kActBlock);  // the super-block's first activation block
+    for (int j = 0; j < kV; ++j) {
+      const vecf d = widen_halves(block + 2 * kLanes * (v0 + j));
+      const vecf dmin = widen_halves(block + 2 * kPanel + 2 * kLanes * (v0 + j));
       for (int i = 0; i < kRows; ++i) {
-        const float dx = x[i].d[xb], sum = dx * static_cast<float>(x[i].sums[2 * xb] + x[i].sums[2 * xb + 1]);
-        for (int j = 0; j < kV; ++j)
-          a.acc[i][j] += __builtin_convertvector(a.sub[i][j], vecf) * (scale[j] * dx) - min[j] * sum;
+        const float dx = x[i].d[xb];  // one activation scale a super-block
+        const veci mins = mins_dot<Layout>(block, kLanes * (v0 + j), x[i], xb);
+        a.acc[i][j] += __builtin_convertvector(scaled[i][j], vecf) * (d * dx) - __builtin_convertvector(mins, vecf) * (dmin * dx);
       }
     }
   }
@@ -655,8 +682,96 @@ struct SmallKLayout {
   }
 };
 
+inline veci widen_signed(const void* p) {  // kLanes int8 as int32
+#if defined(__AVX512F__)
+  return reinterpret_cast<veci>(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<veci>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+#else
+  veci v;
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<const int8_t*>(p)[l];
+  return v;
+#endif
+}
+
+// sum over a super-block's 16 sub-blocks s of c_s * xsum_s: each column's int8 scales (`offset` 0
+// in a pair) or mins (2 * kPanel), times the row's sums of 16 quants, in 16-bit pairs of sub-blocks
+// (8 vpmaddwd).
+template <typename Layout>
+inline veci pair_dot(const int8_t* block, int64_t offset, int64_t column, const ActRow& x, int64_t xs) {
+  veci total{};
+  for (int64_t p = 0; p < weft::kQ6KSubBlocks / 2; ++p) {
+    const int8_t* values = block + Layout::pair(p) + offset + column;
+    total += madd_pairs(halves(widen_signed(values), widen_signed(values + kPanel)),
+                        halves(veci{} + x.sums[xs + 2 * p], veci{} + x.sums[xs + 2 * p + 1]));
+  }
+  return total;
+}
+
+// The k-quants of sub-blocks of 16 with AVX-512's 32 registers, in llama.cpp's arithmetic: each
+// sub-block's int32 sums times its int8 scale (vpmulld), added up over the super-block in int32 (at
+// most 16 * 128 * 16 * 63 * 127 < 2^28), the bias or the mins through the activations' sums
+// (`pair_dot`): a super-block meets float32 once. (Scaled in float32 per sub-block, as with 8-lane
+// vectors below, the 1B shape's Q6_K down at 128 rows ran at 383-392 GFLOP/s on a Zen 4; so,
+// 396-412.)
 template <int kRows, int kV, int kBits, bool kMins>
-void dot_tile_small_k(const Tile& t) {
+void dot_tile_small_k_int(const Tile& t) {
+  using Layout = SmallKLayout<kBits, kMins>;
+  Accumulators<kRows, kV> a;
+  ActRow x[kRows];
+  for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
+  const int v0 = first_vec<kV>(t);
+  const auto* panel = static_cast<const int8_t*>(t.panel);
+  constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
+  vecw shift[kV], third[kV];
+  for (int j = 0; j < kV; ++j) {
+    shift[j] = high_shift(v0 + j);
+    third[j] = fifth_shift(v0 + j);
+  }
+  for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
+    const int8_t* block = panel + sb * Layout::block_bytes();
+    veci scaled[kRows][kV] = {};
+    for (int64_t s = 0; s < weft::kQ6KSubBlocks; ++s) {
+      prefetch_out_line<kRows, kV>(t, sb * weft::kQ6KSubBlocks + s);
+      const int8_t* pair = block + Layout::pair(s / 2);  // scales (mins), then quants
+      const int8_t* quants = pair + weft::q6k_dot_pair_scales(kMins);
+      a.clear_sub();
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const int64_t group = (s % 2) * kGroups + g;  // of the pair
+        prefetch_weights<kRows>(quants + Layout::prefetch_at(group) + kPrefetchBytes);
+        vecb w[kV];
+        for (int j = 0; j < kV; ++j) w[j] = Layout::quants(quants, group, v0 + j, shift[j], third[j]);
+        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
+      }
+      for (int j = 0; j < kV; ++j) {
+        const veci scale = widen_signed(pair + (s % 2) * kPanel + kLanes * (v0 + j));
+        for (int i = 0; i < kRows; ++i) scaled[i][j] += a.sub[i][j] * scale;
+      }
+    }
+    const int64_t xb = sb * weft::kQ6KBlock / kActBlock, xs = sb * weft::kQ6KBlock / kSumGroup;
+    for (int j = 0; j < kV; ++j) {
+      const int64_t column = kLanes * (v0 + j);
+      const vecf d = widen_halves(block + 2 * column);
+      for (int i = 0; i < kRows; ++i) {
+        const float dx = x[i].d[xb];  // one activation scale a super-block
+        if constexpr (kMins) {
+          const vecf dmin = widen_halves(block + 2 * kPanel + 2 * column);
+          const veci mins = pair_dot<Layout>(block, 2 * kPanel, column, x[i], xs);
+          a.acc[i][j] += __builtin_convertvector(scaled[i][j], vecf) * (d * dx) - __builtin_convertvector(mins, vecf) * (dmin * dx);
+        } else {  // q' - 32 or q' - 4: the bias comes off in int32
+          const veci bias = pair_dot<Layout>(block, 0, column, x[i], xs) * Layout::kBias;
+          a.acc[i][j] += __builtin_convertvector(scaled[i][j] - bias, vecf) * (d * dx);
+        }
+      }
+    }
+  }
+  finish_tile<kRows, kV>(t, a.acc);
+}
+
+// The same with 8-lane vectors (16 registers, no room for the int32 super-block sums): each
+// sub-block's sums scaled in float32.
+template <int kRows, int kV, int kBits, bool kMins>
+void dot_tile_small_k_float(const Tile& t) {
   using Layout = SmallKLayout<kBits, kMins>;
   Accumulators<kRows, kV> a;
   ActRow x[kRows];
@@ -707,6 +822,15 @@ void dot_tile_small_k(const Tile& t) {
     }
   }
   finish_tile<kRows, kV>(t, a.acc);
+}
+
+template <int kRows, int kV, int kBits, bool kMins>
+void dot_tile_small_k(const Tile& t) {
+  if constexpr (kLanes == 16) {
+    dot_tile_small_k_int<kRows, kV, kBits, kMins>(t);
+  } else {
+    dot_tile_small_k_float<kRows, kV, kBits, kMins>(t);
+  }
 }
 
 // Tiles with AVX-512: up to 6 rows x 32 columns (6 x 2 float and 6 x 2 int32 accumulators of the
