@@ -212,6 +212,39 @@ def test_lru_eviction_reuses_oldest_freed_blocks_first():
     run_to_end(s)
 
 
+def test_a_freed_block_that_caches_nothing_is_reused_first():
+    """A finished request's partial last block (no hash) goes to the front of the free queue: the
+    next request writes into it (pages already in memory), and the cached full blocks wait at the
+    back. With prefix caching off, every freed block is reused before a never-used one."""
+    s = make_scheduler(num_blocks=8)
+    first = make_seq(9, max_tokens=2, first_token=100)  # blocks of 4: two full ones and a partial one
+    s.add(first)
+    step(s)
+    partial = s.kv.block_ids(first.seq_id)[2]
+    run_to_end(s)
+    later = make_seq(3, max_tokens=2, first_token=500)  # one block: the partial one, not a fresh one
+    s.add(later)
+    step(s)
+    assert s.kv.block_ids(later.seq_id) == [partial]
+    run_to_end(s)
+    probe = make_seq(9, max_tokens=1, first_token=100)  # the first request's full blocks are cached still
+    s.add(probe)
+    step(s)
+    assert probe.num_cached_prompt_tokens == 8
+    run_to_end(s)
+    uncached = make_scheduler(num_blocks=8, caching=False)
+    a = make_seq(9, max_tokens=2, first_token=100)
+    uncached.add(a)
+    step(uncached)
+    used = set(uncached.kv.block_ids(a.seq_id))
+    run_to_end(uncached)
+    b = make_seq(9, max_tokens=2, first_token=300)
+    uncached.add(b)
+    step(uncached)
+    assert set(uncached.kv.block_ids(b.seq_id)) == used
+    run_to_end(uncached)
+
+
 def test_fork_shares_blocks_and_copies_on_write():
     s = make_scheduler(num_blocks=16)
     parent = make_seq(6, max_tokens=5)

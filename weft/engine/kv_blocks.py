@@ -1,7 +1,11 @@
 """KV blocks and their pool: reference counts, the LRU free queue and the prefix cache's hashes.
 
-- Blocks have reference counts. A block with no references sits in the free queue, oldest first,
-  and is reused from the front (LRU).
+- Blocks have reference counts. A block with no references sits in the free queue and is reused
+  from the front: a freed block that holds a cached prefix goes to the back (LRU), one that holds
+  nothing worth keeping (no hash: a partial block, or prefix caching off) to the front, so that it
+  is the next one reused: the cached prefixes last longer, and the next sequence writes into pages
+  already in memory rather than paging in fresh ones (a first write into a KV block's 4 KB pages
+  measured ~10x the time of a rewrite on a 2-core Zen 4).
 - A *full* block is identified by the hash chain of its tokens (`hash((parent_hash, tokens))`); a
   freed block keeps its hash until it is reused, so a later request with the same prefix can
   revive it.
@@ -34,7 +38,8 @@ class BlockPool:
         return len(self.free_queue)
 
     def allocate(self) -> Block:
-        """Take the least recently freed block, evicting its cached contents."""
+        """Take the block at the front of the free queue (the last one freed without a hash, else
+        the least recently freed), evicting its cached contents."""
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
@@ -54,6 +59,8 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.free_queue[block.block_id] = block
+            if block.block_hash is None:  # nothing to keep: reused first
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     def copy_on_write(self, shared: Block, pending: list[tuple[int, int]]) -> Block:
         """A private block in place of `shared` for a sequence about to write into it; the (src,
