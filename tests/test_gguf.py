@@ -158,12 +158,21 @@ def test_gguf_model_computes_the_reference_dequantized_product(name):
             assert abs(logprob.logprob - expected[pos - 1, token].item()) <= 1e-4
 
 
-def test_a_fusion_in_two_dot_layouts_decodes_in_the_stack_as_layer_by_layer():
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fusion_in_two_dot_layouts_decodes_in_the_stack_as_layer_by_layer(bias):
     """The Q4_K_M file's q|k|v in its Q4_K and Q6_K parts (each in its own dot panels): decode steps
-    in one `decoder_stack_` call give the tokens and logprobs of the layer-by-layer path."""
+    in one `decoder_stack_` call give the tokens and logprobs of the layer-by-layer path; also with
+    a q|k|v bias (as Qwen2's), each part taking its columns of it."""
     path = str(GGUF_DIR / FILES["q4_k_m"])
     fused, layered = (LLM(path, show_progress=False, max_logprobs=5) for _ in range(2))
     assert any(layer.attn.qkv.parts for layer in fused.engine.model.layers)
+    if bias:
+        for llm in (fused, layered):
+            for i, layer in enumerate(llm.engine.model.layers):
+                qkv = layer.attn.qkv
+                values = torch.randn(qkv.out_features, generator=torch.Generator().manual_seed(i))
+                qkv.bias = torch.nn.Parameter(values, requires_grad=False)
+            llm.engine.model.fuse_stack()  # the stack takes the biases
     assert fused.engine.model.stack is not None
     layered.engine.model.stack = None
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
