@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "panels.h"
 #include "tiles.h"
@@ -377,14 +378,19 @@ constexpr std::array<int8_t, 16> biased(const int8_t (&levels)[16], int bias) {
   return out;
 }
 
-inline veci widen_bytes(const void* p) {  // kLanes uint8 as int32
+// kLanes bytes as int32: uint8, or with kSigned int8 (vpmovzxbd, vpmovsxbd).
+template <bool kSigned = false>
+inline veci widen_bytes(const void* p) {
+  using Byte = std::conditional_t<kSigned, int8_t, uint8_t>;
 #if defined(__AVX512F__)
-  return reinterpret_cast<veci>(_mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return reinterpret_cast<veci>(kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  return reinterpret_cast<veci>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+  const __m128i bytes = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return reinterpret_cast<veci>(kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
   veci v;
-  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<const uint8_t*>(p)[l];
+  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<const Byte*>(p)[l];
   return v;
 #endif
 }
@@ -682,18 +688,6 @@ struct SmallKLayout {
   }
 };
 
-inline veci widen_signed(const void* p) {  // kLanes int8 as int32
-#if defined(__AVX512F__)
-  return reinterpret_cast<veci>(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<veci>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
-#else
-  veci v;
-  for (int l = 0; l < kLanes; ++l) v[l] = static_cast<const int8_t*>(p)[l];
-  return v;
-#endif
-}
-
 // sum over a super-block's 16 sub-blocks s of c_s * xsum_s: each column's int8 scales (`offset` 0
 // in a pair) or mins (2 * kPanel), times the row's sums of 16 quants, in 16-bit pairs of sub-blocks
 // (8 vpmaddwd).
@@ -702,10 +696,26 @@ inline veci pair_dot(const int8_t* block, int64_t offset, int64_t column, const 
   veci total{};
   for (int64_t p = 0; p < weft::kQ6KSubBlocks / 2; ++p) {
     const int8_t* values = block + Layout::pair(p) + offset + column;
-    total += madd_pairs(halves(widen_signed(values), widen_signed(values + kPanel)),
+    total += madd_pairs(halves(widen_bytes<true>(values), widen_bytes<true>(values + kPanel)),
                         halves(veci{} + x.sums[xs + 2 * p], veci{} + x.sums[xs + 2 * p + 1]));
   }
   return total;
+}
+
+// a.sub = sub-block s of super-block sb (of a small k-quant; `quants` its pair's) times the
+// activations, in int32 (shift and third: high_shift and fifth_shift of each column vector).
+template <typename Layout, int kRows, int kV>
+inline void sub_block_sums(Accumulators<kRows, kV>& a, const ActRow (&x)[kRows], const int8_t* quants, int64_t sb,
+                           int64_t s, int v0, const vecw (&shift)[kV], const vecw (&third)[kV]) {
+  constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
+  a.clear_sub();
+  for (int64_t g = 0; g < kGroups; ++g) {
+    const int64_t group = (s % 2) * kGroups + g;  // of the pair
+    prefetch_weights<kRows>(quants + Layout::prefetch_at(group) + kPrefetchBytes);
+    vecb w[kV];
+    for (int j = 0; j < kV; ++j) w[j] = Layout::quants(quants, group, v0 + j, shift[j], third[j]);
+    a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
+  }
 }
 
 // The k-quants of sub-blocks of 16 with AVX-512's 32 registers, in llama.cpp's arithmetic: each
@@ -722,7 +732,6 @@ void dot_tile_small_k_int(const Tile& t) {
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
-  constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
   vecw shift[kV], third[kV];
   for (int j = 0; j < kV; ++j) {
     shift[j] = high_shift(v0 + j);
@@ -735,16 +744,9 @@ void dot_tile_small_k_int(const Tile& t) {
       prefetch_out_line<kRows, kV>(t, sb * weft::kQ6KSubBlocks + s);
       const int8_t* pair = block + Layout::pair(s / 2);  // scales (mins), then quants
       const int8_t* quants = pair + weft::q6k_dot_pair_scales(kMins);
-      a.clear_sub();
-      for (int64_t g = 0; g < kGroups; ++g) {
-        const int64_t group = (s % 2) * kGroups + g;  // of the pair
-        prefetch_weights<kRows>(quants + Layout::prefetch_at(group) + kPrefetchBytes);
-        vecb w[kV];
-        for (int j = 0; j < kV; ++j) w[j] = Layout::quants(quants, group, v0 + j, shift[j], third[j]);
-        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
-      }
+      sub_block_sums<Layout>(a, x, quants, sb, s, v0, shift, third);
       for (int j = 0; j < kV; ++j) {
-        const veci scale = widen_signed(pair + (s % 2) * kPanel + kLanes * (v0 + j));
+        const veci scale = widen_bytes<true>(pair + (s % 2) * kPanel + kLanes * (v0 + j));
         for (int i = 0; i < kRows; ++i) scaled[i][j] += a.sub[i][j] * scale;
       }
     }
@@ -778,7 +780,7 @@ void dot_tile_small_k_float(const Tile& t) {
   for (int i = 0; i < kRows; ++i) x[i] = act_row(t, i);
   const int v0 = first_vec<kV>(t);
   const auto* panel = static_cast<const int8_t*>(t.panel);
-  constexpr int64_t kSub = weft::kQ6KSubBlock, kGroups = kSub / kDotGroup;
+  constexpr int64_t kSub = weft::kQ6KSubBlock;
   for (int64_t sb = 0; sb < t.k / weft::kQ6KBlock; ++sb) {
     const int8_t* block = panel + sb * Layout::block_bytes();
     vecf d[kV], dmin[kV];
@@ -799,14 +801,7 @@ void dot_tile_small_k_float(const Tile& t) {
         scale[j] = d[j] * widen_int8(pair + col);
         min[j] = kMins ? dmin[j] * widen_int8(pair + 2 * kPanel + col) : vecf{};
       }
-      a.clear_sub();
-      for (int64_t g = 0; g < kGroups; ++g) {
-        const int64_t group = (s % 2) * kGroups + g;  // of the pair
-        prefetch_weights<kRows>(quants + Layout::prefetch_at(group) + kPrefetchBytes);
-        vecb w[kV];
-        for (int j = 0; j < kV; ++j) w[j] = Layout::quants(quants, group, v0 + j, shift[j], third[j]);
-        a.dot(x, sb * weft::kQ6KBlock + s * kSub + kDotGroup * g, w);
-      }
+      sub_block_sums<Layout>(a, x, quants, sb, s, v0, shift, third);
       const int64_t xb = (sb * weft::kQ6KBlock + s * kSub) / kActBlock, xs = (sb * weft::kQ6KBlock + s * kSub) / kSumGroup;
       for (int i = 0; i < kRows; ++i) {
         const float dx = x[i].d[xb];
