@@ -48,7 +48,6 @@ using weft::tiles::Tile;
 using weft::tiles::vecf;
 using weft::tiles::widen_halves;
 using weft::tiles::widen_int8;
-using weft::tiles::widen_uint8;
 
 typedef int32_t veci __attribute__((vector_size(4 * kLanes)));   // int32 lanes: one column each
 typedef int8_t vecb __attribute__((vector_size(4 * kLanes)));    // the same bytes: 4 features a lane
@@ -525,18 +524,25 @@ inline vech halves(veci lo, veci hi) { return reinterpret_cast<vech>((lo & 0xFFF
 // The activations' sum of quants over block b of 32 (|sum| <= 4,064).
 inline int32_t block_sum(const ActRow& x, int64_t b) { return x.sums[2 * b] + x.sums[2 * b + 1]; }
 
-// sum over a super-block's 8 sub-blocks s of m_s * xsum_s (each column's 6-bit mins m, the row's
-// sums of quants), in int32: 4 vpmaddwd of sub-blocks in pairs.
-template <typename Layout>
-inline veci mins_dot(const int8_t* block, int64_t column, const ActRow& x, int64_t xb) {
+// sum over kSubBlocks sub-blocks s of c_s * sum_s in int32, c_s = coefficients(s) (each column's
+// scale or min, int32 lanes) and sum_s = sums(s) (the row's sum of quants over the sub-block): one
+// vpmaddwd per pair of sub-blocks, each value in 16 bits.
+template <int64_t kSubBlocks, typename Coefficients, typename Sums>
+inline veci sub_block_dot(Coefficients&& coefficients, Sums&& sums) {
   veci total{};
-  for (int64_t p = 0; p < weft::kQ4KSubBlocks / 2; ++p) {
-    const vech mins = halves(widen_bytes(block + Layout::sub_block(2 * p) + kPanel + column),
-                             widen_bytes(block + Layout::sub_block(2 * p + 1) + kPanel + column));
-    const vech sums = halves(veci{} + block_sum(x, xb + 2 * p), veci{} + block_sum(x, xb + 2 * p + 1));
-    total += madd_pairs(mins, sums);
+  for (int64_t s = 0; s < kSubBlocks; s += 2) {
+    total += madd_pairs(halves(coefficients(s), coefficients(s + 1)), halves(veci{} + sums(s), veci{} + sums(s + 1)));
   }
   return total;
+}
+
+// sum over a super-block's 8 sub-blocks s of m_s * xsum_s (each column's 6-bit mins m, the row's
+// sums of quants from activation block xb on).
+template <typename Layout>
+inline veci mins_dot(const int8_t* block, int64_t column, const ActRow& x, int64_t xb) {
+  return sub_block_dot<weft::kQ4KSubBlocks>(
+      [&](int64_t s) { return widen_bytes(block + Layout::sub_block(s) + kPanel + column); },
+      [&](int64_t s) { return block_sum(x, xb + s); });
 }
 
 // Q4_K and Q5_K with vpdpbusd, in llama.cpp's arithmetic: each sub-block's int32 sums times its
@@ -689,17 +695,12 @@ struct SmallKLayout {
 };
 
 // sum over a super-block's 16 sub-blocks s of c_s * xsum_s: each column's int8 scales (`offset` 0
-// in a pair) or mins (2 * kPanel), times the row's sums of 16 quants, in 16-bit pairs of sub-blocks
-// (8 vpmaddwd).
+// in a pair) or mins (2 * kPanel), times the row's sums of 16 quants from xs on.
 template <typename Layout>
 inline veci pair_dot(const int8_t* block, int64_t offset, int64_t column, const ActRow& x, int64_t xs) {
-  veci total{};
-  for (int64_t p = 0; p < weft::kQ6KSubBlocks / 2; ++p) {
-    const int8_t* values = block + Layout::pair(p) + offset + column;
-    total += madd_pairs(halves(widen_bytes<true>(values), widen_bytes<true>(values + kPanel)),
-                        halves(veci{} + x.sums[xs + 2 * p], veci{} + x.sums[xs + 2 * p + 1]));
-  }
-  return total;
+  return sub_block_dot<weft::kQ6KSubBlocks>(
+      [&](int64_t s) { return widen_bytes<true>(block + Layout::pair(s / 2) + offset + (s % 2) * kPanel + column); },
+      [&](int64_t s) { return x.sums[xs + s]; });
 }
 
 // a.sub = sub-block s of super-block sb (of a small k-quant; `quants` its pair's) times the
