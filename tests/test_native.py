@@ -103,10 +103,13 @@ def test_decode_attention_matches_gather_and_sdpa(dtype, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_decode_attention_with_specialised_head_sizes(dtype, head_dim):
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (8, 4), (16, 2)])
+def test_decode_attention_with_specialised_head_sizes(dtype, head_dim, heads):
     """Head sizes 32 (the bundled model's), 64 and 128 with full 16-token blocks take the kernel's
-    unrolled (and, where the CPU has AVX-512, vectorised 16-tokens-at-once) score loop."""
-    q, kv_new, kv_cache, meta = _random_paged_batch([1, 16, 17, 40, 64], 9, 3, dtype, 16, head_dim)
+    unrolled (and, where the CPU has AVX-512, vectorised 16-tokens-at-once) score loop; groups of 2,
+    4 and 8 query heads per KV head its tiles of 2 or 4 heads (a group of 3, one head at a time),
+    with contexts that end mid-tile."""
+    q, kv_new, kv_cache, meta = _random_paged_batch([1, 16, 17, 19, 42, 64], *heads, dtype, 16, head_dim)
     native_cache, torch_cache = kv_cache.clone(), kv_cache.clone()
     native_out = NATIVE(q, kv_new, native_cache, meta, head_dim**-0.5)
     expected = TORCH(q, kv_new, torch_cache, meta, head_dim**-0.5)

@@ -93,7 +93,7 @@ STEPS = [  # (query_lens, context_lens): decode rows, short rows, prompt chunks 
 @pytest.mark.parametrize("steps", STEPS)
 def test_windowed_attention_matches_the_reference(name, kernels, window, steps):
     query_lens, context_lens = steps
-    for heads, head_dim, block_size in (((4, 2), 32, 16), ((3, 3), 16, 4)):
+    for heads, head_dim, block_size in (((4, 2), 32, 16), ((3, 3), 16, 4), ((8, 2), 64, 16)):
         q, kv, cache, tables = _step(query_lens, context_lens, heads, head_dim, block_size, seed=window)
         backend = PagedAttention(kernels, head_dim, heads[0] // heads[1], heads[0], window)
         meta, _ = backend.build_metadata(query_lens, context_lens, tables, block_size, q.device)
