@@ -367,9 +367,9 @@ inline void dot16(const C* keys, int64_t token_stride, const float* query, float
   _mm512_storeu_ps(scores, _mm512_permutexvar_ps(bit_reversed, sums));
 }
 
-// The query heads a tile of the grouped decode loops takes at once (`dot_heads`,
-// `add_weighted_values_heads`): 4 or 2 of a KV head's `group`, as many as keep their value sums in
-// 16 registers of a head of kD; 1 (each head on its own) otherwise.
+// The query heads a tile of `add_weighted_values_heads` takes at once: 4 or 2 of a KV head's
+// `group`, as many as keep their value sums in 16 registers of a head of kD; 1 (each head on its
+// own) otherwise.
 template <int64_t kD>
 constexpr int heads_per_tile(int64_t group) {
   if (kD <= 0 || kD % 16 != 0) return 1;
@@ -515,7 +515,42 @@ inline void dot8(const C* keys, int64_t token_stride, const float* query, float*
   const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
   _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
 }
+
+// `dot_heads` of AVX-512 in 8 lanes: kHeads query heads and 8 / kHeads tokens, each dot reduced in
+// the order `dot8` reduces it.
+template <int64_t kD, int kHeads, typename C>
+inline void dot_heads(const C* keys, int64_t token_stride, const float* queries, float* scores, int64_t chunk) {
+  constexpr int kTokens = 8 / kHeads;
+  __m256 acc[8];  // acc[h * kTokens + t]
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < kD; d += 8) {
+    for (int t = 0; t < kTokens; ++t) {
+      const __m256 k = load8_at(keys + t * token_stride, d);
+      for (int h = 0; h < kHeads; ++h) {
+        acc[h * kTokens + t] = _mm256_fmadd_ps(k, _mm256_loadu_ps(queries + h * kD + d), acc[h * kTokens + t]);
+      }
+    }
+  }
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  alignas(32) float sums[8];  // sums[h * kTokens + t]
+  _mm256_store_ps(sums, _mm256_add_ps(low, high));
+  for (int h = 0; h < kHeads; ++h) {
+    for (int t = 0; t < kTokens; ++t) scores[h * chunk + t] = sums[h * kTokens + t];
+  }
+}
 #endif
+
+#if defined(__AVX512F__)
+constexpr int64_t kScoreLanes = 16;  // the dots of one tile of `dot_heads`
+#elif defined(WEFT_AVX2_CACHE)
+constexpr int64_t kScoreLanes = 8;
+#endif
+
+// The query heads a tile of `dot_heads` takes at once: 4 or 2 of a KV head's `group`, or 1.
+inline int score_heads_per_tile(int64_t group) { return group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1; }
 
 // q . k for one key of D <= 256 elements, a half-precision or Q8_0 one widened first: the float32
 // loop's sums in its order, so that such a cache computes what a float32 cache of its values does.
@@ -592,12 +627,13 @@ inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t tok
   for (int64_t i = 0; i < D; ++i) acc_out[i] = acc[i];
 }
 
-#if defined(__AVX512F__)
-// group_scores for a tile of kHeads heads: whole tiles of 16 / kHeads tokens, the rest head by head.
+#if defined(__AVX512F__) || defined(WEFT_AVX2_CACHE)
+// group_scores for a tile of kHeads heads: whole tiles of kScoreLanes / kHeads tokens, the rest head
+// by head.
 template <int kHeads, int64_t kD, typename C>
 inline void tiled_scores(const C* keys, int64_t num_tokens, int64_t token_stride, const float* queries, int64_t group,
                          float* scores, int64_t chunk) {
-  constexpr int64_t kTokens = 16 / kHeads;
+  constexpr int64_t kTokens = kScoreLanes / kHeads;
   const int64_t whole = num_tokens / kTokens * kTokens;
   for (int64_t h = 0; h < group; h += kHeads) {
     for (int64_t t = 0; t < whole; t += kTokens) {
@@ -609,6 +645,9 @@ inline void tiled_scores(const C* keys, int64_t num_tokens, int64_t token_stride
                         scores + h * chunk + whole);
   }
 }
+#endif
+
+#if defined(__AVX512F__)
 
 template <int kHeads, int64_t kD, typename C>
 inline void tiled_values(const C* values, int64_t num_tokens, int64_t token_stride, const float* p, int64_t chunk,
@@ -620,13 +659,14 @@ inline void tiled_values(const C* values, int64_t num_tokens, int64_t token_stri
 #endif
 
 // block_scores for the `group` query heads of one KV head (queries D apart, score rows `chunk`
-// apart): in tiles of several heads where the head size allows (`heads_per_tile`).
+// apart): in tiles of several heads (`score_heads_per_tile`) where the head size is a whole number of
+// vectors.
 template <typename C, int64_t kHeadDim>
 inline void group_scores(const C* keys, int64_t num_tokens, int64_t token_stride, int64_t D, const float* queries,
                          int64_t group, float* scores, int64_t chunk) {
-#if defined(__AVX512F__)
-  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 16 == 0) {
-    const int heads = heads_per_tile<kHeadDim>(group);
+#if defined(__AVX512F__) || defined(WEFT_AVX2_CACHE)
+  if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % kScoreLanes == 0) {
+    const int heads = score_heads_per_tile(group);
     if (heads == 4) return tiled_scores<4, kHeadDim>(keys, num_tokens, token_stride, queries, group, scores, chunk);
     if (heads == 2) return tiled_scores<2, kHeadDim>(keys, num_tokens, token_stride, queries, group, scores, chunk);
   }
