@@ -118,14 +118,12 @@ class ModelConfig:
     attention_sinks: bool = False
 
     @property
-    def is_plain_llama(self) -> bool:
-        """No family scales and rotary embedding in every layer (what the fused decode stack runs)."""
+    def fits_decoder_stack(self) -> bool:
+        """Llama's layers with rotary embedding in every layer (what the fused decode stack runs);
+        Granite's scales are welcome: the embedding's and the logits' are applied outside the stack,
+        the attention's is its scale, the residual one the stack's `residual_scale`."""
         return (
-            self.embedding_multiplier == 1.0
-            and self.residual_multiplier == 1.0
-            and self.attention_multiplier is None
-            and self.logits_scaling == 1.0
-            and all(self.rope_layers)
+            all(self.rope_layers)
             and self.sliding_window is None
             and self.hidden_act == "silu"
             and self.final_logit_softcapping is None

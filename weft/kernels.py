@@ -109,6 +109,7 @@ class StackShape:
     eps: float  # RMSNorm epsilon
     scale: float  # attention scale
     bf16_dot: bool = False  # bfloat16 products in every matrix (`Linear.bf16_dot`)
+    residual_scale: float = 1.0  # each branch's output times this before it joins the residual (Granite)
 
 
 class TorchKernels:
@@ -661,6 +662,7 @@ class NativeCpuKernels(TorchKernels):
             shape.eps,
             shape.scale,
             shape.bf16_dot,
+            shape.residual_scale,
         )
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -404,8 +404,8 @@ class LlamaForCausalLM(nn.Module):
         kernel set's `decoder_stack_`, where it has one and the layers fit it."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         device = self.lm_head.weight.device
-        if not self.config.is_plain_llama:
-            return  # (the kernel has no family scales, windows or experts, and rotates in every layer)
+        if not self.config.fits_decoder_stack:
+            return  # (the kernel has no windows, soft caps, sinks or experts, and rotates in every layer)
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
         if (
@@ -417,7 +417,8 @@ class LlamaForCausalLM(nn.Module):
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
-        self._shape = StackShape(sizes, c.rms_norm_eps, layers[0].attn.scale, self.bf16_dot)
+        scale = layers[0].attn.scale
+        self._shape = StackShape(sizes, c.rms_norm_eps, scale, self.bf16_dot, c.residual_multiplier)
 
     def set_bf16_dot(self, bf16_dot: bool) -> None:
         """Every matrix in bfloat16 panels multiplies with bfloat16 products, or none does (others,

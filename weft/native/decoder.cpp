@@ -28,7 +28,14 @@ enum Weight { kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGate
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
   bool bf16_dot;  // bfloat16 products (packed_linear's bf16_dot) in every matrix
+  double residual_scale;  // each branch's output times this before it is added (Granite's; 1 elsewhere)
 };
+
+// x += delta (times the residual scale, rounded before the add as the layer path rounds it).
+void add_branch(at::Tensor& x, at::Tensor delta, const StackShape& s) {
+  if (s.residual_scale != 1.0) delta.mul_(s.residual_scale);
+  x.add_(delta);
+}
 
 // packed_linear with bfloat16 products where the stack asks for them and the matrix is bfloat16.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
@@ -127,23 +134,24 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
-  x.add_(linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s));
+  add_branch(x, linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s), s);
   h = weft::rms_norm(x, w[kPostNorm], eps);
   at::Tensor act = weft::silu_mul(linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s));
-  x.add_(linear(act, w[kDown], std::nullopt, s.hidden, s));
+  add_branch(x, linear(act, w[kDown], std::nullopt, s.hidden, s), s);
 }
 
 // x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
 // (an empty tensor for a missing bias); kv_caches: one per layer; slots [T], block_table [T, max_blocks],
 // context_lens [T] and positions [T] int64: row t is one query whose context (itself included) is
 // context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate. bf16_dot:
-// bfloat16 products in every matrix (bfloat16 weights; see linear.cpp).
+// bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale: Granite's
+// residual multiplier (1 elsewhere).
 void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
                     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
                     const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale,
-                    bool bf16_dot) {
+                    bool bf16_dot, double residual_scale) {
   TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
-  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], bf16_dot};
+  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], bf16_dot, residual_scale};
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
@@ -165,7 +173,7 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
       "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale, "
-      "bool bf16_dot=False) -> ()");
+      "bool bf16_dot=False, float residual_scale=1.0) -> ()");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor kv, Tensor slots) -> ()");
 }
 
