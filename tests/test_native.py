@@ -595,14 +595,13 @@ def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arc
     """Single-query steps run all layers in one `decoder_stack_` call; identical results to the
     layer-by-layer path, also for short prompts taken token by token in the stack (5 and 2 tokens,
     one step) beside a long one (21 tokens, the SDPA path). qwen2 has q/k/v biases; granite its
-    four scales (the residual one in the stack); qwen3's q/k norms are not in the stack, so it
-    keeps the layer path."""
+    four scales (the residual one in the stack); qwen3 its per-head q/k norms."""
     from weft import LLM, SamplingParams
 
     path = str(checkpoint_factory(arch))
     fused = LLM(path, show_progress=False, device="cpu", dtype="float32")
     layered = LLM(path, show_progress=False, device="cpu", dtype="float32")
-    assert (fused.engine.model.stack is not None) == (arch != "qwen3")
+    assert fused.engine.model.stack is not None
     layered.engine.model.stack = None
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     for prompts in ([[5, 6, 7, 8, 9], [11, 12]], [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]):

@@ -466,14 +466,15 @@ def _layer_rope(config: ModelConfig, layer: int) -> RopeConfig:
 
 
 def _stackable(layer: DecoderLayer) -> bool:
-    """No q/k norms, a head size the attention kernel takes, every matrix packed into panels."""
+    """Per-head q/k norms or none, a head size the attention kernel takes, every matrix packed into
+    panels."""
     attn, mlp = layer.attn, layer.mlp
     if not isinstance(mlp, MLP):
         return False  # (a mixture of experts)
     matrices = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
     packed = all(lin.layout is WeightLayout.PANELS for lin in matrices)
     whole = all(lin.parts is None for lin in matrices[1:]) and len(attn.qkv.parts or ()) <= 2
-    return attn.q_norm is None and attn.head_dim <= 256 and packed and whole
+    return not attn.norms_all_heads and attn.head_dim <= 256 and packed and whole
 
 
 def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
@@ -490,4 +491,6 @@ def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
         layer.post_attn_norm.weight,
         mlp.gate_up.weight,
         mlp.down.weight,
+        empty if attn.q_norm is None else attn.q_norm.weight,
+        empty if attn.k_norm is None else attn.k_norm.weight,
     ]

@@ -1,4 +1,4 @@
-// A whole decoder stack (Llama family, no q/k norm) for a step whose rows each attend as one query
+// A whole decoder stack (Llama family, with or without Qwen3's per-head q/k norms) for a step whose rows each attend as one query
 // (decode tokens, and fast-forwarded tokens taken token by token): every layer's RMSNorm, fused q/k/v
 // projection, rotary embedding, KV-cache write, paged attention, output projection, residual adds
 // and gated MLP, in one call. The kernels are those of torch.ops.weft.* (ops.h); what this saves is
@@ -22,8 +22,11 @@ namespace {
 
 // Per layer, in this order (see weft/model/llama.py, `_stack_weights`):
 // kQkvTail: the fused q/k/v's rows after kQkv's where they come in another dot layout (a Q4_K_M file's
-// Q6_K v beside Q4_K q and k, `PartedRows`), or an empty tensor.
-enum Weight { kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kWeightsPerLayer };
+// Q6_K v beside Q4_K q and k, `PartedRows`), or an empty tensor; kQNorm, kKNorm: each head's RMSNorm
+// of q and of k (Qwen3's [D] weights), or empty tensors.
+enum Weight {
+  kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kWeightsPerLayer
+};
 
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
@@ -124,12 +127,23 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slo
   write_kv(kv.view({kv.size(0), -1}), kv_cache, slots, "write_kv_");
 }
 
+// Heads [first, first + count) of qkv [T, heads, D] through RMSNorm with weight [D], in place: the
+// copy, norm and copy back of the layer path (`Attention._norm_qk`), so the same bits.
+void norm_heads(at::Tensor& qkv, int64_t first, int64_t count, const at::Tensor& weight, double eps) {
+  at::Tensor heads = qkv.narrow(1, first, count);
+  heads.copy_(weft::rms_norm(heads.reshape({-1, qkv.size(2)}), weight, eps).view(heads.sizes()));
+}
+
 void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const at::Tensor& slots,
                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
                    const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
   const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
   at::Tensor qkv = qkv_projection(h, w, (heads + 2 * kv_heads) * d, s).view({tokens, heads + 2 * kv_heads, d});
+  if (w[kQNorm].numel() > 0) {
+    norm_heads(qkv, 0, heads, w[kQNorm], eps);
+    norm_heads(qkv, heads, kv_heads, w[kKNorm], eps);
+  }
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
   weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
