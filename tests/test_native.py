@@ -590,12 +590,13 @@ def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypat
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "granite", "smollm3"])
 def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arch):
     """Single-query steps run all layers in one `decoder_stack_` call; identical results to the
     layer-by-layer path, also for short prompts taken token by token in the stack (5 and 2 tokens,
     one step) beside a long one (21 tokens, the SDPA path). qwen2 has q/k/v biases; granite its
-    four scales (the residual one in the stack); qwen3 its per-head q/k norms."""
+    four scales (the residual one in the stack); qwen3 its per-head q/k norms; smollm3 a layer
+    without rotary embedding."""
     from weft import LLM, SamplingParams
 
     path = str(checkpoint_factory(arch))

@@ -119,12 +119,12 @@ class ModelConfig:
 
     @property
     def fits_decoder_stack(self) -> bool:
-        """Llama's layers with rotary embedding in every layer (what the fused decode stack runs);
-        Granite's scales are welcome: the embedding's and the logits' are applied outside the stack,
-        the attention's is its scale, the residual one the stack's `residual_scale`."""
+        """Llama's layers (what the fused decode stack runs); Granite's scales are welcome (the
+        embedding's and the logits' are applied outside the stack, the attention's is its scale,
+        the residual one the stack's `residual_scale`), and so are SmolLM3's layers without rotary
+        embedding (the stack's `rotate`)."""
         return (
-            all(self.rope_layers)
-            and self.sliding_window is None
+            self.sliding_window is None
             and self.hidden_act == "silu"
             and self.final_logit_softcapping is None
             and self.attn_logit_softcapping is None

@@ -110,6 +110,7 @@ class StackShape:
     scale: float  # attention scale
     bf16_dot: bool = False  # bfloat16 products in every matrix (`Linear.bf16_dot`)
     residual_scale: float = 1.0  # each branch's output times this before it joins the residual (Granite)
+    rotate: tuple[bool, ...] = ()  # per layer, whether q and k rotate (SmolLM3's NoPE layers); (): all
 
 
 class TorchKernels:
@@ -663,6 +664,7 @@ class NativeCpuKernels(TorchKernels):
             shape.scale,
             shape.bf16_dot,
             shape.residual_scale,
+            [int(r) for r in shape.rotate],
         )
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -417,8 +417,8 @@ class LlamaForCausalLM(nn.Module):
         self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
         sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
-        scale = layers[0].attn.scale
-        self._shape = StackShape(sizes, c.rms_norm_eps, scale, self.bf16_dot, c.residual_multiplier)
+        scale, rotate = layers[0].attn.scale, tuple(c.rope_layers) if not all(c.rope_layers) else ()
+        self._shape = StackShape(sizes, c.rms_norm_eps, scale, self.bf16_dot, c.residual_multiplier, rotate)
 
     def set_bf16_dot(self, bf16_dot: bool) -> None:
         """Every matrix in bfloat16 panels multiplies with bfloat16 products, or none does (others,

@@ -136,7 +136,8 @@ void norm_heads(at::Tensor& qkv, int64_t first, int64_t count, const at::Tensor&
 
 void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const at::Tensor& slots,
                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
-                   const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale) {
+                   const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale,
+                   bool rotate) {
   const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
   at::Tensor qkv = qkv_projection(h, w, (heads + 2 * kv_heads) * d, s).view({tokens, heads + 2 * kv_heads, d});
@@ -145,7 +146,7 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
     norm_heads(qkv, heads, kv_heads, w[kKNorm], eps);
   }
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
-  weft::rope_(qk, positions, cos, sin, heads + kv_heads);
+  if (rotate) weft::rope_(qk, positions, cos, sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
   add_branch(x, linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s), s);
@@ -159,16 +160,19 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
 // context_lens [T] and positions [T] int64: row t is one query whose context (itself included) is
 // context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate. bf16_dot:
 // bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale: Granite's
-// residual multiplier (1 elsewhere).
+// residual multiplier (1 elsewhere). rotate: per layer, whether its q and k rotate (0 for SmolLM3's
+// layers without rotary embedding); empty: every layer's do.
 void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
                     const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
                     const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale,
-                    bool bf16_dot, double residual_scale) {
+                    bool bf16_dot, double residual_scale, at::IntArrayRef rotate) {
   TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
   const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], bf16_dot, residual_scale};
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(rotate.empty() || static_cast<int64_t>(rotate.size()) == layers,
+              "decoder_stack_: rotate must be empty or one flag per layer");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
                   x.size(1) == s.hidden,
               "decoder_stack_: x must be contiguous float32 [T, hidden]");
@@ -177,7 +181,7 @@ void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_cac
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor cache = kv_caches[layer];
     decoder_layer(x, &weights[layer * kWeightsPerLayer], cache, slots, block_table, context_lens, positions, cos, sin,
-                  s, eps, scale);
+                  s, eps, scale, rotate.empty() || rotate[layer] != 0);
   }
 }
 
@@ -187,7 +191,7 @@ TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
       "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale, "
-      "bool bf16_dot=False, float residual_scale=1.0) -> ()");
+      "bool bf16_dot=False, float residual_scale=1.0, int[] rotate=[]) -> ()");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor kv, Tensor slots) -> ()");
 }
 
