@@ -68,14 +68,15 @@ def rounded_activations(x: torch.Tensor, kind: str, dtype: type = np.float64) ->
     block = 32 if kind in SMALL_BLOCKS else 256
     m, k = x.shape
     blocks = x.numpy().reshape(m, k // block, block)
-    amax = np.abs(blocks).max(axis=-1, keepdims=True)  # float32
-    with np.errstate(divide="ignore"):
+    amax = np.fmax.reduce(np.abs(blocks), axis=-1, keepdims=True)  # float32, NaN left out
+    with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
         if kind in SMALL_BLOCKS:
             d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
         else:
             d = np.where(inv > 0, np.float32(1) / inv, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv)  # float32 products, rounded to nearest even
+        q = np.rint(blocks * inv)  # float32 products, rounded to nearest even
+    q = np.where(np.abs(q) <= 127, q, 0)  # a non-finite x: 0
     return torch.from_numpy((q.astype(dtype) * d.astype(dtype)).reshape(m, k))
 
 
@@ -117,14 +118,15 @@ def identity_rows(kind: str, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["q8_0", "q4_k"])
 def test_activations_are_rounded_as_llama_cpp_rounds_them(kind):
     """Through an identity matrix the product is the rounded activations themselves (q * d in
-    float32): bit for bit llama.cpp's, with a zero block, a lone large value and tiny values among
-    normal ones."""
+    float32): bit for bit llama.cpp's, with a zero block, a lone large value, tiny values among
+    normal ones, and a NaN (which rounds to 0 and leaves its block's scale alone)."""
     k = 512
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(3))
     x[1, :256] = 0.0  # a zero block (scale 0)
     x[2, 7] = 1e4  # one value sets the block's scale, the rest round to small quants
     x[3] *= 1e-30  # tiny values
     x[4] = torch.round(x[4] * 8) / 8  # ties at x * 127 / max halfway between integers, some
+    x[5, 250] = float("nan")  # (an infinity makes the row NaN: its block's scale is infinite, as llama.cpp's)
     raw = identity_rows(kind, k)
     assert torch.equal(QuantizedRows(kind, raw).dequantize(), torch.eye(k))
     out = torch.ops.weft.packed_linear(x, QuantizedRows(kind, raw).pack(dot=True), None, k)

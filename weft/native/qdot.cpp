@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -95,6 +96,71 @@ inline float block_s(const int32_t* sums, int64_t b) {
   return s;
 }
 
+// max |x| over a block of n (a multiple of 16) features, NaN left out as std::max leaves it out
+// (vmaxps returns its second operand where either is NaN: the running maximum).
+inline float block_amax(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), m);
+  return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  return *std::max_element(lanes, lanes + 8);
+#else
+  float amax = 0.0f;
+  for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+#endif
+}
+
+// out[j] = x[j] * inv rounded to the nearest integer (ties to even), 0 where that is outside
+// [-127, 127] (a non-finite x), for the 16 features of a sum group; returns their sum.
+inline int32_t quantize_group(const float* x, float inv, int8_t* out) {
+  static_assert(kSumGroup == 16);
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#endif
+#if defined(__AVX512F__)
+  const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv)), kRound);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(r, _mm512_set1_ps(-127.0f), _CMP_GE_OQ) &
+                             _mm512_cmp_ps_mask(r, _mm512_set1_ps(127.0f), _CMP_LE_OQ);
+  const __m512i v = _mm512_maskz_cvtps_epi32(in_range, r);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(v));
+  return _mm512_reduce_add_epi32(v);
+#elif defined(__AVX2__)
+  __m256i v[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * h), _mm256_set1_ps(inv)), kRound);
+    const __m256 in_range = _mm256_and_ps(_mm256_cmp_ps(r, _mm256_set1_ps(-127.0f), _CMP_GE_OQ),
+                                          _mm256_cmp_ps(r, _mm256_set1_ps(127.0f), _CMP_LE_OQ));
+    v[h] = _mm256_cvtps_epi32(_mm256_and_ps(r, in_range));
+  }
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);  // 16 int16 in order
+  const __m256i bytes = _mm256_packs_epi16(words, words);  // per 128-bit lane: its 8 bytes, twice
+  const __m128i ordered = _mm_unpacklo_epi64(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), ordered);
+  const __m256i total = _mm256_add_epi32(v[0], v[1]);
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+  int32_t sum = 0;
+  for (int32_t lane : lanes) sum += lane;
+  return sum;
+#else
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kSumGroup; ++j) {
+    const float r = std::nearbyint(x[j] * inv);
+    const int v = r >= -127.0f && r <= 127.0f ? static_cast<int>(r) : 0;  // non-finite x: 0
+    out[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
 template <ActBlocks kBlocks>
 void quantize_row(const float* x, int64_t k, int8_t* out) {
   constexpr int64_t kBlock = kBlocks == ActBlocks::kQ8_K ? 256 : kActBlock;
@@ -102,22 +168,14 @@ void quantize_row(const float* x, int64_t k, int8_t* out) {
   auto* sums = reinterpret_cast<int32_t*>(out + k + 4 * (k / kActBlock));
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float amax = block_amax(xb, kBlock);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const float scale = kBlocks != ActBlocks::kQ8_K ? static_cast<float>(c10::Half(amax / 127.0f))
                         : amax > 0.0f                ? 1.0f / inv
                                                      : 0.0f;
     for (int64_t j = 0; j < kBlock / kActBlock; ++j) d[b * (kBlock / kActBlock) + j] = scale;
     for (int64_t g = 0; g < kBlock / kSumGroup; ++g) {
-      int32_t sum = 0;
-      for (int64_t j = g * kSumGroup; j < (g + 1) * kSumGroup; ++j) {
-        const float r = std::nearbyint(xb[j] * inv);
-        const int v = r >= -127.0f && r <= 127.0f ? static_cast<int>(r) : 0;  // non-finite x: 0
-        out[b * kBlock + j] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      sums[b * (kBlock / kSumGroup) + g] = sum;
+      sums[b * (kBlock / kSumGroup) + g] = quantize_group(xb + g * kSumGroup, inv, out + b * kBlock + g * kSumGroup);
     }
     if constexpr (kBlocks == ActBlocks::kQ8_1) {
       const float s = static_cast<float>(c10::Half(amax / 127.0f * static_cast<float>(sums[2 * b] + sums[2 * b + 1])));
