@@ -658,6 +658,14 @@ inline void tiled_values(const C* values, int64_t num_tokens, int64_t token_stri
 }
 #endif
 
+// fn(std::integral_constant<int, heads>{}) where `heads` is a tile's (4 or 2); false for 1 (no tile).
+template <typename Fn>
+inline bool with_tile_heads(int heads, Fn&& fn) {
+  if (heads == 4) fn(std::integral_constant<int, 4>{});
+  if (heads == 2) fn(std::integral_constant<int, 2>{});
+  return heads == 4 || heads == 2;
+}
+
 // block_scores for the `group` query heads of one KV head (queries D apart, score rows `chunk`
 // apart): in tiles of several heads (`score_heads_per_tile`) where the head size is a whole number of
 // vectors.
@@ -666,9 +674,10 @@ inline void group_scores(const C* keys, int64_t num_tokens, int64_t token_stride
                          int64_t group, float* scores, int64_t chunk) {
 #if defined(__AVX512F__) || defined(WEFT_AVX2_CACHE)
   if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % kScoreLanes == 0) {
-    const int heads = score_heads_per_tile(group);
-    if (heads == 4) return tiled_scores<4, kHeadDim>(keys, num_tokens, token_stride, queries, group, scores, chunk);
-    if (heads == 2) return tiled_scores<2, kHeadDim>(keys, num_tokens, token_stride, queries, group, scores, chunk);
+    const auto tiles = [&](auto heads) {
+      tiled_scores<decltype(heads)::value, kHeadDim>(keys, num_tokens, token_stride, queries, group, scores, chunk);
+    };
+    if (with_tile_heads(score_heads_per_tile(group), tiles)) return;
   }
 #endif
   for (int64_t h = 0; h < group; ++h) {
@@ -683,9 +692,10 @@ inline void group_values(const C* values, int64_t num_tokens, int64_t token_stri
                          int64_t chunk, int64_t group, float* acc) {
 #if defined(__AVX512F__)
   if constexpr (kVectorCache<C> && kHeadDim > 0 && kHeadDim % 16 == 0) {
-    const int heads = heads_per_tile<kHeadDim>(group);
-    if (heads == 4) return tiled_values<4, kHeadDim>(values, num_tokens, token_stride, p, chunk, group, acc);
-    if (heads == 2) return tiled_values<2, kHeadDim>(values, num_tokens, token_stride, p, chunk, group, acc);
+    const auto tiles = [&](auto heads) {
+      tiled_values<decltype(heads)::value, kHeadDim>(values, num_tokens, token_stride, p, chunk, group, acc);
+    };
+    if (with_tile_heads(heads_per_tile<kHeadDim>(group), tiles)) return;
   }
 #endif
   for (int64_t h = 0; h < group; ++h) {
