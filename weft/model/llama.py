@@ -405,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         device = self.lm_head.weight.device
         if not self.config.fits_decoder_stack:
-            return  # (the kernel has no windows, soft caps, sinks or experts, and rotates in every layer)
+            return  # (the kernel has no windows, soft caps, sinks or experts)
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
         if (
