@@ -332,6 +332,14 @@ struct Partial {  // running softmax of one work item: [H], [H], [H, D]
   float* acc;
 };
 
+// The tokens of a score tile of `heads` query heads in `lanes` accumulators (`dot_heads`): a power of
+// two, so that whole tiles fill a block of 16 tokens (3 heads x 4 tokens leave 4 of 16 lanes idle).
+constexpr int tile_tokens(int lanes, int heads) {
+  int tokens = 1;
+  while (2 * tokens * heads <= lanes) tokens *= 2;
+  return tokens;
+}
+
 #if defined(__AVX512F__)
 // One level of a 16 x 16 transpose-and-add: lanes of `a` and `b` in the halves (of width `kHalf`
 // lanes) that `mask` selects are added to the neighbouring half, so that each result lane holds a
@@ -367,25 +375,26 @@ inline void dot16(const C* keys, int64_t token_stride, const float* query, float
   _mm512_storeu_ps(scores, _mm512_permutexvar_ps(bit_reversed, sums));
 }
 
-// The query heads a tile of `add_weighted_values_heads` takes at once: 4 or 2 of a KV head's
+// The query heads a tile of `add_weighted_values_heads` takes at once: 4, 3 or 2 of a KV head's
 // `group`, as many as keep their value sums in 16 registers of a head of kD; 1 (each head on its
 // own) otherwise.
 template <int64_t kD>
 constexpr int heads_per_tile(int64_t group) {
   if (kD <= 0 || kD % 16 != 0) return 1;
-  if (group % 4 == 0 && 4 * kD / 16 <= 16) return 4;
-  if (group % 2 == 0 && 2 * kD / 16 <= 16) return 2;
+  for (const int heads : {4, 3, 2}) {
+    if (group % heads == 0 && heads * kD / 16 <= 16) return heads;
+  }
   return 1;
 }
 
 // scores[h * chunk + t] = q_h . k_t for kHeads query heads (queries kD floats apart) and the
-// 16 / kHeads consecutive tokens from `keys`: each key vector is read and widened once for all the
-// heads of the tile (a half-precision cache's conversion was a quarter of the work when each of a
-// group's 4 heads widened it again), and each dot reduced in the order `dot16` reduces it.
+// tile_tokens(16, kHeads) consecutive tokens from `keys`: each key vector is read and widened once
+// for all the heads of the tile (a half-precision cache's conversion was a quarter of the work when
+// each of a group's 4 heads widened it again), and each dot reduced in the order `dot16` reduces it.
 template <int64_t kD, int kHeads, typename C>
 inline void dot_heads(const C* keys, int64_t token_stride, const float* queries, float* scores, int64_t chunk) {
-  constexpr int kTokens = 16 / kHeads;
-  __m512 acc[16];  // acc[h * kTokens + t]
+  constexpr int kTokens = tile_tokens(16, kHeads);
+  __m512 acc[16];  // acc[h * kTokens + t], and zeros beyond kHeads * kTokens
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < kD; d += 16) {
     for (int t = 0; t < kTokens; ++t) {
@@ -516,12 +525,12 @@ inline void dot8(const C* keys, int64_t token_stride, const float* query, float*
   _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
 }
 
-// `dot_heads` of AVX-512 in 8 lanes: kHeads query heads and 8 / kHeads tokens, each dot reduced in
-// the order `dot8` reduces it.
+// `dot_heads` of AVX-512 in 8 lanes: kHeads query heads and tile_tokens(8, kHeads) tokens, each
+// dot reduced in the order `dot8` reduces it.
 template <int64_t kD, int kHeads, typename C>
 inline void dot_heads(const C* keys, int64_t token_stride, const float* queries, float* scores, int64_t chunk) {
-  constexpr int kTokens = 8 / kHeads;
-  __m256 acc[8];  // acc[h * kTokens + t]
+  constexpr int kTokens = tile_tokens(8, kHeads);
+  __m256 acc[8];  // acc[h * kTokens + t], and zeros beyond kHeads * kTokens
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < kD; d += 8) {
     for (int t = 0; t < kTokens; ++t) {
@@ -549,8 +558,10 @@ constexpr int64_t kScoreLanes = 16;  // the dots of one tile of `dot_heads`
 constexpr int64_t kScoreLanes = 8;
 #endif
 
-// The query heads a tile of `dot_heads` takes at once: 4 or 2 of a KV head's `group`, or 1.
-inline int score_heads_per_tile(int64_t group) { return group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1; }
+// The query heads a tile of `dot_heads` takes at once: 4, 3 or 2 of a KV head's `group`, or 1.
+inline int score_heads_per_tile(int64_t group) {
+  return group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+}
 
 // q . k for one key of D <= 256 elements, a half-precision or Q8_0 one widened first: the float32
 // loop's sums in its order, so that such a cache computes what a float32 cache of its values does.
@@ -628,12 +639,12 @@ inline void add_weighted_values(const C* values, int64_t num_tokens, int64_t tok
 }
 
 #if defined(__AVX512F__) || defined(WEFT_AVX2_CACHE)
-// group_scores for a tile of kHeads heads: whole tiles of kScoreLanes / kHeads tokens, the rest head
-// by head.
+// group_scores for a tile of kHeads heads: whole tiles of tile_tokens(kScoreLanes, kHeads) tokens,
+// the rest head by head.
 template <int kHeads, int64_t kD, typename C>
 inline void tiled_scores(const C* keys, int64_t num_tokens, int64_t token_stride, const float* queries, int64_t group,
                          float* scores, int64_t chunk) {
-  constexpr int64_t kTokens = kScoreLanes / kHeads;
+  constexpr int64_t kTokens = tile_tokens(kScoreLanes, kHeads);
   const int64_t whole = num_tokens / kTokens * kTokens;
   for (int64_t h = 0; h < group; h += kHeads) {
     for (int64_t t = 0; t < whole; t += kTokens) {
@@ -658,12 +669,13 @@ inline void tiled_values(const C* values, int64_t num_tokens, int64_t token_stri
 }
 #endif
 
-// fn(std::integral_constant<int, heads>{}) where `heads` is a tile's (4 or 2); false for 1 (no tile).
+// fn(std::integral_constant<int, heads>{}) where `heads` is a tile's (4, 3 or 2); false for 1 (no tile).
 template <typename Fn>
 inline bool with_tile_heads(int heads, Fn&& fn) {
   if (heads == 4) fn(std::integral_constant<int, 4>{});
+  if (heads == 3) fn(std::integral_constant<int, 3>{});
   if (heads == 2) fn(std::integral_constant<int, 2>{});
-  return heads == 4 || heads == 2;
+  return heads >= 2 && heads <= 4;
 }
 
 // block_scores for the `group` query heads of one KV head (queries D apart, score rows `chunk`
