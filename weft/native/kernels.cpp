@@ -356,8 +356,20 @@ inline __m512 fold(__m512 a, __m512 b) {
   return _mm512_add_ps(kept, moved);
 }
 
+// The 16 sums of 16 accumulators, acc[i]'s in lane i: one transpose-and-add (four levels of `fold`)
+// instead of 16 horizontal sums, each accumulator's lanes added in the same order wherever it sits.
+inline __m512 sums16(const __m512 (&acc)[16]) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) e[i] = fold<4>(c[2 * i], c[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) f[i] = fold<2>(e[2 * i], e[2 * i + 1]);
+  const __m512 sums = fold<1>(f[0], f[1]);  // acc[i]'s sum in lane bitreverse(i)
+  const __m512i bit_reversed = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+  return _mm512_permutexvar_ps(bit_reversed, sums);
+}
+
 // scores[t] = q . k_t for 16 consecutive tokens (keys `token_stride` floats apart): 16 vector
-// accumulators, then one transpose-and-add instead of 16 horizontal sums.
+// accumulators, then `sums16`.
 template <int64_t kD, typename C>
 inline void dot16(const C* keys, int64_t token_stride, const float* query, float* scores) {
   __m512 acc[16];
@@ -366,13 +378,7 @@ inline void dot16(const C* keys, int64_t token_stride, const float* query, float
     const __m512 q = _mm512_loadu_ps(query + d);
     for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(load16_at(keys + t * token_stride, d), q, acc[t]);
   }
-  __m512 c[8], e[4], f[2];
-  for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) e[i] = fold<4>(c[2 * i], c[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) f[i] = fold<2>(e[2 * i], e[2 * i + 1]);
-  const __m512 sums = fold<1>(f[0], f[1]);  // token t's sum in lane bitreverse(t)
-  const __m512i bit_reversed = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-  _mm512_storeu_ps(scores, _mm512_permutexvar_ps(bit_reversed, sums));
+  _mm512_storeu_ps(scores, sums16(acc));
 }
 
 // The query heads a tile of `add_weighted_values_heads` takes at once: 4, 3 or 2 of a KV head's
@@ -404,13 +410,8 @@ inline void dot_heads(const C* keys, int64_t token_stride, const float* queries,
       }
     }
   }
-  __m512 c[8], e[4], f[2];
-  for (int i = 0; i < 8; ++i) c[i] = fold<8>(acc[2 * i], acc[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) e[i] = fold<4>(c[2 * i], c[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) f[i] = fold<2>(e[2 * i], e[2 * i + 1]);
-  const __m512i bit_reversed = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
   alignas(64) float sums[16];  // sums[h * kTokens + t]
-  _mm512_store_ps(sums, _mm512_permutexvar_ps(bit_reversed, fold<1>(f[0], f[1])));
+  _mm512_store_ps(sums, sums16(acc));
   for (int h = 0; h < kHeads; ++h) {
     for (int t = 0; t < kTokens; ++t) scores[h * chunk + t] = sums[h * kTokens + t];
   }
@@ -507,9 +508,18 @@ template <typename C>
 constexpr bool kVectorCache = std::is_same_v<C, float> || kWidenedCache<C>;
 
 #if defined(WEFT_AVX2_CACHE)
+// The 8 sums of 8 accumulators, acc[i]'s in lane i: one transpose-and-add (three levels of hadd and
+// a lane swap) instead of 8 horizontal sums.
+inline __m256 sums8(const __m256 (&acc)[8]) {
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit lane
+  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
 // scores[t] = q . k_t for 8 consecutive tokens (keys `token_stride` elements apart, kD a multiple
-// of 8): 8 vector accumulators, then one transpose-and-add (three levels of hadd and a lane swap)
-// instead of 8 horizontal sums.
+// of 8): 8 vector accumulators, then `sums8`.
 template <int64_t kD, typename C>
 inline void dot8(const C* keys, int64_t token_stride, const float* query, float* scores) {
   __m256 acc[8];
@@ -518,11 +528,7 @@ inline void dot8(const C* keys, int64_t token_stride, const float* query, float*
     const __m256 q = _mm256_loadu_ps(query + d);
     for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(load8_at(keys + t * token_stride, d), q, acc[t]);
   }
-  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit lane
-  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-  _mm256_storeu_ps(scores, _mm256_add_ps(low, high));
+  _mm256_storeu_ps(scores, sums8(acc));
 }
 
 // `dot_heads` of AVX-512 in 8 lanes: kHeads query heads and tile_tokens(8, kHeads) tokens, each
@@ -540,12 +546,8 @@ inline void dot_heads(const C* keys, int64_t token_stride, const float* queries,
       }
     }
   }
-  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20), high = _mm256_permute2f128_ps(h0123, h4567, 0x31);
   alignas(32) float sums[8];  // sums[h * kTokens + t]
-  _mm256_store_ps(sums, _mm256_add_ps(low, high));
+  _mm256_store_ps(sums, sums8(acc));
   for (int h = 0; h < kHeads; ++h) {
     for (int t = 0; t < kTokens; ++t) scores[h * chunk + t] = sums[h * kTokens + t];
   }
@@ -659,7 +661,7 @@ inline void tiled_scores(const C* keys, int64_t num_tokens, int64_t token_stride
 #endif
 
 #if defined(__AVX512F__)
-
+// group_values for a tile of kHeads heads: the group's heads kHeads at a time.
 template <int kHeads, int64_t kD, typename C>
 inline void tiled_values(const C* values, int64_t num_tokens, int64_t token_stride, const float* p, int64_t chunk,
                          int64_t group, float* acc) {
