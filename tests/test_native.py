@@ -590,18 +590,25 @@ def test_model_output_is_the_same_with_and_without_kernels(tiny_llama, monkeypat
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "granite", "smollm3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "granite", "smollm3", "gemma3", "gemma2", "phi3", "mistral_window"]
+)
 def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arch):
     """Single-query steps run all layers in one `decoder_stack_` call; identical results to the
     layer-by-layer path, also for short prompts taken token by token in the stack (5 and 2 tokens,
     one step) beside a long one (21 tokens, the SDPA path). qwen2 has q/k/v biases; granite its
     four scales (the residual one in the stack); qwen3 its per-head q/k norms; smollm3 a layer
-    without rotary embedding."""
+    without rotary embedding; gemma3 norms around each branch, GeGLU, windows of 8 keys in a pool of
+    their own with a rotation of their own; gemma2 soft-capped scores; phi3 a partial rotation;
+    mistral a window of 8 keys in every layer."""
     from weft import LLM, SamplingParams
 
-    path = str(checkpoint_factory(arch))
-    fused = LLM(path, show_progress=False, device="cpu", dtype="float32")
-    layered = LLM(path, show_progress=False, device="cpu", dtype="float32")
+    overrides = {"sliding_window": 8} if arch == "mistral_window" else {}
+    path = str(checkpoint_factory(arch.removesuffix("_window"), **overrides))
+    # blocks of 4 tokens: rows cross blocks, and windows leave blocks behind, within the test
+    fused, layered = (
+        LLM(path, show_progress=False, device="cpu", dtype="float32", block_size=4) for _ in "ab"
+    )
     assert fused.engine.model.stack is not None
     layered.engine.model.stack = None
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -624,7 +631,7 @@ def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
         torch.ones(1, dtype=torch.long),
         torch.zeros(1, dtype=torch.long),
     )
-    cos, sin = model.rotary.cos, model.rotary.sin
+    cos, sin = [model.rotary.cos], [model.rotary.sin]
     with pytest.raises(RuntimeError, match=r"decoder_stack_: slot 8 is outside the KV cache \(8 slots\)"):
         torch.ops.weft.decoder_stack_(
             x,
@@ -639,6 +646,14 @@ def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
             [4, 2, 16, 64, 128],
             1e-6,
             0.25,
+            False,  # bf16_dot
+            1.0,  # residual_scale
+            [],  # layer_rope
+            False,  # sandwich
+            False,  # gelu
+            0.0,  # softcap
+            [],  # layer_window
+            [],  # window_meta
         )
 
 

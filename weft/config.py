@@ -119,15 +119,13 @@ class ModelConfig:
 
     @property
     def fits_decoder_stack(self) -> bool:
-        """Llama's layers (what the fused decode stack runs); Granite's scales are welcome (the
-        embedding's and the logits' are applied outside the stack, the attention's is its scale,
-        the residual one the stack's `residual_scale`), and so are SmolLM3's layers without rotary
-        embedding (the stack's `rotate`)."""
+        """Layers the fused decode stack runs: Llama's, with Granite's scales (the embedding's and
+        the logits' are applied outside the stack, the attention's is its scale, the residual one the
+        stack's `residual_scale`), SmolLM3's layers without rotary embedding, and Gemma's (norms
+        around each branch, GeGLU, soft-capped scores, sliding-window layers with a rotation of
+        their own); not experts or attention sinks."""
         return (
-            self.sliding_window is None
-            and self.hidden_act == "silu"
-            and self.final_logit_softcapping is None
-            and self.attn_logit_softcapping is None
+            self.hidden_act in ("silu", "gelu_pytorch_tanh")
             and self.num_experts == 0
             and not self.attention_sinks
         )

@@ -110,7 +110,27 @@ class StackShape:
     scale: float  # attention scale
     bf16_dot: bool = False  # bfloat16 products in every matrix (`Linear.bf16_dot`)
     residual_scale: float = 1.0  # each branch's output times this before it joins the residual (Granite)
-    rotate: tuple[bool, ...] = ()  # per layer, whether q and k rotate (SmolLM3's NoPE layers); (): all
+    # per layer, its rotary tables' index among the model's and the others' (-1: no rotation,
+    # SmolLM3's NoPE layers); (): every layer the model's
+    layer_rope: tuple[int, ...] = ()
+    sandwich: bool = False  # each branch's output normed before the residual add (Gemma)
+    gelu: bool = False  # GeGLU (Gemma), else SwiGLU
+    softcap: float = 0.0  # attention scores soft-capped (Gemma 2); 0: none
+    layer_window: tuple[int, ...] = ()  # per layer, the keys a query sees (0: all); (): no windows
+
+
+@dataclass(frozen=True, slots=True)
+class StackStep:
+    """One step's inputs to `decoder_stack_` besides the residual stream: rows that each attend as
+    one query."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [T, max_blocks] int64: row t is one query
+    context_lens: torch.Tensor  # [T] int64, row t's context, itself included
+    ropes: list[RopeTables]  # the model's rotation, then the other layers' (`StackShape.layer_rope`)
+    # the sliding-window layers' slots, block table and context lengths (their own pool's, where
+    # they have one); () where the model has no windows
+    window: tuple[torch.Tensor, ...] = ()
 
 
 class TorchKernels:
@@ -349,10 +369,7 @@ class TorchKernels:
         x: torch.Tensor,  # [T, hidden], updated in place
         weights: list[torch.Tensor],
         kv_caches: list[torch.Tensor],
-        slot_mapping: torch.Tensor,  # [T] int64
-        block_table: torch.Tensor,  # [T, max_blocks] int64: row t is one query
-        context_lens: torch.Tensor,  # [T] int64, row t's context, itself included
-        rope: RopeTables,
+        step: StackStep,
         shape: StackShape,
     ) -> None:
         """Every decoder layer on rows that each attend as one query, in one call."""
@@ -643,28 +660,30 @@ class NativeCpuKernels(TorchKernels):
         x: torch.Tensor,
         weights: list[torch.Tensor],
         kv_caches: list[torch.Tensor],
-        slot_mapping: torch.Tensor,
-        block_table: torch.Tensor,
-        context_lens: torch.Tensor,
-        rope: RopeTables,
+        step: StackStep,
         shape: StackShape,
     ) -> None:
         torch.ops.weft.decoder_stack_(
             x,
             weights,
             kv_caches,
-            slot_mapping,
-            block_table,
-            context_lens,
-            rope.positions,
-            rope.cos,
-            rope.sin,
+            step.slot_mapping,
+            step.block_table,
+            step.context_lens,
+            step.ropes[0].positions,
+            [rope.cos for rope in step.ropes],
+            [rope.sin for rope in step.ropes],
             list(shape.sizes),
             shape.eps,
             shape.scale,
             shape.bf16_dot,
             shape.residual_scale,
-            [int(r) for r in shape.rotate],
+            list(shape.layer_rope),
+            shape.sandwich,
+            shape.gelu,
+            shape.softcap,
+            list(shape.layer_window),
+            list(step.window),
         )
 
     def top_by_value_then_index(self, x: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

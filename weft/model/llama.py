@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from weft.config import ModelConfig, RopeConfig
-from weft.kernels import RopeTables, StackShape, TorchKernels
+from weft.kernels import RopeTables, StackShape, StackStep, TorchKernels
 from weft.model import glu
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import (
@@ -310,20 +310,11 @@ class LlamaForCausalLM(nn.Module):
         rows: StepRows | None = None,  # which rows may take the BLAS GEMM (None: all, as in scoring)
     ) -> torch.Tensor:  # [T, hidden], final-normed hidden states
         x = self._embed(input_ids)  # [T, hidden]
-        rope = self.rotary.tables(positions, x.dtype)
-        ropes = self._layer_ropes(rope, positions, x.dtype)
-        group = meta.decode_group
-        if self.stack is not None and group is not None:
-            self.kernels.decoder_stack_(
-                x,
-                self.stack,
-                kv_caches,
-                meta.slot_mapping,
-                group.block_table,
-                group.context_lens,
-                rope,
-                self._shape,
-            )
+        tables = self._rope_tables(positions, x.dtype)
+        rope, ropes = tables[0], [tables[i] for i in self.rotaries] or None
+        step = self._stack_step(meta, tables) if self.stack is not None else None
+        if self.stack is not None and step is not None:
+            self.kernels.decoder_stack_(x, self.stack, kv_caches, step, self._shape)
             return self.norm(x)
         if isinstance(self.layers[0], PostNormLayer):
             layer_ropes = ropes or [rope] * len(self.layers)
@@ -368,14 +359,24 @@ class LlamaForCausalLM(nn.Module):
         kinds = [config.rope, *others]
         self.rotaries = [kinds.index(rope) for rope in ropes] if others else []
 
-    def _layer_ropes(
-        self, rope: RopeTables, positions: torch.Tensor, dtype: torch.dtype
-    ) -> list[RopeTables] | None:
-        """Each layer's rotation where some layers rotate otherwise, else None (all `rope`)."""
-        if not self.rotaries:
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[RopeTables]:
+        """The step's rotations: the model's, then those of the layers that rotate otherwise
+        (`rotaries[i]` is layer i's index among them)."""
+        rope = self.rotary.tables(positions, dtype)
+        return [rope] + [other.tables(positions, dtype) for other in self.other_rotaries]
+
+    def _stack_step(self, meta: AttentionMetadata, tables: list[RopeTables]) -> StackStep | None:
+        """The fused stack's inputs where every row of the step attends as one query, else None."""
+        group = meta.decode_group
+        if group is None:
             return None
-        tables = [rope] + [other.tables(positions, dtype) for other in self.other_rotaries]
-        return [tables[i] for i in self.rotaries]
+        window: tuple[torch.Tensor, ...] = ()
+        if meta.sliding is not None:  # the sliding-window layers' step
+            sliding = meta.sliding.decode_group
+            if sliding is None:
+                return None
+            window = (meta.sliding.slot_mapping, sliding.block_table, sliding.context_lens)
+        return StackStep(meta.slot_mapping, group.block_table, group.context_lens, tables, window)
 
     def _norms_write_pairs(self, num_tokens: int) -> bool:
         """Whether this step's norms write bfloat16 pairs for the products after them (every layer
@@ -402,23 +403,41 @@ class LlamaForCausalLM(nn.Module):
     def fuse_stack(self) -> None:
         """Let steps whose rows each attend as one query (decode) run every layer in one call of the
         kernel set's `decoder_stack_`, where it has one and the layers fit it."""
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        layers = cast(list[DecoderLayer | PostNormLayer], list(self.layers))
         device = self.lm_head.weight.device
         if not self.config.fits_decoder_stack:
-            return  # (the kernel has no windows, soft caps, sinks or experts)
+            return  # (the kernel has no sinks or experts)
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
-        if (
-            len(layers) < len(self.layers)
-            or not all(_stackable(layer) for layer in layers)
-            or self.tp is not None
-        ):
+        if not all(_stackable(layer) for layer in layers) or self.tp is not None:
             return  # (tensor parallel: the layers sum over the ranks between the kernel's steps)
-        self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
         c = self.config
-        sizes = (c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size)
-        scale, rotate = layers[0].attn.scale, tuple(c.rope_layers) if not all(c.rope_layers) else ()
-        self._shape = StackShape(sizes, c.rms_norm_eps, scale, self.bf16_dot, c.residual_multiplier, rotate)
+        windows = [c.layer_window(i) for i in range(c.num_layers)]
+        if len(set(windows) - {0}) > 1:
+            return  # (one window for every sliding layer: the step's `sliding` metadata)
+        self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
+        self._shape = StackShape(
+            sizes=(c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size),
+            eps=c.rms_norm_eps,
+            scale=layers[0].attn.scale,
+            bf16_dot=self.bf16_dot,
+            residual_scale=c.residual_multiplier,
+            layer_rope=self._stack_ropes(),
+            sandwich=isinstance(layers[0], PostNormLayer),
+            gelu=c.hidden_act == "gelu_pytorch_tanh",
+            softcap=c.attn_logit_softcapping or 0.0,
+            layer_window=tuple(windows) if any(windows) else (),
+        )
+
+    def _stack_ropes(self) -> tuple[int, ...]:
+        """Each layer's rotation for the fused stack: its index among the step's tables, -1 for a
+        layer without rotary embedding (SmolLM3's); () where every layer rotates by the model's."""
+        rope_layers = self.config.rope_layers
+        ropes = tuple(
+            -1 if rope_layers and not rope_layers[i] else (self.rotaries[i] if self.rotaries else 0)
+            for i in range(self.config.num_layers)
+        )
+        return ropes if any(ropes) else ()
 
     def set_bf16_dot(self, bf16_dot: bool) -> None:
         """Every matrix in bfloat16 panels multiplies with bfloat16 products, or none does (others,
@@ -465,32 +484,42 @@ def _layer_rope(config: ModelConfig, layer: int) -> RopeConfig:
     return config.rope
 
 
-def _stackable(layer: DecoderLayer) -> bool:
-    """Per-head q/k norms or none, a head size the attention kernel takes, every matrix packed into
-    panels."""
+def _stackable(layer: DecoderLayer | PostNormLayer) -> bool:
+    """Llama's layer, or Gemma's with a norm before and after each branch; per-head q/k norms or
+    none, a head size the attention kernel takes, every matrix packed into panels."""
     attn, mlp = layer.attn, layer.mlp
     if not isinstance(mlp, MLP):
         return False  # (a mixture of experts)
+    if isinstance(layer, PostNormLayer) and (layer.input_norm is None or layer.mlp_norm is None):
+        return False  # (OLMo 2's layer: its branches read the residual stream itself)
     matrices = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
     packed = all(lin.layout is WeightLayout.PANELS for lin in matrices)
     whole = all(lin.parts is None for lin in matrices[1:]) and len(attn.qkv.parts or ()) <= 2
     return not attn.norms_all_heads and attn.head_dim <= 256 and packed and whole
 
 
-def _stack_weights(layer: DecoderLayer) -> list[torch.Tensor]:
+def _stack_weights(layer: DecoderLayer | PostNormLayer) -> list[torch.Tensor]:
     """One layer's weights in the order of `decoder_stack_` (weft/native/decoder.cpp)."""
     attn, mlp, empty = layer.attn, cast(MLP, layer.mlp), torch.empty(0)
     qkv = [panels for panels, _ in attn.qkv.part_panels()] if attn.qkv.parts else [attn.qkv.weight]
+    after: list[torch.Tensor]
+    if isinstance(layer, PostNormLayer):  # a norm before and after each branch (Gemma)
+        assert layer.input_norm is not None and layer.mlp_norm is not None
+        before = (layer.input_norm.weight, layer.mlp_norm.weight)
+        after = [layer.attn_out_norm.weight, layer.mlp_out_norm.weight]
+    else:
+        before, after = (layer.input_norm.weight, layer.post_attn_norm.weight), [empty, empty]
     return [
-        layer.input_norm.weight,
+        before[0],
         *qkv,
         *([empty] * (2 - len(qkv))),  # a fused q/k/v in one dot layout, or in two parts (`PartedRows`)
         empty if attn.qkv.bias is None else attn.qkv.bias,
         attn.o.weight,
         empty if attn.o.bias is None else attn.o.bias,
-        layer.post_attn_norm.weight,
+        before[1],
         mlp.gate_up.weight,
         mlp.down.weight,
         empty if attn.q_norm is None else attn.q_norm.weight,
         empty if attn.k_norm is None else attn.k_norm.weight,
+        *after,
     ]

@@ -1,5 +1,6 @@
-// A whole decoder stack (the Llama family, with Qwen3's per-head q/k norms, Granite's residual scale
-// and SmolLM3's layers without rotary embedding where a model has them) for a step whose rows each
+// A whole decoder stack (the Llama family, with Qwen3's per-head q/k norms, Granite's residual scale,
+// SmolLM3's layers without rotary embedding, and Gemma's norms around each branch, GeGLU, soft-capped
+// scores and sliding-window layers in a pool of their own, where a model has them) for a step whose rows each
 // attend as one query (decode tokens, and fast-forwarded tokens taken token by token): every layer's
 // RMSNorm, fused q/k/v projection, rotary embedding, KV-cache write, paged attention, output
 // projection, residual adds and gated MLP, in one call. The kernels are those of torch.ops.weft.*
@@ -25,15 +26,33 @@ namespace {
 // Per layer, in this order (see weft/model/llama.py, `_stack_weights`):
 // kQkvTail: the fused q/k/v's rows after kQkv's where they come in another dot layout (a Q4_K_M file's
 // Q6_K v beside Q4_K q and k, `PartedRows`), or an empty tensor; kQNorm, kKNorm: each head's RMSNorm
-// of q and of k (Qwen3's [D] weights), or empty tensors.
+// of q and of k (Qwen3's and Gemma 3's [D] weights), or empty tensors; kPostNorm: the MLP's input norm;
+// kAttnOutNorm, kMlpOutNorm: the norms of each branch's output before it joins the residual stream
+// (Gemma's sandwich layers), or empty tensors.
 enum Weight {
-  kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kWeightsPerLayer
+  kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kAttnOutNorm,
+  kMlpOutNorm, kWeightsPerLayer
 };
 
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_dim, hidden, intermediate;
+  double eps, scale;
   bool bf16_dot;  // bfloat16 products (packed_linear's bf16_dot) in every matrix
   double residual_scale;  // each branch's output times this before it is added (Granite's; 1 elsewhere)
+  bool sandwich;  // each branch's output normed before it is added (Gemma: kAttnOutNorm, kMlpOutNorm)
+  bool gelu;  // GeGLU with tanh's GELU in the MLP (Gemma), else SwiGLU
+  double softcap;  // attention scores -> softcap * tanh(score / softcap) (Gemma 2); 0: none
+};
+
+// Where one layer's attention reads and writes: its pool's slots and block tables (a sliding-window
+// layer's may be a pool of its own), its window (0: every key), its rotary tables (none: no rotation).
+struct LayerAttention {
+  const at::Tensor* slots;
+  const at::Tensor* block_table;
+  const at::Tensor* context_lens;
+  int64_t window;
+  const at::Tensor* cos;  // nullptr: q and k as they are (SmolLM3's NoPE layers)
+  const at::Tensor* sin;
 };
 
 // x += delta (times the residual scale, rounded before the add as the layer path rounds it).
@@ -136,54 +155,114 @@ void norm_heads(at::Tensor& qkv, int64_t first, int64_t count, const at::Tensor&
   heads.copy_(weft::rms_norm(heads.reshape({-1, qkv.size(2)}), weight, eps).view(heads.sizes()));
 }
 
-void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const at::Tensor& slots,
-                   const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
-                   const at::Tensor& cos, const at::Tensor& sin, const StackShape& s, double eps, double scale,
-                   bool rotate) {
-  const int64_t tokens = x.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
-  at::Tensor h = weft::rms_norm(x, w[kInputNorm], eps);
+// The attention branch's output [T, hidden] (before the residual add) from its input h [T, hidden].
+at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& cache, const LayerAttention& a,
+                     const at::Tensor& positions, const StackShape& s) {
+  const int64_t tokens = h.size(0), heads = s.num_heads, kv_heads = s.num_kv_heads, d = s.head_dim;
   at::Tensor qkv = qkv_projection(h, w, (heads + 2 * kv_heads) * d, s).view({tokens, heads + 2 * kv_heads, d});
   if (w[kQNorm].numel() > 0) {
-    norm_heads(qkv, 0, heads, w[kQNorm], eps);
-    norm_heads(qkv, heads, kv_heads, w[kKNorm], eps);
+    norm_heads(qkv, 0, heads, w[kQNorm], s.eps);
+    norm_heads(qkv, heads, kv_heads, w[kKNorm], s.eps);
   }
   at::Tensor qk = qkv.narrow(1, 0, heads + kv_heads);
-  if (rotate) weft::rope_(qk, positions, cos, sin, heads + kv_heads);
-  write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, slots, "decoder_stack_");
-  at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, block_table, context_lens, scale);
-  add_branch(x, linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s), s);
-  h = weft::rms_norm(x, w[kPostNorm], eps);
-  at::Tensor act = weft::silu_mul(linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s));
-  add_branch(x, linear(act, w[kDown], std::nullopt, s.hidden, s), s);
+  if (a.cos != nullptr) weft::rope_(qk, positions, *a.cos, *a.sin, heads + kv_heads);
+  write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, *a.slots, "decoder_stack_");
+  at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, *a.block_table, *a.context_lens,
+                                                 s.scale, a.window, s.softcap);
+  return linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s);
 }
 
-// x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
-// (an empty tensor for a missing bias); kv_caches: one per layer; slots [T], block_table [T, max_blocks],
-// context_lens [T] and positions [T] int64: row t is one query whose context (itself included) is
-// context_lens[t] tokens. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate. bf16_dot:
-// bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale: Granite's
-// residual multiplier (1 elsewhere). rotate: per layer, whether its q and k rotate (0 for SmolLM3's
-// layers without rotary embedding); empty: every layer's do.
-void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
-                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
-                    const at::Tensor& cos, const at::Tensor& sin, at::IntArrayRef shape, double eps, double scale,
-                    bool bf16_dot, double residual_scale, at::IntArrayRef rotate) {
-  TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
-  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], bf16_dot, residual_scale};
-  const auto layers = static_cast<int64_t>(kv_caches.size());
+// The MLP branch's output [T, hidden] from its input h [T, hidden].
+at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const StackShape& s) {
+  at::Tensor gate_up = linear(h, w[kGateUp], std::nullopt, 2 * s.intermediate, s);
+  at::Tensor act = s.gelu ? weft::gelu_mul(gate_up) : weft::silu_mul(gate_up);
+  return linear(act, w[kDown], std::nullopt, s.hidden, s);
+}
+
+// One layer on the residual stream x [T, hidden], in place: x += attention(norm(x)), then
+// x += mlp(norm(x)); in a sandwich layer each branch's output is normed before it is added (the
+// layer path's `add_normed_`, so the same bits).
+void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const LayerAttention& a,
+                   const at::Tensor& positions, const StackShape& s) {
+  at::Tensor h = weft::rms_norm(x, w[kInputNorm], s.eps);
+  at::Tensor out = attention(h, w, cache, a, positions, s);
+  if (s.sandwich) {
+    h = weft::add_normed_(x, out, w[kAttnOutNorm], w[kPostNorm], s.eps);
+  } else {
+    add_branch(x, out, s);
+    h = weft::rms_norm(x, w[kPostNorm], s.eps);
+  }
+  out = mlp(h, w, s);
+  if (s.sandwich) {
+    weft::add_normed_(x, out, w[kMlpOutNorm], std::nullopt, s.eps);
+  } else {
+    add_branch(x, out, s);
+  }
+}
+
+// Layer `layer`'s attention: the window tables where its window is set, its rotary tables.
+LayerAttention layer_attention(int64_t layer, const at::Tensor& slots, const at::Tensor& block_table,
+                               const at::Tensor& context_lens, at::TensorList window_meta, at::TensorList cos,
+                               at::TensorList sin, at::IntArrayRef layer_rope, at::IntArrayRef layer_window) {
+  const int64_t window = layer_window.empty() ? 0 : layer_window[layer];
+  const int64_t rope = layer_rope.empty() ? 0 : layer_rope[layer];
+  const bool own = window > 0 && !window_meta.empty();  // the window's own pool
+  return LayerAttention{own ? &window_meta[0] : &slots, own ? &window_meta[1] : &block_table,
+                        own ? &window_meta[2] : &context_lens, window, rope < 0 ? nullptr : &cos[rope],
+                        rope < 0 ? nullptr : &sin[rope]};
+}
+
+void check_stack_args(const at::Tensor& x, at::TensorList weights, int64_t layers, const at::Tensor& slots,
+                      at::TensorList window_meta, at::TensorList cos, at::TensorList sin,
+                      at::IntArrayRef layer_rope, at::IntArrayRef layer_window, const StackShape& s) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
               "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
-  TORCH_CHECK(rotate.empty() || static_cast<int64_t>(rotate.size()) == layers,
-              "decoder_stack_: rotate must be empty or one flag per layer");
+  TORCH_CHECK(layer_rope.empty() || static_cast<int64_t>(layer_rope.size()) == layers,
+              "decoder_stack_: layer_rope must be empty or one index per layer");
+  TORCH_CHECK(layer_window.empty() || static_cast<int64_t>(layer_window.size()) == layers,
+              "decoder_stack_: layer_window must be empty or one window per layer");
+  TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decoder_stack_: cos and sin must be lists of one length");
+  for (const int64_t rope : layer_rope)
+    TORCH_CHECK(rope >= -1 && rope < static_cast<int64_t>(cos.size()), "decoder_stack_: layer_rope ", rope,
+                " names no cos/sin table");
+  TORCH_CHECK(window_meta.empty() || window_meta.size() == 3,
+              "decoder_stack_: window_meta must be empty or [slots, block_table, context_lens]");
+  TORCH_CHECK(window_meta.empty() ||
+                  (window_meta[0].scalar_type() == at::kLong && window_meta[0].numel() == x.size(0)),
+              "decoder_stack_: the window's slots must be [T] int64");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
                   x.size(1) == s.hidden,
               "decoder_stack_: x must be contiguous float32 [T, hidden]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
               "decoder_stack_: slots must be [T] int64");
+}
+
+// x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
+// (an empty tensor for a missing bias or norm); kv_caches: one per layer; slots [T], block_table
+// [T, max_blocks], context_lens [T] and positions [T] int64: row t is one query whose context (itself
+// included) is context_lens[t] tokens. cos, sin: the rotary tables [P, D / 2] of the model and of the
+// layers that rotate otherwise. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
+// bf16_dot: bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale:
+// Granite's residual multiplier (1 elsewhere). layer_rope: per layer, its index in cos and sin (-1: no
+// rotation, SmolLM3's NoPE layers); empty: every layer's 0. sandwich, gelu, softcap: Gemma's norms
+// around each branch, its GeGLU, Gemma 2's soft-capped scores. layer_window: per layer, the keys a
+// query sees (0: all; empty: every layer's 0); window_meta: [slots, block_table, context_lens] of the
+// sliding-window layers' own pool, or empty (they share the model's).
+void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
+                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
+                    at::TensorList cos, at::TensorList sin, at::IntArrayRef shape, double eps, double scale,
+                    bool bf16_dot, double residual_scale, at::IntArrayRef layer_rope, bool sandwich, bool gelu,
+                    double softcap, at::IntArrayRef layer_window, at::TensorList window_meta) {
+  TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
+  const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], eps, scale, bf16_dot, residual_scale,
+                     sandwich, gelu, softcap};
+  const auto layers = static_cast<int64_t>(kv_caches.size());
+  check_stack_args(x, weights, layers, slots, window_meta, cos, sin, layer_rope, layer_window, s);
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor cache = kv_caches[layer];
-    decoder_layer(x, &weights[layer * kWeightsPerLayer], cache, slots, block_table, context_lens, positions, cos, sin,
-                  s, eps, scale, rotate.empty() || rotate[layer] != 0);
+    const LayerAttention a =
+        layer_attention(layer, slots, block_table, context_lens, window_meta, cos, sin, layer_rope, layer_window);
+    decoder_layer(x, &weights[layer * kWeightsPerLayer], cache, a, positions, s);
   }
 }
 
@@ -192,8 +271,9 @@ void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_cac
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.def(
       "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
-      "Tensor context_lens, Tensor positions, Tensor cos, Tensor sin, int[] shape, float eps, float scale, "
-      "bool bf16_dot=False, float residual_scale=1.0, int[] rotate=[]) -> ()");
+      "Tensor context_lens, Tensor positions, Tensor[] cos, Tensor[] sin, int[] shape, float eps, float scale, "
+      "bool bf16_dot, float residual_scale, int[] layer_rope, bool sandwich, bool gelu, float softcap, "
+      "int[] layer_window, Tensor[] window_meta) -> ()");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor kv, Tensor slots) -> ()");
 }
 

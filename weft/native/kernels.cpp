@@ -1820,14 +1820,19 @@ at::Tensor top_p_filter(const at::Tensor& logits, const at::Tensor& top_p) {
 namespace weft {  // for decoder.cpp (ops.h)
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor add_normed_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& delta_weight,
+                       const std::optional<at::Tensor>& next_weight, double eps) {
+  return ::add_normed_(x, delta, delta_weight, next_weight, eps);
+}
 at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return ::gelu_mul(gate_up); }
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads) {
   ::rope_(x, positions, cos, sin, num_heads);
 }
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
-  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt, 0.0);
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt, softcap);
 }
 
 }  // namespace weft

@@ -14,11 +14,15 @@
 namespace weft {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_normed_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& delta_weight,
+                       const std::optional<at::Tensor>& next_weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
            int64_t num_heads);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window = 0);
+                                  const at::Tensor& context_lens, double scale, int64_t window = 0,
+                                  double softcap = 0.0);
 // qdot.cpp: whether `panels` are dot panels (int8, panels.h) of K input features, and out = x @ W.T
 // (+ bias) through them, x quantized to int8.
 bool is_dot_panels(const at::Tensor& panels, int64_t k);
