@@ -610,6 +610,14 @@ def resolve_dtype(
 
 
 MATMUL_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
+EXPERT_WEIGHTS = ("auto", "panels", "file")
+EXPERT_WEIGHTS_HELP = (
+    "CPU, a GGUF file's mixture of experts: where its Q4_K and Q6_K experts are kept: panels (repacked "
+    "into weft's dot panels as the file loads: the fastest products, a second copy of the experts), file "
+    "(multiplied in the file's own blocks from its pages: nothing copied, loads in seconds, shares the page "
+    "cache with other processes reading the file, slower products), auto (panels where the file fits the "
+    "memory available with 1.5 GB to spare, else file; the default)"
+)
 MATMUL_PRECISION_HELP = (
     "CPU: what the matrix products multiply in: float32 (exact, the weights widened), bfloat16 (bfloat16 "
     "weights: x rounded to bfloat16, float32 accumulation, twice the arithmetic rate) or int8 (quantized "

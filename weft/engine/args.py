@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from weft.config import KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, MATMUL_PRECISION_HELP, MATMUL_PRECISIONS
+from weft.config import (
+    EXPERT_WEIGHTS,
+    EXPERT_WEIGHTS_HELP,
+    KV_CACHE_DTYPE_HELP,
+    KV_CACHE_DTYPES,
+    MATMUL_PRECISION_HELP,
+    MATMUL_PRECISIONS,
+)
 from weft.model.quantize import QUANTIZATIONS
 
 
@@ -104,6 +111,11 @@ class EngineArgs:
     # what the linear layers' products multiply in on CPU (`TorchKernels.matmul_dtype`)
     matmul_precision: str | None = field(
         default=None, metadata=cli(MATMUL_PRECISION_HELP, type=str, choices=MATMUL_PRECISIONS)
+    )
+    # where a GGUF file's mixture of experts keeps its experts on CPU (weft/engine/fit.py)
+    expert_weights: str = field(
+        default="auto",
+        metadata=cli(EXPERT_WEIGHTS_HELP, type=str, choices=EXPERT_WEIGHTS),
     )
     # quantize a float checkpoint's matrices as it loads (CPU; weft/model/quantize.py)
     quantization: str | None = field(

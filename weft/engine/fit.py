@@ -47,16 +47,36 @@ def checkpoint_bytes(path: Path) -> int:
     return path.stat().st_size
 
 
-def check_fits(path: Path) -> None:
-    """Refuse, before reading a tensor, a checkpoint larger than the memory available to run it."""
+def check_fits(path: Path, in_file: int = 0) -> None:
+    """Refuse, before reading a tensor, a checkpoint larger than the memory available to run it
+    (less `in_file`, the bytes of experts multiplied from the file's pages, which the page cache
+    holds and gives back as it must)."""
     available = mem_available()
-    size = checkpoint_bytes(path)
+    size = checkpoint_bytes(path) - in_file
     if available is not None and size > available:
+        kept = f" beside the {in_file / 1e9:.1f} GB of experts read from the file" if in_file else ""
         raise ConfigError(
-            f"{path} holds {size / 1e9:.1f} GB of weights, and weft needs at least that much memory to run "
-            f"it on CPU; this machine has {available / 1e9:.1f} GB available (MemAvailable). Close other "
+            f"{path} holds {size / 1e9:.1f} GB of weights{kept}, and weft needs at least that much memory to "
+            f"run it on CPU; this machine has {available / 1e9:.1f} GB available (MemAvailable). Close other "
             "programs, or use a smaller quantization of the model (e.g. Q4_K_M in place of Q8_0)"
         )
+
+
+def experts_in_file(choice: str, path: Path, applies: bool) -> bool:
+    """Whether a GGUF file's mixture of experts keeps its experts in the file's blocks
+    (`expert_weights`): "file" always where it `applies` (a GGUF file with experts, on CPU, with int8
+    products), "panels" never, "auto" where the file and `FILE_HEADROOM` do not fit the memory
+    available: its panels would need as much again (docs/benchmarks.md, "Experts from the file's
+    pages")."""
+    if choice not in ("auto", "panels", "file"):
+        raise ConfigError(f"expert_weights must be auto, panels or file, got {choice!r}")
+    if choice == "panels" or not applies:
+        return False
+    available = mem_available()
+    return choice == "file" or (available is not None and checkpoint_bytes(path) + FILE_HEADROOM > available)
+
+
+FILE_HEADROOM = 1_500_000_000  # bytes beside a file's panels: the runtime, the KV cache, a step's activations
 
 
 def _size(num_bytes: int) -> str:

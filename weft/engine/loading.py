@@ -20,7 +20,7 @@ from weft.config import (
     resolve_dtype,
 )
 from weft.engine.args import EngineArgs
-from weft.engine.fit import check_fits, report_load
+from weft.engine.fit import check_fits, experts_in_file, report_load
 from weft.engine.kv_pools import bytes_per_token, has_window_pool
 from weft.engine.runner import ModelRunner
 from weft.kernels import NATIVE_CPU_KERNELS, TORCH_KERNELS, TorchKernels, triton_available
@@ -29,6 +29,7 @@ from weft.model.gguf_checkpoint import GgufCheckpoint
 from weft.model.llama import LlamaForCausalLM
 from weft.model.loader import Source, load_config, load_model, open_source
 from weft.model.quantize import check_quantization
+from weft.model.quantized import FILE_KINDS
 from weft.native import use_kernels
 from weft.parallel.group import TensorParallel
 
@@ -96,15 +97,40 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
     budget = _kv_budget_tokens(args, model_config, kv_dtype, device)
     max_len = _max_model_len(args.max_model_len, model_config, budget)
     progress = args.show_progress and (tp is None or tp.rank == 0)
+    file_experts = _experts_in_file(args, path, source, model_config, device, matmul)
     if device.type == "cpu" and tp is None:
-        check_fits(path)  # before reading a tensor (weft/engine/fit.py)
+        in_file = (
+            source.expert_bytes(FILE_KINDS) if file_experts and isinstance(source, GgufCheckpoint) else 0
+        )
+        check_fits(path, in_file)  # before reading a tensor (weft/engine/fit.py)
     start = time.perf_counter()
     model = load_model(
-        source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp
-    )
+        source, model_config, dtype, device, max_len, progress, matmul, quantization, kernels=kernels, tp=tp,
+        file_experts=file_experts,
+    )  # fmt: skip
     if progress:
         report_load(path, time.perf_counter() - start)
     return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len, kv_dtype)
+
+
+def _experts_in_file(
+    args: EngineArgs,
+    path: Path,
+    source: Source,
+    config: ModelConfig,
+    device: torch.device,
+    matmul: torch.dtype,
+) -> bool:
+    """`expert_weights` for this load (weft/engine/fit.py): it applies to a GGUF file with experts on
+    CPU with int8 products, and asking for "file" elsewhere is an error that says where it runs."""
+    applies = isinstance(source, GgufCheckpoint) and config.num_experts > 0 and device.type == "cpu"
+    applies = applies and matmul == torch.int8
+    if args.expert_weights == "file" and not applies and config.num_experts > 0:
+        raise ConfigError(
+            "expert_weights='file' multiplies a GGUF file's quantized experts in its own blocks, on CPU with "
+            "int8 products (matmul_precision auto or int8); use expert_weights=auto or panels here"
+        )
+    return experts_in_file(args.expert_weights, path, applies)
 
 
 def with_generation_eos(config: ModelConfig, model_dir: Path) -> ModelConfig:

@@ -25,7 +25,7 @@ Every error names the file and the problem, and says what weft reads instead.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -230,6 +230,17 @@ class GgufCheckpoint:
     def quantized(self) -> bool:
         """Whether any matrix is stored quantized (runs from quantized panels where weft packs them)."""
         return any(len(t.shape) >= 2 and t.tensor_type.name in KEPT_IN_BLOCKS for t in self.reader.tensors)
+
+    def expert_bytes(self, kinds: Iterable[str]) -> int:
+        """The bytes of the experts' matrices stored as one of `kinds` ("q4_k", ...): what stays in
+        the file's pages where a load keeps experts there (`expert_weights="file"`)."""
+        wanted = set(kinds)
+        total = 0
+        for tensor in self.reader.tensors:
+            match = _LAYER_TENSOR.fullmatch(tensor.name)
+            if match and match[2] in _EXPERT_NAMES and KEPT_IN_BLOCKS.get(tensor.tensor_type.name) in wanted:
+                total += int(tensor.data.nbytes)
+        return total
 
     def _key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.arch}.{name}", default)

@@ -61,6 +61,7 @@ class WeightLayout(enum.Enum):
     IN_OUT = "in_out"  # contiguous [in, out], applied as x @ W: CPU float32 without weft's kernels
     PANELS = "panels"  # [ceil(out / 32), in, 32] column panels for weft's packed_linear: CPU, any float
     BLOCKS = "blocks"  # GGUF blocks, flat uint8, multiplied by the kernel set (`block_linear`): CUDA
+    FILE = "file"  # the GGUF file's own blocks, read from its pages (`file_linear`): CPU, `Linear.file`
 
 
 class Linear(nn.Module):
@@ -89,6 +90,7 @@ class Linear(nn.Module):
         self.layout = WeightLayout.OUT_IN
         self.blocks: BlockWeight | None = None  # BLOCKS: the parts and the kernel set that multiplies them
         self.parts: tuple[PanelPart, ...] | None = None  # PANELS in parts of several dot layouts
+        self.file: FileWeight | None = None  # FILE: the parts, views of the file's mapping
 
     def set_layout(self, layout: WeightLayout) -> None:
         """Store the weight in `layout` (from [out, in]; a tied weight is no longer shared)."""
@@ -119,6 +121,15 @@ class Linear(nn.Module):
         self.parts = parts
         self.quantized = label
 
+    def expect_file(self, file: FileWeight, label: str) -> None:
+        """Built on the meta device, to be assigned the first of `file`'s parts (uint8 [rows, bytes]):
+        multiplied in the GGUF file's own blocks, every part as it lies in the file's mapping."""
+        placeholder = torch.empty(file.parts[0].shape, dtype=torch.uint8, device="meta")
+        self.weight = nn.Parameter(placeholder, requires_grad=False)
+        self.layout = WeightLayout.FILE
+        self.file = file
+        self.quantized = label
+
     def expect_blocks(self, blocks: BlockWeight, num_bytes: int, label: str) -> None:
         """Built on the meta device, to be assigned a matrix in GGUF blocks (flat uint8 [num_bytes])."""
         placeholder = torch.empty(num_bytes, dtype=torch.uint8, device="meta")
@@ -136,6 +147,10 @@ class Linear(nn.Module):
             return self.blocks.kernels.block_linear(
                 x, self.weight, self.blocks.parts, self.out_features, self.bias
             )
+        if self.file is not None:
+            assert isinstance(x, torch.Tensor)
+            out = torch.ops.weft.file_linear(x, list(self.file.parts), list(self.file.kinds))
+            return out if self.bias is None else out.add_(self.bias)
         if isinstance(x, BFloat16Pairs):  # rounded already: bfloat16 products (bf16_dot panels)
             words, count = x.words, x.num_rows
             return torch.ops.weft.packed_linear_pairs(words, count, self.weight, self.bias, self.out_features)
@@ -209,6 +224,16 @@ class Linear(nn.Module):
 # machine, for the SmolLM2-135M shapes, 1.2-1.5x faster than the panels at 1,024-4,096 rows counting
 # the copy, even at 512, slower below (docs/benchmarks.md). Decode steps never come near it.
 DENSE_PANEL_ROWS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FileWeight:
+    """A matrix kept in the GGUF file's own blocks (`WeightLayout.FILE`): its parts, uint8 [rows,
+    bytes] views of the file's mapping stacked by rows, and each part's kind as `file_linear`
+    codes it (weft/native/file_dot.cpp)."""
+
+    parts: tuple[torch.Tensor, ...]
+    kinds: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

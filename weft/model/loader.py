@@ -54,6 +54,7 @@ from weft.model.prefill_gemm import Shape, apply_dense_rows, choose_dense_rows
 from weft.model.quantize import quantize_rows, quantizes
 from weft.model.quantized import (
     REWRITTEN,
+    FileRows,
     MixedRows,
     PartedRows,
     QuantizedRows,
@@ -143,7 +144,8 @@ def read_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tupl
 class _Weights:
     """The checkpoint's tensors by Hugging Face name, remembering which file each came from."""
 
-    def __init__(self) -> None:
+    def __init__(self, file_experts: bool = False) -> None:
+        self.file_experts = file_experts  # experts stay in the file's blocks where their kinds allow
         self.tensors: dict[str, Weight] = {}
         self.files: dict[str, Path] = {}
         self.packed: set[str] = set()  # names kept as panels, their [out, in] shape checked when packed
@@ -192,6 +194,7 @@ def load_model(
     *,
     kernels: TorchKernels,
     tp: TensorParallel | None = None,
+    file_experts: bool = False,
 ) -> LlamaForCausalLM:
     """Steps, with the device's kernel set (`weft.engine.factory.kernels_for`): read the tensors,
     build the model on the meta device, load the converted weights,
@@ -200,7 +203,9 @@ def load_model(
     (which never take the dense GEMM: it would multiply in float32, at half their rate).
     `quantization` ("q8_0", "q4_k"): float matrices become blocks of that type as they are read
     (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels. `tp`: this process is
-    one rank of a tensor-parallel model, which loads its part (weft/parallel/shard.py)."""
+    one rank of a tensor-parallel model, which loads its part (weft/parallel/shard.py).
+    `file_experts`: a GGUF file's Q4_K and Q6_K experts are multiplied in the file's own blocks, from
+    its pages (with int8 products only: `FileRows`)."""
     arch = resolve_architecture(config)
     cut = None if tp is None else _Cut.of(tp, model_dir, quantization, config)
     config = config if cut is None else cut.shard.config(config)  # a rank: its heads, columns, vocabulary
@@ -217,8 +222,9 @@ def load_model(
     blocks = not panels and kernels.multiplies_blocks(device)  # quantized matrices stay in their blocks
     _check_quantization(quantization, layout)
     weights = _read_weights(
-        model_dir, config, dtype, packs_table, show_progress, panels or blocks, int8_dot, quantization, cut
-    )
+        model_dir, config, dtype, packs_table, show_progress, panels or blocks, int8_dot, quantization, cut,
+        file_experts and int8_dot,
+    )  # fmt: skip
     packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
     if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
         table = weights.tensors[EMBED]
@@ -277,7 +283,8 @@ def _place_weights(
         model.lm_head.weight = cast(nn.Parameter, model.embed.weight)  # one tensor, after the dtype too
     if layout is not WeightLayout.OUT_IN:
         for module in model.modules():
-            if isinstance(module, Linear) and module.layout not in (layout, WeightLayout.BLOCKS):
+            kept = (layout, WeightLayout.BLOCKS, WeightLayout.FILE)  # (as they were read)
+            if isinstance(module, Linear) and module.layout not in kept:
                 module.set_layout(layout)
     if layout is WeightLayout.PANELS:
         model.huge_page_bytes = move_weights_to_huge_pages(_panel_modules(model), pages)
@@ -334,13 +341,18 @@ def _expect_quantized(
     for name, source in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
         weight = source.in_own_layouts() if dot and isinstance(source, MixedRows) else source
-        if isinstance(weight, QuantizedRows) and (dot or weight.exact_panels) and isinstance(module, Linear):
+        linear = module if isinstance(module, Linear) else None
+        if isinstance(weight, FileRows) and linear is not None:  # (only with int8 products)
+            file = weight.file_weight()
+            tensors[name] = file.parts[0]
+            linear.expect_file(file, weight.label)
+        elif isinstance(weight, QuantizedRows) and (dot or weight.exact_panels) and linear is not None:
             tensors[name] = place(weight.pack(dot))
-            module.expect_panels(tensors[name].shape, quantized=weight.label)
-        elif dot and isinstance(weight, PartedRows) and isinstance(module, Linear):
+            linear.expect_panels(tensors[name].shape, quantized=weight.label)
+        elif dot and isinstance(weight, PartedRows) and linear is not None:
             packed, parts = weight.pack()
             tensors[name] = place(packed)
-            module.expect_parts(parts, tensors[name].numel(), weight.label)
+            linear.expect_parts(parts, tensors[name].numel(), weight.label)
         elif dot and isinstance(weight, QuantizedRows) and isinstance(module, Embedding):
             tensors[name] = place(weight.pack(dot=True))
             module.expect_panels(tensors[name].shape)
@@ -420,13 +432,15 @@ def _read_weights(
     dot: bool = False,
     quantization: str | None = None,
     cut: _Cut | None = None,
+    file_experts: bool = False,
 ) -> _Weights:
     """Every tensor of the checkpoint; with `packs_table`, the tied embedding table is packed into
     panels as soon as it is read (`dot`: dot panels, if it came in blocks), so that it never sits in
     memory twice beside the other weights; with `keeps_blocks`, quantized GGUF matrices stay in
     their blocks (packed in `_expect_quantized`); with `quantization`, float matrices become blocks;
-    with `cut`, each tensor is cut to a tensor-parallel rank's part as it is read."""
-    weights = _Weights()
+    with `cut`, each tensor is cut to a tensor-parallel rank's part as it is read; with
+    `file_experts`, experts stay views of the file (`_expert_mlp`)."""
+    weights = _Weights(file_experts)
     for name, path, tensor in checkpoint_tensors(model_dir, show_progress, keeps_blocks):
         if cut is not None:
             tensor = cut(name, tensor)
@@ -550,9 +564,20 @@ def _expert_weights(
         return
     for e in range(count):
         names = f"{src}mlp.experts.{e}.", f"{dst}experts.{e}."
-        yield from _mlp_weights(weights, *names, h, inter).items()
+        yield from _expert_mlp(weights, *names, h, inter).items()
         if config.expert_bias:
             yield from _expert_biases(weights, *names, h, inter).items()
+
+
+def _expert_mlp(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:
+    """An expert's gate|up and down matrices: where the load keeps experts in the file's blocks and
+    their kinds allow, as `FileRows` (gate and up two parts, nothing copied), else as an MLP's."""
+    names = [src + f"{p}_proj.weight" for p in ("gate", "up", "down")]
+    if not weights.file_experts or not all(FileRows.holds(weights.tensors.get(n)) for n in names):
+        return _mlp_weights(weights, src, dst, h, inter)
+    gate, up = (cast(QuantizedRows, weights.take(n, (inter, h))) for n in names[:2])
+    down = cast(QuantizedRows, weights.take(names[2], (h, inter)))
+    return {dst + "gate_up.weight": FileRows((gate, up)), dst + "down.weight": FileRows((down,))}
 
 
 def _expert_biases(weights: _Weights, src: str, dst: str, h: int, inter: int) -> dict[str, Weight]:

@@ -10,8 +10,10 @@ all the rows routed to it, so only the active experts' weights are read (batch 1
 put back in their rows' order with one scatter and each row's summed. Qwen2-MoE adds a shared
 expert that every row runs, its output scaled by sigmoid(gate . x) with a gate vector of its own.
 Each expert is an ordinary pair of `Linear` layers, so quantized experts run through the same
-panels as dense matrices. A row alone (batch 1) whose experts are all in int8 dot panels of one
-kind takes them in two grouped products instead (`packed_linear_rows`: the row's gate|up rows, then
+panels as dense matrices, or (`expert_weights="file"`) in the GGUF file's own blocks, read from its
+pages (`WeightLayout.FILE`: no second copy of the experts, the same numbers). A row alone (batch 1)
+whose experts are all in int8 dot panels of one kind (or all in the file's blocks) takes them in two
+grouped products instead (`packed_linear_rows`, `file_linear_rows`: the row's gate|up rows, then
 its down rows, each product one parallel region over every routed expert's panels, and gpt-oss's
 biases added after, as a tile adds them), the same numbers in a few calls a layer where the
 expert-by-expert loop made 40. A long prefill routes its rows in chunks (`MOE_CHUNK_BYTES`), so
@@ -27,7 +29,7 @@ from torch import nn
 
 from weft.config import ModelConfig
 from weft.kernels import TorchKernels
-from weft.model.layers import BFloat16Pairs, Linear, WeightLayout
+from weft.model.layers import BFloat16Pairs, FileWeight, Linear, WeightLayout
 
 # A long prefill's experts in chunks of rows: each row's k outputs, grouped by expert and then put
 # back in row order ([T * k, hidden] float32, twice), at most this many bytes.
@@ -115,13 +117,11 @@ class SparseMoE(nn.Module):
         sums them."""
         experts = [cast(Expert, self.experts[e]) for e in chosen[0].tolist()]
         k, hidden = len(experts), x.shape[1]
-        gate_up = torch.ops.weft.packed_linear_rows(
-            x.expand(k, hidden), [e.gate_up.weight for e in experts], experts[0].gate_up.out_features
-        )  # [k, 2I]
+        gate_up = _grouped_rows(x.expand(k, hidden), [e.gate_up for e in experts])  # [k, 2I]
         if self._biases is not None:  # (a tile adds its bias to the same sums: the same numbers)
             gate_up.add_(self._biases[0].index_select(0, chosen[0]))
         act = experts[0].activation(gate_up)  # [k, I]
-        y = torch.ops.weft.packed_linear_rows(act, [e.down.weight for e in experts], hidden)  # [k, hidden]
+        y = _grouped_rows(act, [e.down for e in experts])  # [k, hidden]
         if self._biases is not None:
             y.add_(self._biases[1].index_select(0, chosen[0]))
         out = y.mul_(weights[0, :, None].to(y.dtype)).view(1, k, hidden).sum(1)  # [1, hidden]
@@ -131,13 +131,14 @@ class SparseMoE(nn.Module):
 
     def _groups(self) -> bool:
         """Whether every expert's two matrices are int8 dot panels of one shape each (what
-        `packed_linear_rows` multiplies), all with a bias or none: decided once, and their biases
+        `packed_linear_rows` multiplies), or the file's blocks of one shape and kinds each (what
+        `file_linear_rows` multiplies), all with a bias or none: decided once, and their biases
         stacked."""
         if self._grouped is None:
             linears = [(e.gate_up, e.down) for e in cast(list[Expert], list(self.experts))]
             self._grouped = hasattr(torch.ops.weft, "packed_linear_rows") and all(
-                len({(lin[i].weight.shape, lin[i].bias is None) for lin in linears}) == 1
-                and all(_dot_panels(lin[i]) for lin in linears)
+                len({_group_key(lin[i]) for lin in linears}) == 1
+                and all(_dot_panels(lin[i]) or lin[i].file is not None for lin in linears)
                 for i in (0, 1)
             )
             if self._grouped and linears[0][0].bias is not None:
@@ -157,6 +158,24 @@ class SparseMoE(nn.Module):
 
     def takes_pairs(self, num_tokens: int) -> bool:
         return False
+
+
+def _grouped_rows(x: torch.Tensor, linears: list[Linear]) -> torch.Tensor:  # [k, in] -> [k, out]
+    """Row i of x times linears[i], every matrix in one call: int8 dot panels (`packed_linear_rows`)
+    or the file's blocks (`file_linear_rows`; each matrix's parts in order)."""
+    first = linears[0].file
+    if first is None:
+        return torch.ops.weft.packed_linear_rows(x, [lin.weight for lin in linears], linears[0].out_features)
+    parts = [part for lin in linears for part in cast(FileWeight, lin.file).parts]
+    return torch.ops.weft.file_linear_rows(x, parts, list(first.kinds) * len(linears), len(first.parts))
+
+
+def _group_key(linear: Linear) -> tuple[object, ...]:
+    """What the matrices a grouped product takes share: their layout, shape, bias or none, and (the
+    file's blocks) each part's rows and kind."""
+    file = linear.file
+    layout = () if file is None else (tuple(p.shape for p in file.parts), file.kinds)
+    return (linear.weight.shape, linear.bias is None, *layout)
 
 
 def _dot_panels(linear: Linear) -> bool:

@@ -36,6 +36,7 @@ import torch
 
 from weft.kernels import GGUF_BLOCKS, BlockPart, PanelPart
 from weft.model.gguf_file import release_pages
+from weft.model.layers import FileWeight
 from weft.model.mxfp4 import mxfp4_as_q5_0
 
 BLOCKS = GGUF_BLOCKS  # kind -> (input features per block, bytes per block in the file)
@@ -201,7 +202,46 @@ class PartedRows:
         return "+".join(self.kinds)
 
 
-Weight = torch.Tensor | QuantizedRows | MixedRows | PartedRows
+# The kinds `file_linear` multiplies in the file's own blocks (weft/native/file_dot.cpp), and its
+# code for each.
+FILE_KINDS = {"q4_k": 0, "q6_k": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class FileRows:
+    """A matrix multiplied in the GGUF file's own blocks, read from its pages every step
+    (`Linear.file`; a mixture of experts' experts with `expert_weights="file"`): its parts, views
+    of the file's mapping stacked by rows (a fused gate|up's gate and up), each of a kind in
+    `FILE_KINDS`. Nothing is packed or copied; the products are the dot panels' bit for bit."""
+
+    parts: tuple[QuantizedRows, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.kinds) + " (file)"
+
+    def file_weight(self) -> FileWeight:
+        """The parts as `Linear.file` holds them."""
+        return FileWeight(tuple(p.rows for p in self.parts), tuple(FILE_KINDS[p.kind] for p in self.parts))
+
+    @staticmethod
+    def holds(weight: object) -> bool:
+        """Whether a weight read from a file can be multiplied in its blocks."""
+        return isinstance(weight, QuantizedRows) and weight.kind in FILE_KINDS
+
+
+Weight = torch.Tensor | QuantizedRows | MixedRows | PartedRows | FileRows
 
 
 def as_q8_0(matrix: QuantizedRows) -> QuantizedRows:
@@ -244,18 +284,20 @@ def flat_blocks(weight: QuantizedRows | MixedRows) -> tuple[torch.Tensor, tuple[
 
 
 def logical_shape(weight: Weight) -> tuple[int, ...]:
-    return weight.shape if isinstance(weight, (QuantizedRows, MixedRows, PartedRows)) else tuple(weight.shape)
+    return tuple(weight.shape)
 
 
 def dequantized(weight: Weight) -> torch.Tensor:
     """A weight as float32 where it came in blocks (an untied embedding table, an odd fusion)."""
-    return weight.dequantize() if isinstance(weight, (QuantizedRows, MixedRows, PartedRows)) else weight
+    if isinstance(weight, (QuantizedRows, MixedRows, PartedRows, FileRows)):
+        return weight.dequantize()
+    return weight
 
 
 def release_read(weight: Weight) -> None:
     """Drop the pages of a GGUF file's mapping that a weight in blocks is a view of, now that it has
-    been read (packed, copied, dequantized): `weft/model/gguf_file.py`. A copy, or a float tensor,
-    is left as it is."""
+    been read (packed, copied, dequantized): `weft/model/gguf_file.py`. A copy, a float tensor, or
+    a matrix read from the file every step (`FileRows`) is left as it is."""
     if isinstance(weight, QuantizedRows):
         release_pages(weight.rows.data_ptr(), weight.rows.numel())
     elif isinstance(weight, (MixedRows, PartedRows)):

@@ -46,6 +46,7 @@ SOURCES = [
         "decoder.cpp",
         "prefill_attention.cpp",
         "rewrite.cpp",
+        "file_dot.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "ops.h", "panels.h", "tiles.h", "vmath.h")]

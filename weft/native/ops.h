@@ -90,6 +90,10 @@ inline void quantize_q8_row(const float* x, BlockQ8* out, int64_t n) {
     for (int i = 0; i < 32; ++i) out[b].qs[i] = static_cast<int8_t>(std::round(v[i] * id));
   }
 }
+// qdot.cpp: x [M, K] float32 quantized as llama.cpp quantizes activations for k-quant weights
+// (quantize_row_q8_K): per row int8 q[K], float32 d[K / 32] (each super-block's, repeated), int32
+// sums[K / 16] of every 16 quants, [M, K + 4 K / 32 + 4 K / 16] int8.
+at::Tensor quantize_q8k_rows(const at::Tensor& x);
 void dot_linear(const at::Tensor& x, const at::Tensor& panels, const float* bias, at::Tensor& out);
 void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,

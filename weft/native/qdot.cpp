@@ -986,6 +986,8 @@ void with_dot_tiles(int64_t block_bytes, Fn&& fn) {
 
 namespace weft {
 
+at::Tensor quantize_q8k_rows(const at::Tensor& x) { return quantize_activations<ActBlocks::kQ8_K>(x); }
+
 void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out) {
   with_dot_tiles(panels[0].size(2), [&](auto tiles) { run_dot_rows<decltype(tiles)>(x, panels, out); });
 }
