@@ -28,14 +28,14 @@ BUILDS = {
 }
 # What a child runs against another build: every test of the panels, the bfloat16 products and the
 # model-level parity of test_half_precision.py, the prefill GEMM's two paths, the other kernels'
-# vector paths, the exact quantized panels and the int8 products (vpdpbusd, vpmaddubsw on AVX-512BW
-# and AVX2, scalar).
+# vector paths, the fused decoder stack, the exact quantized panels and the int8 products (vpdpbusd,
+# vpmaddubsw on AVX-512BW and AVX2, scalar), in dot panels and in the file's own blocks.
 CHILD_TESTS = [
     ("not peak and not other_builds and not torch_half", "test_half_precision.py"),
     ("both_paths", "test_prefill_gemm.py"),
     (
         "gumbel or row_max or row_logprobs or constraint_logmass or top_p_filter or silu or attention"
-        " or packed_linear or rms_norm",
+        " or packed_linear or rms_norm or decoder_stack",
         "test_native.py",
     ),
     ("q8_0", "test_quant.py"),
@@ -44,6 +44,7 @@ CHILD_TESTS = [
     ("native", "test_sliding_window.py"),  # windows, sinks and soft caps in the attention kernels
     ("attention or written or half_cache or q8", "test_kv_cache_dtype.py"),  # half and Q8_0 caches
     ("packed_linear_rows", "test_moe_rows.py"),  # a row's experts in one grouped product
+    ("", "test_file_dot.py"),  # products in the file's own blocks (file_dot.cpp)
 ]
 
 
