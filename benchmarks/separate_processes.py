@@ -6,7 +6,10 @@ prompts, greedy decode), the order flipped from round to round; each engine's be
 each process's peak resident memory (its own, from wait4) is reported beside the file's size.
 
     python benchmarks/separate_processes.py /tmp/moe/q30b.gguf --batch-sizes 1,8 --prompt-len 512 \
-        --output-len 32 --rounds 2
+        --output-len 32 --rounds 2 [--weft-file]
+
+weft runs with its experts in its own panels (`--expert-weights panels`); with `--weft-file`, also
+with them in the file's own blocks (`--expert-weights file`), as a third engine in the rotation.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ def _run(command: list[str]) -> tuple[str, float, float]:
     return out, usage.ru_maxrss * 1024 / 1e9, time.perf_counter() - start
 
 
-def run_weft(args: argparse.Namespace, batch: int) -> dict:
+def run_weft(args: argparse.Namespace, batch: int, experts: str = "panels") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "weft.json"
         command = [sys.executable, "-m", "weft", "bench", "throughput", "--model", str(args.gguf)]
+        command += ["--expert-weights", experts]
         command += ["--no-reference", "--batch-sizes", str(batch), "--prompt-len", str(args.prompt_len)]
         command += ["--output-len", str(args.output_len), "--repeats", "1", "--json", str(out)]
         _, peak, seconds = _run(command)
@@ -63,8 +67,15 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="alternating runs per engine, the best kept")
+    p.add_argument(
+        "--weft-file",
+        action="store_true",
+        help="also weft with its experts in the file's own blocks (--expert-weights file), as a third engine",
+    )
     args = p.parse_args()
     engines = {"weft": run_weft, "llama.cpp": run_llama_cpp}
+    if args.weft_file:
+        engines["weft (file)"] = lambda a, b: run_weft(a, b, "file")
     size = args.gguf.stat().st_size / 1e9
     print(f"{args.gguf} ({size:.2f} GB), prompt {args.prompt_len}, output {args.output_len}", flush=True)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -76,12 +87,12 @@ def main() -> None:
                 print(f"batch {batch} round {r + 1} {name}: {json.dumps(result)}", flush=True)
         best = {n: (max(x["prefill"] for x in rs), max(x["decode"] for x in rs)) for n, rs in results.items()}
         peaks = {name: max(x["peak_gb"] for x in rs) for name, rs in results.items()}
-        (wp, wd), (lp, ld) = best["weft"], best["llama.cpp"]
-        print(
-            f"| {batch} | {wp:.1f} | {lp:.1f} | {wp / lp:.2f}x | {wd:.2f} | {ld:.2f} | {wd / ld:.2f}x "
-            f"| {peaks['weft']:.2f} | {peaks['llama.cpp']:.2f} |",
-            flush=True,
-        )
+        lp, ld = best["llama.cpp"]
+        for name in (n for n in engines if n != "llama.cpp"):
+            wp, wd = best[name]
+            cells = [name, batch, f"{wp:.1f}", f"{lp:.1f}", f"{wp / lp:.2f}x", f"{wd:.2f}", f"{ld:.2f}"]
+            cells += [f"{wd / ld:.2f}x", f"{peaks[name]:.2f}", f"{peaks['llama.cpp']:.2f}"]
+            print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

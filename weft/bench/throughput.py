@@ -97,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weft's KV cache: auto, float32, bfloat16 or float16; llama.cpp's (flash attention on) is "
         "of the same type (default: auto, weft's choice for the model)",
     )
+    p.add_argument(
+        "--expert-weights",
+        default="auto",
+        choices=("auto", "panels", "file"),
+        help="a GGUF file's mixture of experts on CPU: its experts in weft's panels or in the file's own "
+        "blocks (default: auto)",
+    )
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument(
         "--dtype",
@@ -309,6 +316,7 @@ def _run_dtype(name: str, batch_sizes: list[int], args: argparse.Namespace) -> d
             enable_prefix_caching=False,
             show_progress=False,
             kv_cache_dtype=args.kv_cache_dtype,
+            expert_weights=args.expert_weights,
         )
         kv_dtype = kv_dtype_name(llm.engine.runner.kv_dtype)
         print(f"[{name}] weft: {describe_kernels(llm.kernels)}", flush=True)

@@ -83,11 +83,13 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.0f} MB"
 
 
-def report_load(path: Path, seconds: float) -> None:
-    """One line on stderr: what was loaded, from how many bytes, how long it took, what it holds."""
+def report_load(path: Path, seconds: float, in_file: int = 0) -> None:
+    """One line on stderr: what was loaded, from how many bytes, how long it took, what it holds
+    (and `in_file`, the bytes of experts it multiplies from the file's pages)."""
     resident = resident_bytes()
     held = f", {_size(resident)} resident" if resident is not None else ""
+    mapped = f", {_size(in_file)} of experts read from the file's pages" if in_file else ""
     print(
-        f"weft: loaded {path.name} ({_size(checkpoint_bytes(path))}) in {seconds:.1f} s{held}",
+        f"weft: loaded {path.name} ({_size(checkpoint_bytes(path))}) in {seconds:.1f} s{held}{mapped}",
         file=sys.stderr,
     )

@@ -109,7 +109,7 @@ def load(args: EngineArgs, path: Path, device: torch.device, tp: TensorParallel 
         file_experts=file_experts,
     )  # fmt: skip
     if progress:
-        report_load(path, time.perf_counter() - start)
+        report_load(path, time.perf_counter() - start, in_file)
     return Loaded(source, model_config, model, device, kernels, dtype, matmul, max_len, kv_dtype)
 
 

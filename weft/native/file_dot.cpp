@@ -435,6 +435,13 @@ struct Q6K {
 
 constexpr int kMaxRowsAll = 4;  // the most rows of x a group takes at once (`kMaxRows`)
 
+// Rows of blocks one after another: rows[l] is row l's first block.
+struct Rows {
+  const uint8_t* first;
+  int64_t stride;
+  const uint8_t* operator[](int64_t l) const { return first + l * stride; }
+};
+
 // kLanes weight rows (`rows[l]`: lane l's first block) times kRows rows of x, into acc: the integer
 // sums of each row in turn, its blocks as they lie in memory (the hardware prefetcher's one stream),
 // then the super-blocks in order into float32 in the panel kernels' expressions: dot_tile_q4_k's,
@@ -481,7 +488,7 @@ inline LaneInts& lane_ints(int64_t nsb, int64_t per) {
 
 
 template <int kRows>
-void q4k_group(vecf (&acc)[kRows], const uint8_t* const* rows, int lanes, const XRow* x, int64_t nsb) {
+void q4k_group(vecf (&acc)[kRows], const Rows& rows, int lanes, const XRow* x, int64_t nsb) {
   LaneInts& g = lane_ints(nsb, 2);
   constexpr int kAtOnce = Q4K::kBlocksAtOnce;
   for (int l = 0; l < lanes; ++l) {
@@ -525,7 +532,7 @@ void q4k_group(vecf (&acc)[kRows], const uint8_t* const* rows, int lanes, const 
 }
 
 template <int kRows>
-void q6k_group(vecf (&acc)[kRows], const uint8_t* const* rows, int lanes, const XRow* x, int64_t nsb) {
+void q6k_group(vecf (&acc)[kRows], const Rows& rows, int lanes, const XRow* x, int64_t nsb) {
   constexpr int kInts = Q6K::kInts;
   LaneInts& g = lane_ints(nsb, kInts);
   std::vector<int32_t>& scales = g.scales;  // 8 lanes: [nsb][16][kLanes]
@@ -558,61 +565,73 @@ void q6k_group(vecf (&acc)[kRows], const uint8_t* const* rows, int lanes, const 
   }
 }
 
-// One matrix of the product: its parts (rows of blocks, each [rows, row bytes] uint8 of one kind),
-// the rows of x that multiply it and where their outputs go.
+// One part of a matrix: `rows` rows of blocks of one kind, `stride` bytes apart, from `first`.
+struct Part {
+  const uint8_t* first;
+  int64_t stride, rows, kind;
+};
+
+// One matrix of the product: its parts, stacked by rows, the rows of x that multiply it and where
+// their outputs go.
 struct Matrix {
-  std::vector<const uint8_t*> rows;  // each output row's first block
-  std::vector<int64_t> kinds;        // each output row's kind
-  std::vector<int64_t> parts;        // each output row's part
-  int64_t x_row, x_rows;             // x's rows [x_row, x_row + x_rows)
-  float* out;                        // out row of x_row, column 0
+  std::vector<Part> parts;
+  int64_t x_row, x_rows;  // x's rows [x_row, x_row + x_rows)
+  float* out;             // out row of x_row, column 0
+  int64_t height() const {
+    int64_t n = 0;
+    for (const Part& p : parts) n += p.rows;
+    return n;
+  }
 };
 
 constexpr int kMaxRows = kMaxRowsAll;  // rows of x per pass over a group of weight rows
 
-// Output rows [first, first + lanes) of matrix m (one kind) for kRows rows of x, into out.
+// kLanes output rows, one part's, from output column `column`: a unit of the parallel loop.
+struct Group {
+  const Matrix* matrix;
+  const Part* part;
+  int64_t row, column;  // the first row in the part, its output column
+  int lanes;
+};
+
+// The group's weight rows for kRows rows of x, into out.
 template <int kRows>
-void run_group(const Matrix& m, const XRow* x, int64_t first, int lanes, int64_t k, float* out, int64_t out_stride) {
+void run_group(const Group& g, const XRow* x, int64_t k, float* out, int64_t out_stride) {
   vecf acc[kRows] = {};
-  const uint8_t* const* rows = m.rows.data() + first;
-  if (m.kinds[first] == kQ4K) {
-    q4k_group<kRows>(acc, rows, lanes, x, k / kSuper);
+  const Rows rows{g.part->first + g.row * g.part->stride, g.part->stride};
+  if (g.part->kind == kQ4K) {
+    q4k_group<kRows>(acc, rows, g.lanes, x, k / kSuper);
   } else {
-    q6k_group<kRows>(acc, rows, lanes, x, k / kSuper);
+    q6k_group<kRows>(acc, rows, g.lanes, x, k / kSuper);
   }
-  for (int i = 0; i < kRows; ++i) std::memcpy(out + i * out_stride + first, &acc[i], sizeof(float) * lanes);
+  for (int i = 0; i < kRows; ++i) std::memcpy(out + i * out_stride + g.column, &acc[i], sizeof(float) * g.lanes);
 }
 
-// Every x row of matrix m times its output rows [first, first + lanes).
-void run_rows(const Matrix& m, const Prepared& xs, int64_t first, int lanes, int64_t k, int64_t out_stride) {
+// Every x row of the group's matrix times the group's rows.
+void run_rows(const Group& g, const Prepared& xs, int64_t k, int64_t out_stride) {
+  const Matrix& m = *g.matrix;
   for (int64_t r = 0; r < m.x_rows; r += kMaxRows) {
     const XRow* x = xs.rows.data() + m.x_row + r;
     float* out = m.out + r * out_stride;
     switch (std::min<int64_t>(kMaxRows, m.x_rows - r)) {
-      case 1: run_group<1>(m, x, first, lanes, k, out, out_stride); break;
-      case 2: run_group<2>(m, x, first, lanes, k, out, out_stride); break;
-      case 3: run_group<3>(m, x, first, lanes, k, out, out_stride); break;
-      default: run_group<4>(m, x, first, lanes, k, out, out_stride); break;
+      case 1: run_group<1>(g, x, k, out, out_stride); break;
+      case 2: run_group<2>(g, x, k, out, out_stride); break;
+      case 3: run_group<3>(g, x, k, out, out_stride); break;
+      default: run_group<4>(g, x, k, out, out_stride); break;
     }
   }
 }
 
-// The groups of kLanes output rows of one part each (a part's last group may be short).
-struct Group {
-  int64_t matrix, first;
-  int lanes;
-};
-
+// The matrices' groups of kLanes rows, one part's each (a part's last group may be short).
 std::vector<Group> groups_of(const std::vector<Matrix>& matrices) {
   std::vector<Group> groups;
-  for (int64_t i = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
-    const Matrix& m = matrices[i];
-    const auto n = static_cast<int64_t>(m.rows.size());
-    for (int64_t first = 0; first < n;) {
-      int lanes = 1;
-      while (lanes < kLanes && first + lanes < n && m.parts[first + lanes] == m.parts[first]) ++lanes;
-      groups.push_back({i, first, lanes});
-      first += lanes;
+  for (const Matrix& m : matrices) {
+    int64_t column = 0;
+    for (const Part& part : m.parts) {
+      for (int64_t row = 0; row < part.rows; row += kLanes) {
+        groups.push_back({&m, &part, row, column + row, static_cast<int>(std::min<int64_t>(kLanes, part.rows - row))});
+      }
+      column += part.rows;
     }
   }
   return groups;
@@ -622,10 +641,7 @@ void run(const std::vector<Matrix>& matrices, const at::Tensor& x, int64_t out_s
   const std::vector<Group> groups = groups_of(matrices);
   const Prepared xs(x);
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const Group& group = groups[g];
-      run_rows(matrices[group.matrix], xs, group.first, group.lanes, x.size(1), out_stride);
-    }
+    for (int64_t g = begin; g < end; ++g) run_rows(groups[g], xs, x.size(1), out_stride);
   });
 }
 
@@ -639,12 +655,7 @@ Matrix matrix_of(at::TensorList parts, at::IntArrayRef kinds, int64_t k, const c
     TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 &&
                     part.size(1) == k / kSuper * kBlockBytes[kinds[p]] && part.stride(1) == 1,
                 op, ": each part must be uint8 [rows, K / 256 * block bytes] on the CPU, rows of whole blocks");
-    const uint8_t* base = part.data_ptr<uint8_t>();
-    for (int64_t r = 0; r < part.size(0); ++r) {
-      m.rows.push_back(base + r * part.stride(0));
-      m.kinds.push_back(kinds[p]);
-      m.parts.push_back(static_cast<int64_t>(p));
-    }
+    m.parts.push_back({part.data_ptr<uint8_t>(), part.stride(0), part.size(0), kinds[p]});
   }
   return m;
 }
@@ -660,7 +671,7 @@ at::Tensor file_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRe
   check_x(x, "file_linear");
   const int64_t k = x.size(1);
   Matrix m = matrix_of(parts, kinds, k, "file_linear");
-  const auto n = static_cast<int64_t>(m.rows.size());
+  const int64_t n = m.height();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   m.x_row = 0;
   m.x_rows = x.size(0);
@@ -683,8 +694,8 @@ at::Tensor file_linear_rows(const at::Tensor& x, at::TensorList parts, at::IntAr
     const auto from = static_cast<size_t>(i * parts_per_matrix), count = static_cast<size_t>(parts_per_matrix);
     matrices.push_back(matrix_of(parts.slice(from, count), kinds.slice(from, count), k, "file_linear_rows"));
   }
-  const auto n = static_cast<int64_t>(matrices[0].rows.size());
-  for (const Matrix& m : matrices) TORCH_CHECK(static_cast<int64_t>(m.rows.size()) == n, "file_linear_rows: matrices of one height");
+  const int64_t n = matrices[0].height();
+  for (const Matrix& m : matrices) TORCH_CHECK(m.height() == n, "file_linear_rows: matrices of one height");
   at::Tensor out = at::empty({e, n}, x.options());
   for (int64_t i = 0; i < e; ++i) {
     matrices[i].x_row = i;
