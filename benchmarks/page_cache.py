@@ -6,6 +6,9 @@ read with `fincore` and emptied of the file with posix_fadvise(POSIX_FADV_DONTNE
 no privileges.
 
     python benchmarks/page_cache.py /tmp/moe/q30b.gguf --order cold,llama.cpp,weft,llama.cpp,cold,weft
+
+Engines: `weft` (its experts in its own panels), `weft-file` (`expert_weights="file"`: its experts
+multiplied in the file's own blocks, from the page cache), `llama.cpp`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ WEFT = """
 import sys, time
 start = time.perf_counter()
 from weft import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=256, show_progress=False)
+llm = LLM(sys.argv[1], max_model_len=256, show_progress=False, expert_weights=sys.argv[2])
 llm.generate([{"prompt_token_ids": list(range(100, 116))}], SamplingParams(max_tokens=1), use_tqdm=False)
 print(time.perf_counter() - start)
 """
@@ -55,8 +58,9 @@ def evict(path: Path) -> None:
 
 def run(engine: str, path: Path) -> tuple[float, float]:
     """Seconds from the process's start to its first token, and its peak resident GB."""
-    code = WEFT if engine == "weft" else LLAMA_CPP
-    process = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE,
+    code = LLAMA_CPP if engine == "llama.cpp" else WEFT
+    experts = "file" if engine == "weft-file" else "panels"
+    process = subprocess.Popen([sys.executable, "-c", code, str(path), experts], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     assert process.stdout is not None
     out = process.stdout.read()
@@ -70,7 +74,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("gguf", type=Path)
     p.add_argument("--order", default="cold,llama.cpp,weft,llama.cpp,cold,weft",
-                   help="steps: an engine's run, or 'cold' (the file out of the page cache)")  # fmt: skip
+                   help="steps: an engine's run (weft, weft-file, llama.cpp), or 'cold' (the file out of "
+                        "the page cache)")  # fmt: skip
     args = p.parse_args()
     size = args.gguf.stat().st_size / 1e9
     print(f"{args.gguf.name}: {size:.2f} GB; in the page cache at the start: {cached_gb(args.gguf):.2f} GB")

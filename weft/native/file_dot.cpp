@@ -7,8 +7,12 @@
 //
 // The numbers are the dot panels' bit for bit: each super-block's integer sums are exact whatever
 // the order they are added in, and they meet float32 in the panels' own expressions, a vector of
-// kLanes output rows where a panel has kLanes columns (`Q4K::update`, `Q6K::update`), so that a
-// model computes the same tokens whichever layout holds its experts (tests/test_file_dot.py).
+// kLanes output rows where a panel has kLanes columns (`q4k_group`, `q6k_group`), so that a model
+// computes the same tokens whichever layout holds its experts (tests/test_file_dot.py).
+//
+// What it costs: a row's scales are decoded and its sums reduced for every row, where a panel shares
+// them over 32 columns; from the caches these products run at a quarter to a third of the panels'
+// speed, from memory at one row (decode) at 0.6-0.7 of it (docs/benchmarks.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,7 +39,7 @@ constexpr int64_t kBlockBytes[] = {144, 210};
 
 // One row of x as the kernels read it: quantize_q8k_rows's int8 q[K] and scales d[K / 32] (each
 // super-block's, repeated), and from them the sums of its quants over every 16 and every 32 features
-// in int16 (|sum| <= 32 * 127), and with AVX-512 q in the order Q4_K's nibbles come in (`q4k_order`).
+// in int16 (|sum| <= 32 * 127), and with AVX-512 q in the order Q4_K's nibbles come in (`kQ4KOrder`).
 struct XRow {
   const int8_t* q;
   const int8_t* q4k;  // q, each super-block's sub-blocks of 32 as 0, 2, 1, 3, 4, 6, 5, 7
@@ -48,7 +52,7 @@ struct XRow {
 #error "file_dot.cpp's AVX-512 kernels need AVX512BW (byte products in 512 bits)"
 #endif
 #if defined(__AVX512BW__)
-constexpr bool kWide = true;  // 512-bit byte products (vpdpbusd, or vpmaddubsw + vpmaddwd)
+constexpr bool kWide = true;  // 512-bit byte products
 #else
 constexpr bool kWide = false;
 #endif
@@ -84,12 +88,6 @@ struct Prepared {
 
   static constexpr int kQ4KOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 };
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 #if defined(__AVX512BW__)
 // 16 int32 lanes, each the sum of 4 products of unsigned w and signed x bytes.
@@ -186,8 +184,6 @@ struct Q4K {
 #endif
 
 #if defined(__AVX512BW__)
-  // One weight row's super-block against one row of x: sum_j sc_j * dot_j spread over 16 lanes, and
-  // sum_j m_j * xsum_j over 4 (`min`).
   // A block's quants as bytes (sub-blocks 0 | 2, 1 | 3, 4 | 6, 5 | 7) and each sub-block's scale in
   // the 16-bit lanes of the same halves, for vpmaddwd; and the scales and mins as bytes.
   struct Unpacked {
@@ -274,6 +270,8 @@ struct Q4K {
     sums4<kRows>(t0, t1, t2, t3, m0, m1, m2, m3, scaled, mins, stride);
   }
 #elif defined(__AVX2__)
+  // One weight row's super-block against one row of x: sum_j sc_j * dot_j over 8 lanes (each
+  // sub-block's 16-bit pair sums times its scale in vpmaddwd), and sum_j m_j * xsum_j (`min`).
   static __m256i row(const uint8_t* block, const XRow& x, int64_t sb, int32_t& min) {
     const __m128i sm = scales_mins_vec(block + 4);
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  // the 8 scales, int16
