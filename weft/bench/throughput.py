@@ -97,13 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="weft's KV cache: auto, float32, bfloat16 or float16; llama.cpp's (flash attention on) is "
         "of the same type (default: auto, weft's choice for the model)",
     )
-    p.add_argument(
-        "--expert-weights",
-        default="auto",
-        choices=("auto", "panels", "file"),
-        help="a GGUF file's mixture of experts on CPU: its experts in weft's panels or in the file's own "
-        "blocks (default: auto)",
-    )
+    experts = "a GGUF file's mixture of experts on CPU: its experts in weft's panels or the file's blocks"
+    p.add_argument("--expert-weights", default="auto", choices=("auto", "panels", "file"), help=experts)
     p.add_argument("--output-len", type=int, default=128, help="new tokens per sequence (default: 128)")
     p.add_argument(
         "--dtype",

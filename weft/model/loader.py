@@ -203,9 +203,8 @@ def load_model(
     (which never take the dense GEMM: it would multiply in float32, at half their rate).
     `quantization` ("q8_0", "q4_k"): float matrices become blocks of that type as they are read
     (`weft/model/quantize.py`); it needs the panels of weft's CPU kernels. `tp`: this process is
-    one rank of a tensor-parallel model, which loads its part (weft/parallel/shard.py).
-    `file_experts`: a GGUF file's Q4_K and Q6_K experts are multiplied in the file's own blocks, from
-    its pages (with int8 products only: `FileRows`)."""
+    one rank of a tensor-parallel model, which loads its part (weft/parallel/shard.py). `file_experts`:
+    experts stay in the file's blocks where they can (int8 products: `FileRows`)."""
     arch = resolve_architecture(config)
     cut = None if tp is None else _Cut.of(tp, model_dir, quantization, config)
     config = config if cut is None else cut.shard.config(config)  # a rank: its heads, columns, vocabulary
@@ -221,16 +220,9 @@ def load_model(
     dense_rows = _dense_rows(model, dtype, show_progress) if panels and not bf16_dot else {}
     blocks = not panels and kernels.multiplies_blocks(device)  # quantized matrices stay in their blocks
     _check_quantization(quantization, layout)
-    weights = _read_weights(
-        model_dir, config, dtype, packs_table, show_progress, panels or blocks, int8_dot, quantization, cut,
-        file_experts and int8_dot,
-    )  # fmt: skip
-    packs_table = EMBED in weights.packed  # a checkpoint without the table fails in _convert, by name
-    if packs_table:  # the tied table arrives packed: the lm_head's panels, looked up by the embedding
-        table = weights.tensors[EMBED]
-        assert isinstance(table, torch.Tensor)  # packed: panels
-        model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))  # (on meta)
-        model.embed.read_from_panels(model.lm_head)
+    read = (packs_table, show_progress, panels or blocks, int8_dot, quantization, cut)
+    weights = _read_weights(model_dir, config, dtype, *read, file_experts=file_experts and int8_dot)
+    packs_table = _tie_packed_table(model, weights)
     pages = HugePages() if panels and huge_pages_available() else None  # panels go there as packed
     converted = _packing_progress(_convert(weights, arch.spec, config), model, show_progress)
     state = _expected_state(model, converted, kernels, blocks, int8_dot, pages)
@@ -246,6 +238,18 @@ def load_model(
     model.set_bf16_dot(bf16_dot)
     model.fuse_stack()
     return model
+
+
+def _tie_packed_table(model: LlamaForCausalLM, weights: _Weights) -> bool:
+    """Whether the tied table arrived packed (a checkpoint without it fails in _convert, by name):
+    then the lm_head's panels, looked up by the embedding."""
+    if EMBED not in weights.packed:
+        return False
+    table = weights.tensors[EMBED]
+    assert isinstance(table, torch.Tensor)  # packed: panels
+    model.lm_head.expect_panels(table.shape, quantized=weights.kinds.get(EMBED))  # (on meta)
+    model.embed.read_from_panels(model.lm_head)
+    return True
 
 
 def _packing_progress(
