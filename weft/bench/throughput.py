@@ -185,13 +185,16 @@ def time_weft(llm, prompts: list[list[int]], output_len: int) -> Timing:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     request_ids = [f"bench-{next(_RUN_IDS)}" for _ in prompts]
     started, lengths = set(), {}
-    start, prefill, kv_bytes, kv_decode = time.perf_counter(), None, 0, 0
+    start, prefill, kv_bytes, kv_decode, decoded = time.perf_counter(), None, 0, 0, 0
     for request_id, prompt in zip(request_ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         held = engine.kv_bytes_held  # (before the step: its blocks are allocated, its last ones count)
         kv_bytes = max(kv_bytes, held)
-        kv_decode = kv_decode if prefill is None else max(kv_decode, held)
+        # while decoding: from the second decode step (before the first, the prompt's sliding-window
+        # blocks that the window has passed are still held; its scheduling gives them back)
+        kv_decode = max(kv_decode, held) if decoded > 0 else kv_decode
+        decoded += prefill is not None
         for out in engine.step():
             if out.outputs[0].token_ids:
                 started.add(out.request_id)

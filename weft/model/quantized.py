@@ -126,12 +126,12 @@ class QuantizedRows:
         return self.kind
 
 
-@dataclass(frozen=True, slots=True)
-class MixedRows:
-    """A fused matrix whose parts are Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple
-    of 32 rows."""
+class StackedRows:
+    """Matrices stacked by rows (a fusion's parts, each in blocks): the [N, K] they stand for and
+    their values."""
 
-    parts: tuple[QuantizedRows, ...]
+    __slots__ = ()
+    parts: tuple[QuantizedRows | MixedRows, ...]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -139,6 +139,15 @@ class MixedRows:
 
     def dequantize(self) -> torch.Tensor:  # float32 [N, K]
         return torch.cat([p.dequantize() for p in self.parts])
+
+
+@dataclass(frozen=True, slots=True)
+class MixedRows(StackedRows):
+    """A fused matrix whose parts are Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (`cat_rows`), each of a multiple
+    of 32 rows."""
+
+    parts: tuple[QuantizedRows, ...]
+
 
     def pack(self, dot: bool = True) -> torch.Tensor:
         """Dot panels in the Q6_K layout with mins, part by part (no panel straddles two parts).
@@ -168,7 +177,7 @@ class MixedRows:
 
 
 @dataclass(frozen=True, slots=True)
-class PartedRows:
+class PartedRows(StackedRows):
     """A fused matrix whose parts no one dot layout holds (an IQ4_XS q/k with a Q5_K v, as llama.cpp
     quantizes attn_v where many query heads share a KV head), each of a multiple of 32 rows: each
     part in its own dot panels, one flat int8 tensor, each part's product into its columns of the
@@ -176,12 +185,6 @@ class PartedRows:
 
     parts: tuple[QuantizedRows | MixedRows, ...]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
-
-    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
-        return torch.cat([p.dequantize() for p in self.parts])
 
     def pack(self) -> tuple[torch.Tensor, tuple[PanelPart, ...]]:
         """The parts' dot panels, flat int8, and where each lies."""
@@ -208,7 +211,7 @@ FILE_KINDS = {"q4_k": 0, "q6_k": 1}
 
 
 @dataclass(frozen=True, slots=True)
-class FileRows:
+class FileRows(StackedRows):
     """A matrix multiplied in the GGUF file's own blocks, read from its pages every step
     (`Linear.file`; a mixture of experts' experts with `expert_weights="file"`): its parts, views
     of the file's mapping stacked by rows (a fused gate|up's gate and up), each of a kind in
@@ -216,12 +219,6 @@ class FileRows:
 
     parts: tuple[QuantizedRows, ...]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
-
-    def dequantize(self) -> torch.Tensor:  # float32 [N, K]
-        return torch.cat([p.dequantize() for p in self.parts])
 
     @property
     def kinds(self) -> tuple[str, ...]:
