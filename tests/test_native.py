@@ -447,7 +447,8 @@ def test_linear_layouts_agree():
     weight, bias = torch.randn(50, 20, generator=gen), torch.randn(50, generator=gen)
     x = torch.randn(7, 20, generator=gen)
     expected = torch.nn.functional.linear(x, weight, bias)
-    for layout in (layout for layout in WeightLayout if layout is not WeightLayout.BLOCKS):
+    read_only = (WeightLayout.BLOCKS, WeightLayout.FILE)  # (layouts a matrix takes as it is read)
+    for layout in (layout for layout in WeightLayout if layout not in read_only):
         linear = Linear(20, 50, bias=True)
         linear.weight.data, linear.bias.data = weight.clone(), bias.clone()  # type: ignore[union-attr]
         linear.set_layout(layout)
@@ -456,6 +457,8 @@ def test_linear_layouts_agree():
         linear.set_layout(WeightLayout.IN_OUT)
     with pytest.raises(ValueError, match="only as it is read in blocks"):  # GGUF blocks come from a file
         Linear(20, 50).set_layout(WeightLayout.BLOCKS)
+    with pytest.raises(ValueError, match="only as it is read from a GGUF file"):
+        Linear(20, 50).set_layout(WeightLayout.FILE)
 
 
 def test_weight_layout_by_device_and_dtype(monkeypatch):

@@ -98,6 +98,8 @@ class Linear(nn.Module):
             raise ValueError(f"Linear weight is already in the {self.layout.value} layout")
         if layout is WeightLayout.BLOCKS:
             raise ValueError("a matrix takes the blocks layout only as it is read in blocks (expect_blocks)")
+        if layout is WeightLayout.FILE:
+            raise ValueError("a matrix takes the file layout only as it is read from a GGUF file")
         if layout is WeightLayout.IN_OUT:
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
         elif layout is WeightLayout.PANELS:  # the activations, and so the bias, are float32
