@@ -148,7 +148,6 @@ class MixedRows(StackedRows):
 
     parts: tuple[QuantizedRows, ...]
 
-
     def pack(self, dot: bool = True) -> torch.Tensor:
         """Dot panels in the Q6_K layout with mins, part by part (no panel straddles two parts).
         Exact panels do not mix kinds: for float32 products the loader dequantizes the matrix."""
@@ -185,7 +184,6 @@ class PartedRows(StackedRows):
 
     parts: tuple[QuantizedRows | MixedRows, ...]
 
-
     def pack(self) -> tuple[torch.Tensor, tuple[PanelPart, ...]]:
         """The parts' dot panels, flat int8, and where each lies."""
         panels = [p.pack(dot=True) for p in self.parts]
@@ -218,7 +216,6 @@ class FileRows(StackedRows):
     `FILE_KINDS`. Nothing is packed or copied; the products are the dot panels' bit for bit."""
 
     parts: tuple[QuantizedRows, ...]
-
 
     @property
     def kinds(self) -> tuple[str, ...]:
