@@ -1,9 +1,9 @@
 // A whole decoder stack (the Llama family, with Qwen3's per-head q/k norms, Granite's residual scale,
 // SmolLM3's layers without rotary embedding, and Gemma's norms around each branch, GeGLU, soft-capped
-// scores and sliding-window layers in a pool of their own, where a model has them) for a step whose rows each
-// attend as one query (decode tokens, and fast-forwarded tokens taken token by token): every layer's
-// RMSNorm, fused q/k/v projection, rotary embedding, KV-cache write, paged attention, output
-// projection, residual adds and gated MLP, in one call. The kernels are those of torch.ops.weft.*
+// scores and sliding-window layers in a pool of their own, where a model has them) for a step whose
+// rows each attend as one query (decode tokens, and fast-forwarded tokens taken token by token):
+// every layer's RMSNorm, fused q/k/v projection, rotary embedding, KV-cache write, paged attention,
+// output projection, residual adds and gated MLP, in one call. The kernels are those of torch.ops.weft.*
 // (ops.h); what this saves is the Python around them: about a dozen operator calls and module calls
 // per layer, which at one row per step cost more than a third of the time outside the matrix
 // products (docs/benchmarks.md).
