@@ -431,7 +431,7 @@ struct Q6K {
 
 };
 
-constexpr int kMaxRowsAll = 4;  // the most rows of x a group takes at once (`kMaxRows`)
+constexpr int kMaxRows = 4;  // rows of x per pass over a group of weight rows
 
 // Rows of blocks one after another: rows[l] is row l's first block.
 struct Rows {
@@ -440,14 +440,9 @@ struct Rows {
   const uint8_t* operator[](int64_t l) const { return first + l * stride; }
 };
 
-// kLanes weight rows (`rows[l]`: lane l's first block) times kRows rows of x, into acc: the integer
-// sums of each row in turn, its blocks as they lie in memory (the hardware prefetcher's one stream),
-// then the super-blocks in order into float32 in the panel kernels' expressions: dot_tile_q4_k's,
-// dot_tile_small_k_int's (Q6_K, 16 lanes: a super-block summed in int32) or
-// dot_tile_small_k_float's (Q6_K, 8 lanes: each sub-block scaled in float32).
 // Each (row of x, super-block): a vector of the lanes' ints, `per` of them, and the lanes' scales.
 struct LaneInts {
-  std::vector<int32_t> ints;     // [kMaxRowsAll][nsb][per][kLanes]
+  std::vector<int32_t> ints;     // [kMaxRows][nsb][per][kLanes]
   std::vector<uint16_t> halves;  // [2][nsb][kLanes]: d, and dmin (Q4_K)
   std::vector<int32_t> scales;   // Q6_K with 8 lanes: [nsb][16][kLanes], each sub-block's scale
   int64_t nsb = -1, per = 0;
@@ -455,7 +450,7 @@ struct LaneInts {
   void resize(int64_t super_blocks, int64_t ints_per) {
     nsb = super_blocks;
     per = ints_per;
-    ints.assign(kMaxRowsAll * nsb * per * kLanes, 0);
+    ints.assign(kMaxRows * nsb * per * kLanes, 0);
     halves.assign(2 * nsb * kLanes, 0);
     scales.assign(kLanes == 16 ? 0 : nsb * 16 * kLanes, 0);
   }
@@ -469,11 +464,12 @@ struct LaneInts {
   // Lanes [lanes, kLanes) (a part's short last group) to zero, for rows of x [0, rows).
   void clear_lanes(int lanes, int rows) {
     if (lanes == kLanes) return;
-    for (int i = 0; i < rows; ++i)
-      for (int64_t sb = 0; sb < nsb; ++sb)
-        for (int64_t c = 0; c < per; ++c) std::fill_n(&ints[((i * nsb + sb) * per + c) * kLanes + lanes], kLanes - lanes, 0);
-    for (int64_t h = 0; h < 2 * nsb; ++h) std::fill_n(&halves[h * kLanes + lanes], kLanes - lanes, 0);
-    for (int64_t h = 0; h < static_cast<int64_t>(scales.size()) / kLanes; ++h) std::fill_n(&scales[h * kLanes + lanes], kLanes - lanes, 0);
+    const auto clear = [&](auto& values, int64_t vectors) {
+      for (int64_t v = 0; v < vectors; ++v) std::fill_n(&values[v * kLanes + lanes], kLanes - lanes, 0);
+    };
+    clear(ints, rows * nsb * per);  // rows of x [0, rows): the first vectors
+    clear(halves, 2 * nsb);
+    clear(scales, static_cast<int64_t>(scales.size()) / kLanes);
   }
 };
 
@@ -484,7 +480,11 @@ inline LaneInts& lane_ints(int64_t nsb, int64_t per) {
   return g;
 }
 
-
+// kLanes weight rows (`rows[l]`: lane l's first block) times kRows rows of x, into acc: the integer
+// sums of each row in turn, its blocks as they lie in memory (the hardware prefetcher's one stream),
+// then the super-blocks in order into float32 in the panel kernels' expressions: dot_tile_q4_k's,
+// dot_tile_small_k_int's (Q6_K, 16 lanes: a super-block summed in int32) or
+// dot_tile_small_k_float's (Q6_K, 8 lanes: each sub-block scaled in float32).
 template <int kRows>
 void q4k_group(vecf (&acc)[kRows], const Rows& rows, int lanes, const XRow* x, int64_t nsb) {
   LaneInts& g = lane_ints(nsb, 2);
@@ -581,8 +581,6 @@ struct Matrix {
     return n;
   }
 };
-
-constexpr int kMaxRows = kMaxRowsAll;  // rows of x per pass over a group of weight rows
 
 // kLanes output rows, one part's, from output column `column`: a unit of the parallel loop.
 struct Group {
