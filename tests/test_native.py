@@ -622,6 +622,36 @@ def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arc
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_decoder_stack_runs_experts_with_the_layer_paths_numbers(checkpoint_factory, arch):
+    """A mixture of experts in the stack (weft/native/experts.cpp): Qwen3-MoE's normalized top 2 of
+    8, Qwen2-MoE's shared expert and its gate, Mixtral's w1/w2/w3 experts, each quantized to Q8_0 at
+    load (dot panels, which the stack takes). A row alone takes its experts in two grouped products,
+    several rows are grouped by expert: greedy tokens and logprobs equal to the layer path's."""
+    from weft import LLM, SamplingParams
+
+    path = str(checkpoint_factory(arch))
+    fused, layered = (
+        LLM(path, show_progress=False, dtype="float32", block_size=4, quantization="q8_0") for _ in "ab"
+    )
+    assert fused.engine.model.stack is not None
+    layered.engine.model.stack = None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    for prompts in ([[5, 6, 7]], [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]):
+        outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_decoder_stack_leaves_experts_it_cannot_run_to_the_layers(checkpoint_factory):
+    """Float experts (not dot panels) keep the layer path."""
+    from weft import LLM
+
+    llm = LLM(str(checkpoint_factory("qwen3moe")), show_progress=False, dtype="float32")
+    assert llm.engine.model.stack is None
+
+
 def test_decoder_stack_rejects_a_slot_outside_the_cache(tiny_llama):
     from weft import LLM
 

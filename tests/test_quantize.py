@@ -51,6 +51,9 @@ def test_what_quantizing_at_load_takes():
     assert not quantizes("model.embed_tokens.weight", table, tied=False)  # looked up in float
     assert not quantizes("model.layers.0.input_layernorm.weight", torch.zeros(64), tied=False)
     assert not quantizes("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 48), tied=False)
+    for w in ("w1", "w2", "w3"):  # Mixtral's experts
+        assert quantizes(f"model.layers.0.block_sparse_moe.experts.3.{w}.weight", table, tied=False)
+    assert not quantizes("model.layers.0.block_sparse_moe.gate.weight", table, tied=False)  # its router
 
 
 def test_a_float_checkpoint_quantized_at_load(checkpoint_factory):

@@ -120,6 +120,19 @@ class StackShape:
 
 
 @dataclass(frozen=True, slots=True)
+class StackRouting:
+    """How the stack's mixtures of experts route and multiply (`SparseMoE`'s settings); the defaults
+    where the model has none."""
+
+    top_k: int = 0  # experts per row
+    normalize: bool = False  # their weights divided by their sum (`norm_topk_prob`)
+    hidden: int = 0
+    intermediate: int = 0  # a routed expert's columns
+    shared_intermediate: int = 0  # the shared expert's (Qwen2-MoE), 0: none
+    chunk_rows: int = 1  # rows routed at a time (`MOE_CHUNK_BYTES`)
+
+
+@dataclass(frozen=True, slots=True)
 class StackStep:
     """One step's inputs to `decoder_stack_` besides the residual stream: rows that each attend as
     one query."""
@@ -364,10 +377,18 @@ class TorchKernels:
         Llama-family layers without q/k norms whose linear weights are packed into panels)."""
         return False
 
+    def stack_weights(
+        self, layers: list[torch.Tensor], experts: list[list[torch.Tensor]], routing: StackRouting
+    ) -> object:
+        """A whole stack's weights for `decoder_stack_`, held by the kernel once: each layer's in the
+        kernel's order, and each layer's experts (its router, its shared expert's gate or an empty
+        tensor, every expert's gate|up, then every expert's down; [] for a layer with an MLP)."""
+        raise NotImplementedError(f"the {self.name} kernel set has no decoder_stack_")
+
     def decoder_stack_(
         self,
         x: torch.Tensor,  # [T, hidden], updated in place
-        weights: list[torch.Tensor],
+        weights: object,  # `stack_weights`
         kv_caches: list[torch.Tensor],
         step: StackStep,
         shape: StackShape,
@@ -655,10 +676,18 @@ class NativeCpuKernels(TorchKernels):
     def has_decoder_stack(self, device: torch.device, activations: torch.dtype | None) -> bool:
         return device.type == "cpu" and activations == torch.float32
 
+    def stack_weights(
+        self, layers: list[torch.Tensor], experts: list[list[torch.Tensor]], routing: StackRouting
+    ) -> object:
+        r = routing
+        sizes = [r.top_k, int(r.normalize), r.hidden, r.intermediate, r.shared_intermediate, r.chunk_rows]
+        flat = [t for layer in experts for t in layer]
+        return torch.classes.weft.StackWeights(layers, flat, [len(layer) for layer in experts], sizes)
+
     def decoder_stack_(
         self,
         x: torch.Tensor,
-        weights: list[torch.Tensor],
+        weights: object,
         kv_caches: list[torch.Tensor],
         step: StackStep,
         shape: StackShape,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from weft.config import ModelConfig, RopeConfig
-from weft.kernels import RopeTables, StackShape, StackStep, TorchKernels
+from weft.kernels import RopeTables, StackRouting, StackShape, StackStep, TorchKernels
 from weft.model import glu
 from weft.model.attention import AttentionMetadata, PagedAttention
 from weft.model.layers import (
@@ -265,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.kernels = kernels  # the device's kernel set, chosen once at load
         self.activation_dtype: torch.dtype | None = None  # None: the embedding's dtype (set at load)
-        self.stack: list[torch.Tensor] | None = None  # the whole stack's weights for one kernel call
+        self.stack: object | None = None  # the whole stack's weights for one kernel call (`stack_weights`)
         # (in, out, dtype) -> rows from which a panel-packed Linear takes the BLAS GEMM (set at load)
         self.dense_rows: dict[Shape, int] = {}
         self.bf16_dot = False  # bfloat16 products in every packed matrix (set at load)
@@ -415,7 +415,9 @@ class LlamaForCausalLM(nn.Module):
         windows = [c.layer_window(i) for i in range(c.num_layers)]
         if len(set(windows) - {0}) > 1:
             return  # (one window for every sliding layer: the step's `sliding` metadata)
-        self.stack = [weight for layer in layers for weight in _stack_weights(layer)]
+        experts = [layer.mlp.stack_tensors() if isinstance(layer.mlp, SparseMoE) else [] for layer in layers]
+        weights = [weight for layer in layers for weight in _stack_weights(layer)]
+        self.stack = self.kernels.stack_weights(weights, experts, self._stack_routing())
         self._shape = StackShape(
             sizes=(c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size),
             eps=c.rms_norm_eps,
@@ -427,6 +429,21 @@ class LlamaForCausalLM(nn.Module):
             gelu=c.hidden_act == "gelu_pytorch_tanh",
             softcap=c.attn_logit_softcapping or 0.0,
             layer_window=tuple(windows) if any(windows) else (),
+        )
+
+    def _stack_routing(self) -> StackRouting:
+        """How the stack's mixtures of experts route (the defaults where the model has none)."""
+        c = self.config
+        moe = next((layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)), None)
+        if moe is None:
+            return StackRouting()
+        return StackRouting(
+            top_k=c.experts_per_token,
+            normalize=c.norm_topk_prob,
+            hidden=c.hidden_size,
+            intermediate=c.moe_intermediate_size,
+            shared_intermediate=c.shared_expert_intermediate_size,
+            chunk_rows=moe.chunk_rows(c.hidden_size),
         )
 
     def _stack_ropes(self) -> tuple[int, ...]:
@@ -486,13 +503,15 @@ def _layer_rope(config: ModelConfig, layer: int) -> RopeConfig:
 
 def _stackable(layer: DecoderLayer | PostNormLayer) -> bool:
     """Llama's layer, or Gemma's with a norm before and after each branch; per-head q/k norms or
-    none, a head size the attention kernel takes, every matrix packed into panels."""
+    none, a head size the attention kernel takes, every matrix packed into panels; an MLP or experts
+    the stack runs (`SparseMoE.stackable`)."""
     attn, mlp = layer.attn, layer.mlp
-    if not isinstance(mlp, MLP):
-        return False  # (a mixture of experts)
+    if isinstance(mlp, SparseMoE) and not mlp.stackable():
+        return False
     if isinstance(layer, PostNormLayer) and (layer.input_norm is None or layer.mlp_norm is None):
         return False  # (OLMo 2's layer: its branches read the residual stream itself)
-    matrices = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+    dense = (mlp.gate_up, mlp.down) if isinstance(mlp, MLP) else ()
+    matrices = (attn.qkv, attn.o, *dense)
     packed = all(lin.layout is WeightLayout.PANELS for lin in matrices)
     whole = all(lin.parts is None for lin in matrices[1:]) and len(attn.qkv.parts or ()) <= 2
     return not attn.norms_all_heads and attn.head_dim <= 256 and packed and whole
@@ -500,7 +519,9 @@ def _stackable(layer: DecoderLayer | PostNormLayer) -> bool:
 
 def _stack_weights(layer: DecoderLayer | PostNormLayer) -> list[torch.Tensor]:
     """One layer's weights in the order of `decoder_stack_` (weft/native/decoder.cpp)."""
-    attn, mlp, empty = layer.attn, cast(MLP, layer.mlp), torch.empty(0)
+    attn, empty = layer.attn, torch.empty(0)
+    # the MLP's matrices, Qwen2-MoE's shared expert's beside its routed ones, or none
+    mlp = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
     qkv = [panels for panels, _ in attn.qkv.part_panels()] if attn.qkv.parts else [attn.qkv.weight]
     after: list[torch.Tensor]
     if isinstance(layer, PostNormLayer):  # a norm before and after each branch (Gemma)
@@ -517,8 +538,8 @@ def _stack_weights(layer: DecoderLayer | PostNormLayer) -> list[torch.Tensor]:
         attn.o.weight,
         empty if attn.o.bias is None else attn.o.bias,
         before[1],
-        mlp.gate_up.weight,
-        mlp.down.weight,
+        empty if mlp is None else mlp.gate_up.weight,
+        empty if mlp is None else mlp.down.weight,
         empty if attn.q_norm is None else attn.q_norm.weight,
         empty if attn.k_norm is None else attn.k_norm.weight,
         *after,

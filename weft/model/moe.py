@@ -29,7 +29,7 @@ from torch import nn
 
 from weft.config import ModelConfig
 from weft.kernels import TorchKernels
-from weft.model.layers import BFloat16Pairs, FileWeight, Linear, WeightLayout
+from weft.model.layers import BFloat16Pairs, FileWeight, Linear, StepRows, WeightLayout
 
 # A long prefill's experts in chunks of rows: each row's k outputs, grouped by expert and then put
 # back in row order ([T * k, hidden] float32, twice), at most this many bytes.
@@ -50,8 +50,8 @@ class Expert(nn.Module):
         self.down = Linear(inter, hidden, bias=bias)
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        return self.down(self.activation(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:  # [N, hidden]
+        return self.down(self.activation(self.gate_up(x, rows)), rows)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:  # [N, 2I] -> [N, I], row by row
         if self.limit is None:
@@ -75,21 +75,28 @@ class SparseMoE(nn.Module):
         self._grouped: bool | None = None  # whether a row alone takes the grouped products (`_groups`)
         self._biases: tuple[torch.Tensor, torch.Tensor] | None = None  # every expert's, [E, 2I], [E, hidden]
 
-    def forward(self, x: torch.Tensor | BFloat16Pairs, rows: object = None) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor | BFloat16Pairs, rows: StepRows | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]. `rows`: the step's prompt rows, which alone may take the BLAS
+        GEMM in the router and the shared expert (a routed expert's rows are its own)."""
         assert isinstance(x, torch.Tensor)  # (its norm writes floats: `takes_pairs` is False)
-        chunk = max(1, MOE_CHUNK_BYTES // (2 * 4 * self.top_k * x.shape[1]))
+        chunk = self.chunk_rows(x.shape[1])
         if x.shape[0] <= chunk:
-            return self._rows(x)
+            return self._rows(x, rows)
         out = x.new_empty(x.shape)  # [T, hidden]: a long prefill, `chunk` rows at a time
         for start in range(0, x.shape[0], chunk):
-            out[start : start + chunk] = self._rows(x[start : start + chunk])
+            stop = min(start + chunk, x.shape[0])
+            out[start:stop] = self._rows(x[start:stop], None if rows is None else rows.slice(start, stop))
         return out
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, chosen = self.route(x)  # [T, k] each
+    def chunk_rows(self, hidden: int) -> int:
+        """How many rows a step routes at a time: their grouped outputs within `MOE_CHUNK_BYTES`."""
+        return max(1, MOE_CHUNK_BYTES // (2 * 4 * self.top_k * hidden))
+
+    def _rows(self, x: torch.Tensor, rows: StepRows | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, chosen = self.route(x, rows)  # [T, k] each
         num_rows, hidden = x.shape
         if num_rows == 1 and x.dtype == torch.float32 and self._groups():
-            return self._one_row(x, weights, chosen)
+            return self._one_row(x, weights, chosen, rows)
         flat = chosen.flatten()  # [T * k]: row t's choices at t * k ...
         order = torch.argsort(flat, stable=True)  # the choices grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -107,12 +114,17 @@ class SparseMoE(nn.Module):
         # each row's choices back in place, then summed: one scatter a step (an index_add_ per expert
         # cost tens of microseconds each, and milliseconds on a busy machine)
         placed = torch.empty_like(grouped).index_copy_(0, order, grouped)  # [T * k, hidden], row-major
-        out = placed.view(num_rows, self.top_k, hidden).sum(1)  # [T, hidden]
-        if self.shared_expert is not None and self.shared_gate is not None:  # [T, hidden], scaled by [T, 1]
-            out.add_(self.shared_expert(x).mul_(torch.sigmoid(self.shared_gate(x))))
+        return self._shared_added(placed.view(num_rows, self.top_k, hidden).sum(1), x, rows)  # [T, hidden]
+
+    def _shared_added(self, out: torch.Tensor, x: torch.Tensor, rows: StepRows | None) -> torch.Tensor:
+        """out plus Qwen2-MoE's shared expert's output ([T, hidden], scaled by [T, 1]) where it has one."""
+        if self.shared_expert is not None and self.shared_gate is not None:
+            out.add_(self.shared_expert(x, rows).mul_(torch.sigmoid(self.shared_gate(x, rows))))
         return out
 
-    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    def _one_row(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, rows: StepRows | None
+    ) -> torch.Tensor:
         """One row's experts in two grouped products: [1, hidden] -> [1, hidden], summed as `forward`
         sums them."""
         experts = [cast(Expert, self.experts[e]) for e in chosen[0].tolist()]
@@ -125,9 +137,7 @@ class SparseMoE(nn.Module):
         if self._biases is not None:
             y.add_(self._biases[1].index_select(0, chosen[0]))
         out = y.mul_(weights[0, :, None].to(y.dtype)).view(1, k, hidden).sum(1)  # [1, hidden]
-        if self.shared_expert is not None and self.shared_gate is not None:
-            out.add_(self.shared_expert(x).mul_(torch.sigmoid(self.shared_gate(x))))
-        return out
+        return self._shared_added(out, x, rows)
 
     def _groups(self) -> bool:
         """Whether every expert's two matrices are int8 dot panels of one shape each (what
@@ -148,9 +158,11 @@ class SparseMoE(nn.Module):
                 )
         return self._grouped
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] float32, [T, k] int64
+    def route(
+        self, x: torch.Tensor, rows: StepRows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, k] float32, [T, k] int64
         """Each row's experts and their weights."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E]
+        probs = torch.softmax(self.router(x, rows).float(), dim=-1)  # [T, E]
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -158,6 +170,28 @@ class SparseMoE(nn.Module):
 
     def takes_pairs(self, num_tokens: int) -> bool:
         return False
+
+    def stackable(self) -> bool:
+        """Whether the fused decoder stack runs this layer's experts (weft/native/experts.cpp): routed
+        experts in int8 dot panels, SwiGLU without biases (not gpt-oss's), the router and the shared
+        expert packed whole into panels."""
+        experts = cast(list[Expert], list(self.experts))
+        if not self._groups() or self._biases is not None or experts[0].limit is not None:
+            return False
+        whole = [self.router] + [lin for lin in (self.shared_gate,) if lin is not None]
+        if self.shared_expert is not None:
+            whole += [self.shared_expert.gate_up, self.shared_expert.down]
+        return all(_dot_panels(e.gate_up) and _dot_panels(e.down) for e in experts) and all(
+            lin.layout is WeightLayout.PANELS and lin.parts is None and lin.bias is None for lin in whole
+        )
+
+    def stack_tensors(self) -> list[torch.Tensor]:
+        """Its weights in the stack's order: the router, the shared expert's gate (or an empty
+        tensor), every expert's gate|up, every expert's down."""
+        experts = cast(list[Expert], list(self.experts))
+        gate = torch.empty(0) if self.shared_gate is None else self.shared_gate.weight
+        matrices = [e.gate_up.weight for e in experts] + [e.down.weight for e in experts]
+        return [self.router.weight, gate, *matrices]
 
 
 def _grouped_rows(x: torch.Tensor, linears: list[Linear]) -> torch.Tensor:  # [k, in] -> [k, out]

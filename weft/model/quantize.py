@@ -21,7 +21,8 @@ from weft.model.quantized import QuantizedRows
 
 QUANTIZATIONS = ("q8_0", "q4_k")
 _BLOCK = 32  # input features a matrix's rows must hold whole blocks of (Q8_0's; Q4_K falls back to it)
-_MATRICES = ("_proj.weight", "lm_head.weight")  # the linear layers' weights, by Hugging Face name
+# the linear layers' weights, by Hugging Face name (Mixtral's experts: w1, w3 gate and up, w2 down)
+_MATRICES = ("_proj.weight", "lm_head.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 _TABLE = "model.embed_tokens.weight"
 
 

@@ -1,8 +1,9 @@
 """weft's CPU kernels (`kernels.cpp`; `linear.cpp` for the linear layers in float32, bfloat16,
 float16 and exact quantized panels, `quant.cpp` packing quantized weights, `qdot.cpp` their int8
-products; `decoder.cpp`, a whole decoder stack for single-token rows; `prefill_attention.cpp`,
-attention of multi-token rows over the paged cache; `rewrite.cpp`, the GGUF types packed as another
-type's blocks), compiled on first use and cached.
+products; `decoder.cpp`, a whole decoder stack for single-token rows, with `experts.cpp` for its
+mixtures of experts; `prefill_attention.cpp`, attention of multi-token rows over the paged cache;
+`rewrite.cpp`, the GGUF types packed as another type's blocks; `file_dot.cpp`, products over a GGUF
+file's own blocks), compiled on first use and cached.
 
 Steps of `kernels_available()`, run once per process:
   1. unless `WEFT_NATIVE=0`, look for a build of these exact sources (the cache directory is keyed
@@ -44,12 +45,16 @@ SOURCES = [
         "quant.cpp",
         "qdot.cpp",
         "decoder.cpp",
+        "experts.cpp",
         "prefill_attention.cpp",
         "rewrite.cpp",
         "file_dot.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("blocks.h", "ops.h", "panels.h", "tiles.h", "vmath.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("blocks.h", "ops.h", "panels.h", "stack_weights.h", "tiles.h", "vmath.h")
+]
 _NAME = "weft_kernels"
 _CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline OpenMP code
 if platform.machine() in ("x86_64", "AMD64"):

@@ -20,6 +20,7 @@
 
 #include "ops.h"
 #include "panels.h"
+#include "stack_weights.h"
 
 namespace {
 
@@ -179,11 +180,19 @@ at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const StackShape& s) {
   return linear(act, w[kDown], std::nullopt, s.hidden, s);
 }
 
+// The MLP's branch, or the layer's mixture of experts' (experts.cpp) where it has one.
+at::Tensor mlp_or_experts(const at::Tensor& h, const at::Tensor* w, const weft::LayerExperts& experts,
+                          const weft::Routing& routing, const StackShape& s) {
+  if (experts.gate_up.empty()) return mlp(h, w, s);
+  return weft::experts_branch(h, experts, routing, w[kGateUp], w[kDown], s.bf16_dot);
+}
+
 // One layer on the residual stream x [T, hidden], in place: x += attention(norm(x)), then
-// x += mlp(norm(x)); in a sandwich layer each branch's output is normed before it is added (the
-// layer path's `add_normed_`, so the same bits).
-void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const LayerAttention& a,
-                   const at::Tensor& positions, const StackShape& s) {
+// x += mlp(norm(x)) (or its experts'); in a sandwich layer each branch's output is normed before it
+// is added (the layer path's `add_normed_`, so the same bits).
+void decoder_layer(at::Tensor& x, const weft::StackWeights& weights, int64_t layer, at::Tensor& cache,
+                   const LayerAttention& a, const at::Tensor& positions, const StackShape& s) {
+  const at::Tensor* w = &weights.layers[layer * kWeightsPerLayer];
   at::Tensor h = weft::rms_norm(x, w[kInputNorm], s.eps);
   at::Tensor out = attention(h, w, cache, a, positions, s);
   if (s.sandwich) {
@@ -192,7 +201,7 @@ void decoder_layer(at::Tensor& x, const at::Tensor* w, at::Tensor& cache, const 
     add_branch(x, out, s);
     h = weft::rms_norm(x, w[kPostNorm], s.eps);
   }
-  out = mlp(h, w, s);
+  out = mlp_or_experts(h, w, weights.experts[layer], weights.routing, s);
   if (s.sandwich) {
     weft::add_normed_(x, out, w[kMlpOutNorm], std::nullopt, s.eps);
   } else {
@@ -212,11 +221,13 @@ LayerAttention layer_attention(int64_t layer, const at::Tensor& slots, const at:
                         rope < 0 ? nullptr : &sin[rope]};
 }
 
-void check_stack_args(const at::Tensor& x, at::TensorList weights, int64_t layers, const at::Tensor& slots,
-                      at::TensorList window_meta, at::TensorList cos, at::TensorList sin,
+void check_stack_args(const at::Tensor& x, const weft::StackWeights& weights, int64_t layers,
+                      const at::Tensor& slots, at::TensorList window_meta, at::TensorList cos, at::TensorList sin,
                       at::IntArrayRef layer_rope, at::IntArrayRef layer_window, const StackShape& s) {
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer,
-              "decoder_stack_: expected ", kWeightsPerLayer, " weights per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.layers.size()) == layers * kWeightsPerLayer &&
+                  static_cast<int64_t>(weights.experts.size()) == layers,
+              "decoder_stack_: expected ", kWeightsPerLayer,
+              " weights and one set of experts (or none) per layer");
   TORCH_CHECK(layer_rope.empty() || static_cast<int64_t>(layer_rope.size()) == layers,
               "decoder_stack_: layer_rope must be empty or one index per layer");
   TORCH_CHECK(layer_window.empty() || static_cast<int64_t>(layer_window.size()) == layers,
@@ -238,18 +249,19 @@ void check_stack_args(const at::Tensor& x, at::TensorList weights, int64_t layer
 }
 
 // x [T, hidden] float32, updated in place through every layer. weights: kWeightsPerLayer per layer
-// (an empty tensor for a missing bias or norm); kv_caches: one per layer; slots [T], block_table
-// [T, max_blocks], context_lens [T] and positions [T] int64: row t is one query whose context (itself
-// included) is context_lens[t] tokens. cos, sin: the rotary tables [P, D / 2] of the model and of the
-// layers that rotate otherwise. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
+// (an empty tensor for a missing bias or norm) and each layer's experts (stack_weights.h);
+// kv_caches: one per layer; slots [T], block_table [T, max_blocks], context_lens [T] and positions
+// [T] int64: row t is one query whose context (itself included) is context_lens[t] tokens. cos, sin:
+// the rotary tables [P, D / 2] of the model and of the layers that rotate otherwise. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
 // bf16_dot: bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale:
 // Granite's residual multiplier (1 elsewhere). layer_rope: per layer, its index in cos and sin (-1: no
 // rotation, SmolLM3's NoPE layers); empty: every layer's 0. sandwich, gelu, softcap: Gemma's norms
 // around each branch, its GeGLU, Gemma 2's soft-capped scores. layer_window: per layer, the keys a
 // query sees (0: all; empty: every layer's 0); window_meta: [slots, block_table, context_lens] of the
 // sliding-window layers' own pool, or empty (they share the model's).
-void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& slots,
-                    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& positions,
+void decoder_stack_(at::Tensor& x, const c10::intrusive_ptr<weft::StackWeights>& weights, at::TensorList kv_caches,
+                    const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
+                    const at::Tensor& positions,
                     at::TensorList cos, at::TensorList sin, at::IntArrayRef shape, double eps, double scale,
                     bool bf16_dot, double residual_scale, at::IntArrayRef layer_rope, bool sandwich, bool gelu,
                     double softcap, at::IntArrayRef layer_window, at::TensorList window_meta) {
@@ -257,23 +269,26 @@ void decoder_stack_(at::Tensor& x, at::TensorList weights, at::TensorList kv_cac
   const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], eps, scale, bf16_dot, residual_scale,
                      sandwich, gelu, softcap};
   const auto layers = static_cast<int64_t>(kv_caches.size());
-  check_stack_args(x, weights, layers, slots, window_meta, cos, sin, layer_rope, layer_window, s);
+  check_stack_args(x, *weights, layers, slots, window_meta, cos, sin, layer_rope, layer_window, s);
   for (int64_t layer = 0; layer < layers; ++layer) {
     at::Tensor cache = kv_caches[layer];
     const LayerAttention a =
         layer_attention(layer, slots, block_table, context_lens, window_meta, cos, sin, layer_rope, layer_window);
-    decoder_layer(x, &weights[layer * kWeightsPerLayer], cache, a, positions, s);
+    decoder_layer(x, *weights, layer, cache, a, positions, s);
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(weft, m) {
+  m.class_<weft::StackWeights>("StackWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                       std::vector<int64_t>>());
   m.def(
-      "decoder_stack_(Tensor(a!) x, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor slots, Tensor block_table, "
-      "Tensor context_lens, Tensor positions, Tensor[] cos, Tensor[] sin, int[] shape, float eps, float scale, "
-      "bool bf16_dot, float residual_scale, int[] layer_rope, bool sandwich, bool gelu, float softcap, "
-      "int[] layer_window, Tensor[] window_meta) -> ()");
+      "decoder_stack_(Tensor(a!) x, __torch__.torch.classes.weft.StackWeights weights, Tensor(b!)[] kv_caches, "
+      "Tensor slots, Tensor block_table, Tensor context_lens, Tensor positions, Tensor[] cos, Tensor[] sin, "
+      "int[] shape, float eps, float scale, bool bf16_dot, float residual_scale, int[] layer_rope, bool sandwich, "
+      "bool gelu, float softcap, int[] layer_window, Tensor[] window_meta) -> ()");
   m.def("write_kv_(Tensor(a!) kv_cache, Tensor kv, Tensor slots) -> ()");
 }
 

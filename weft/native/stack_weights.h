@@ -1,0 +1,54 @@
+// The weights of a whole decoder stack (decoder.cpp), handed to the kernel once, when the model is
+// loaded, as a torch custom class (`torch.classes.weft.StackWeights`): a step then passes one object
+// where it passed every layer's tensors (13 a layer, and a mixture of experts' 2 a routed expert:
+// 12,000 tensors at Qwen3-30B-A3B's shape, a millisecond a step to convert from a Python list).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace weft {
+
+// A layer's mixture of experts, as model/moe.py's SparseMoE holds it (Qwen3-MoE, Mixtral, Qwen2-MoE):
+// its router, each expert's gate|up and down matrices in int8 dot panels, and Qwen2-MoE's shared
+// expert's gate (the shared expert's own matrices are the layer's MLP weights, kGateUp and kDown).
+struct LayerExperts {
+  at::Tensor router;  // [E, hidden] panels (packed_linear)
+  at::Tensor shared_gate;  // [1, hidden] panels, or undefined: no shared expert
+  std::vector<at::Tensor> gate_up, down;  // E each: int8 dot panels, [2I, hidden] and [hidden, I]
+};
+
+// How every mixture of experts of the stack routes and multiplies (SparseMoE's settings).
+struct Routing {
+  int64_t top_k;  // experts per row
+  bool normalize;  // the top k's weights divided by their sum (norm_topk_prob)
+  int64_t hidden;  // the model's
+  int64_t intermediate;  // each routed expert's columns
+  int64_t shared_intermediate;  // the shared expert's (0: none)
+  int64_t chunk_rows;  // a step routes its rows this many at a time (moe.py's MOE_CHUNK_BYTES)
+};
+
+struct StackWeights : torch::CustomClassHolder {
+  // layers: kWeightsPerLayer tensors a layer (decoder.cpp's `Weight` order). experts: per layer
+  // `experts_per_layer[i]` tensors, none for a layer with an MLP, else its router, its shared
+  // expert's gate (an empty tensor for none), its E gate|up matrices and its E down matrices.
+  // routing: top_k, normalize, hidden, intermediate, shared_intermediate, chunk_rows (unused without
+  // experts).
+  StackWeights(std::vector<at::Tensor> layers, std::vector<at::Tensor> experts, std::vector<int64_t> experts_per_layer,
+               std::vector<int64_t> routing);
+
+  std::vector<at::Tensor> layers;
+  std::vector<LayerExperts> experts;  // per layer: empty `gate_up` where it has an MLP
+  Routing routing{};
+};
+
+// The branch of a layer's mixture of experts: [T, hidden] -> [T, hidden], op for op as model/moe.py
+// computes it (the same bits). shared_gate_up, shared_down: Qwen2-MoE's shared expert, else empty.
+// bf16_dot: bfloat16 products where the router's or the shared expert's matrices are bfloat16.
+at::Tensor experts_branch(const at::Tensor& h, const LayerExperts& e, const Routing& r,
+                          const at::Tensor& shared_gate_up, const at::Tensor& shared_down, bool bf16_dot);
+
+}  // namespace weft
