@@ -6,7 +6,7 @@ prompts, greedy decode), the order flipped from round to round; each engine's be
 each process's peak resident memory (its own, from wait4) is reported beside the file's size.
 
     python benchmarks/separate_processes.py /tmp/moe/q30b.gguf --batch-sizes 1,8 --prompt-len 512 \
-        --output-len 32 --rounds 2 [--weft-file]
+        --output-len 32 --rounds 2 [--repeats 3] [--weft-file]
 
 weft runs with its experts in its own panels (`--expert-weights panels`); with `--weft-file`, also
 with them in the file's own blocks (`--expert-weights file`), as a third engine in the rotation.
@@ -45,7 +45,7 @@ def run_weft(args: argparse.Namespace, batch: int, experts: str = "panels") -> d
         command = [sys.executable, "-m", "weft", "bench", "throughput", "--model", str(args.gguf)]
         command += ["--expert-weights", experts]
         command += ["--no-reference", "--batch-sizes", str(batch), "--prompt-len", str(args.prompt_len)]
-        command += ["--output-len", str(args.output_len), "--repeats", "1", "--json", str(out)]
+        command += ["--output-len", str(args.output_len), "--repeats", str(args.repeats), "--json", str(out)]
         _, peak, seconds = _run(command)
         (row,) = json.loads(out.read_text())["runs"]["float32"]["results"]
     prefill, decode = row["weft_prefill_tps"], row["weft_decode_tps"]
@@ -54,7 +54,8 @@ def run_weft(args: argparse.Namespace, batch: int, experts: str = "panels") -> d
 
 def run_llama_cpp(args: argparse.Namespace, batch: int) -> dict:
     command = [sys.executable, str(HERE / "llama_cpp_decode.py"), str(args.gguf), "--batch-sizes", str(batch)]
-    command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--repeats", "1"]
+    command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+    command += ["--repeats", str(args.repeats)]
     out, peak, seconds = _run(command)
     row = json.loads(out.strip().splitlines()[-1])
     return {"prefill": row["prefill_tps"], "decode": row["decode_tps"], "peak_gb": peak, "s": seconds}
@@ -67,6 +68,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="alternating runs per engine, the best kept")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs in each process, its best kept")
     p.add_argument(
         "--weft-file",
         action="store_true",

@@ -149,6 +149,26 @@ def test_experts_from_the_file_compute_what_panels_compute(moe_file):
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+def test_the_fused_stack_runs_experts_from_the_file_with_the_layer_paths_numbers(moe_file):
+    """Decode steps take every layer in `decoder_stack_`, the experts' products over the file's
+    blocks (weft/native/experts.cpp): a row alone, a batch grouped by expert."""
+    from weft import LLM, SamplingParams
+
+    path, tokenizer = moe_file
+    fused, layered = (
+        LLM(str(path), tokenizer=str(tokenizer), show_progress=False, expert_weights="file", block_size=4)
+        for _ in "ab"
+    )
+    assert fused.engine.model.stack is not None
+    layered.engine.model.stack = None
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    for prompts in ([[5, 6, 7]], [[5, 6, 7, 8, 9, 10], [11, 12], [3] * 30]):
+        outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_expert_weights_file_where_it_does_not_run_says_where_it_does(moe_file):
     from weft import LLM
 

@@ -173,25 +173,40 @@ class SparseMoE(nn.Module):
 
     def stackable(self) -> bool:
         """Whether the fused decoder stack runs this layer's experts (weft/native/experts.cpp): routed
-        experts in int8 dot panels, SwiGLU without biases (not gpt-oss's), the router and the shared
-        expert packed whole into panels."""
+        experts all in int8 dot panels or all in the file's blocks, SwiGLU without biases (not
+        gpt-oss's), the router and the shared expert packed whole into panels."""
         experts = cast(list[Expert], list(self.experts))
         if not self._groups() or self._biases is not None or experts[0].limit is not None:
             return False
         whole = [self.router] + [lin for lin in (self.shared_gate,) if lin is not None]
         if self.shared_expert is not None:
             whole += [self.shared_expert.gate_up, self.shared_expert.down]
-        return all(_dot_panels(e.gate_up) and _dot_panels(e.down) for e in experts) and all(
+        panels = all(_dot_panels(e.gate_up) and _dot_panels(e.down) for e in experts)
+        in_file = all(e.gate_up.file is not None and e.down.file is not None for e in experts)
+        return (panels or in_file) and all(
             lin.layout is WeightLayout.PANELS and lin.parts is None and lin.bias is None for lin in whole
         )
 
     def stack_tensors(self) -> list[torch.Tensor]:
         """Its weights in the stack's order: the router, the shared expert's gate (or an empty
-        tensor), every expert's gate|up, every expert's down."""
-        experts = cast(list[Expert], list(self.experts))
+        tensor), the experts' layout (an empty tensor for dot panels, else int64 [gate|up's parts,
+        down's parts, each part's kind]), every expert's gate|up (its parts), every expert's down."""
         gate = torch.empty(0) if self.shared_gate is None else self.shared_gate.weight
-        matrices = [e.gate_up.weight for e in experts] + [e.down.weight for e in experts]
-        return [self.router.weight, gate, *matrices]
+        return [self.router.weight, gate, *_stacked_experts(cast(list[Expert], list(self.experts)))]
+
+
+def _stacked_experts(experts: list[Expert]) -> list[torch.Tensor]:
+    """The experts' layout, then every expert's gate|up and every expert's down: their dot panels
+    after an empty tensor, or their parts in the file after int64 [gate|up's parts, down's parts,
+    each part's kind]."""
+    files = [(e.gate_up.file, e.down.file) for e in experts]
+    if any(up is None or down is None for up, down in files):
+        return [torch.empty(0), *(e.gate_up.weight for e in experts), *(e.down.weight for e in experts)]
+    up, down = cast(tuple[FileWeight, FileWeight], files[0])
+    layout = torch.tensor([len(up.parts), len(down.parts), *up.kinds, *down.kinds], dtype=torch.int64)
+    ups = [p for file, _ in files for p in cast(FileWeight, file).parts]
+    downs = [p for _, file in files for p in cast(FileWeight, file).parts]
+    return [layout, *ups, *downs]
 
 
 def _grouped_rows(x: torch.Tensor, linears: list[Linear]) -> torch.Tensor:  # [k, in] -> [k, out]

@@ -183,7 +183,7 @@ at::Tensor mlp(const at::Tensor& h, const at::Tensor* w, const StackShape& s) {
 // The MLP's branch, or the layer's mixture of experts' (experts.cpp) where it has one.
 at::Tensor mlp_or_experts(const at::Tensor& h, const at::Tensor* w, const weft::LayerExperts& experts,
                           const weft::Routing& routing, const StackShape& s) {
-  if (experts.gate_up.empty()) return mlp(h, w, s);
+  if (experts.count == 0) return mlp(h, w, s);
   return weft::experts_branch(h, experts, routing, w[kGateUp], w[kDown], s.bf16_dot);
 }
 

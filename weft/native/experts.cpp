@@ -1,9 +1,9 @@
 // A mixture of experts in the fused decoder stack (decoder.cpp): model/moe.py's SparseMoE, op for op
 // and in its order, so that a decode step's numbers are the layer path's to the bit. The router's
 // softmax and top k, each row's experts grouped by expert (a row alone: its experts in two grouped
-// products, `dot_linear_rows`), their outputs scaled, put back in row order and summed, and
-// Qwen2-MoE's shared expert. What the stack saves here is the Python around them: about 30 operator
-// and module calls a layer, a third of a Qwen3-30B-A3B decode step at batch 1.
+// products, `dot_linear_rows` or `file_linear_rows`), their outputs scaled, put back in row order and
+// summed, and Qwen2-MoE's shared expert. What the stack saves here is the Python around them: about
+// 30 operator and module calls a layer, a third of a Qwen3-30B-A3B decode step at batch 1.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -26,17 +26,42 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t n, bool bf1
   return packed_linear(x, w, std::nullopt, n, bf16_dot && w.scalar_type() == at::kBFloat16);
 }
 
-// An expert's SwiGLU over rows x [n, hidden]: down(silu(gate) * up).
-at::Tensor expert(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate,
-                  bool bf16_dot) {
-  return product(silu_mul(product(x, gate_up, 2 * intermediate, bf16_dot)), down, x.size(1), bf16_dot);
+// Rows x [n, K] times one of an expert's matrices (`parts` of them from `first`): its dot panels, or
+// its parts in the file's blocks, as `Linear` multiplies them.
+at::Tensor expert_product(const at::Tensor& x, const std::vector<at::Tensor>& matrices, int64_t first,
+                          int64_t parts, const std::vector<int64_t>& kinds, int64_t n) {
+  if (kinds.empty()) return product(x, matrices[first], n, false);
+  return file_dot::file_linear(x, at::TensorList(matrices).slice(first, parts), kinds);
+}
+
+// Expert `ex`'s SwiGLU over rows x [n, hidden]: down(silu(gate) * up).
+at::Tensor routed_expert(const at::Tensor& x, const LayerExperts& e, int64_t ex, const Routing& r) {
+  const at::Tensor gate_up =
+      expert_product(x, e.gate_up, ex * e.gate_up_parts, e.gate_up_parts, e.gate_up_kinds, 2 * r.intermediate);
+  return expert_product(silu_mul(gate_up), e.down, ex * e.down_parts, e.down_parts, e.down_kinds, x.size(1));
+}
+
+// Row i of x [k, K] times the matrix of the i-th of `ids` (k experts), every matrix in one call:
+// `dot_linear_rows` over dot panels, `file_linear_rows` over the file's blocks.
+at::Tensor rows_product(const at::Tensor& x, const std::vector<at::Tensor>& matrices, int64_t parts,
+                        const std::vector<int64_t>& kinds, const int64_t* ids, int64_t n) {
+  const int64_t k = x.size(0);
+  std::vector<at::Tensor> chosen;
+  for (int64_t i = 0; i < k; ++i) chosen.insert(chosen.end(), &matrices[ids[i] * parts], &matrices[(ids[i] + 1) * parts]);
+  if (!kinds.empty()) {
+    std::vector<int64_t> all_kinds;
+    for (int64_t i = 0; i < k; ++i) all_kinds.insert(all_kinds.end(), kinds.begin(), kinds.end());
+    return file_dot::file_linear_rows(x, chosen, all_kinds, parts);
+  }
+  at::Tensor out = at::empty({k, n}, x.options());
+  dot_linear_rows(x, chosen, out);
+  return out;
 }
 
 // Each row's experts [T, k] int64 and their weights [T, k] float32 (SparseMoE.route).
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const LayerExperts& e, const Routing& r,
                                         bool bf16_dot) {
-  const int64_t count = static_cast<int64_t>(e.gate_up.size());
-  const at::Tensor probs = at::softmax(product(x, e.router, count, bf16_dot), -1);  // [T, E]
+  const at::Tensor probs = at::softmax(product(x, e.router, e.count, bf16_dot), -1);  // [T, E]
   auto [weights, chosen] = at::topk(probs, r.top_k, -1);
   if (r.normalize) weights = weights / weights.sum(-1, true);
   return {weights, chosen};
@@ -47,17 +72,10 @@ at::Tensor one_row(const at::Tensor& x, const LayerExperts& e, const Routing& r,
                    const at::Tensor& chosen) {
   const int64_t k = chosen.size(1), hidden = x.size(1);
   const at::Tensor ids = chosen.contiguous();
-  std::vector<at::Tensor> gate_up, down;
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t id = ids.data_ptr<int64_t>()[i];
-    gate_up.push_back(e.gate_up[id]);
-    down.push_back(e.down[id]);
-  }
-  at::Tensor sums = at::empty({k, 2 * r.intermediate}, x.options());  // [k, 2I]
-  dot_linear_rows(x.expand({k, hidden}), gate_up, sums);
-  const at::Tensor act = silu_mul(sums);  // [k, I]
-  at::Tensor y = at::empty({k, hidden}, x.options());
-  dot_linear_rows(act, down, y);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const at::Tensor sums =
+      rows_product(x.expand({k, hidden}), e.gate_up, e.gate_up_parts, e.gate_up_kinds, id, 2 * r.intermediate);
+  at::Tensor y = rows_product(silu_mul(sums), e.down, e.down_parts, e.down_kinds, id, hidden);  // [k, hidden]
   return y.mul_(weights.select(0, 0).unsqueeze(1)).view({1, k, hidden}).sum(1);
 }
 
@@ -68,16 +86,15 @@ at::Tensor grouped_rows(const at::Tensor& x, const LayerExperts& e, const Routin
   const int64_t rows = x.size(0), hidden = x.size(1), k = r.top_k;
   const at::Tensor flat = chosen.flatten();  // [T * k]: row t's choices at t * k ...
   const at::Tensor order = at::argsort(flat, /*stable=*/true);  // the choices grouped by expert
-  const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(e.gate_up.size()));
+  const at::Tensor counts = at::bincount(flat, {}, e.count);
   const at::Tensor row_of = at::div(order, k, "floor");  // [T * k] the row of each grouped choice
   const at::Tensor scale = weights.flatten().index_select(0, order);  // [T * k]
   at::Tensor grouped = at::empty({rows * k, hidden}, x.options());
   int64_t start = 0;
-  for (size_t ex = 0; ex < e.gate_up.size(); ++ex) {
+  for (int64_t ex = 0; ex < e.count; ++ex) {
     const int64_t count = counts.data_ptr<int64_t>()[ex];
     if (count > 0) {
-      const at::Tensor y = expert(x.index_select(0, row_of.narrow(0, start, count)), e.gate_up[ex], e.down[ex],
-                                  r.intermediate, false);
+      const at::Tensor y = routed_expert(x.index_select(0, row_of.narrow(0, start, count)), e, ex, r);
       at::Tensor out = grouped.narrow(0, start, count);
       at::mul_out(out, y, scale.narrow(0, start, count).unsqueeze(1));
     }
@@ -93,7 +110,8 @@ at::Tensor chunk_branch(const at::Tensor& x, const LayerExperts& e, const Routin
   const auto [weights, chosen] = route(x, e, r, bf16_dot);
   at::Tensor out = x.size(0) == 1 ? one_row(x, e, r, weights, chosen) : grouped_rows(x, e, r, weights, chosen);
   if (e.shared_gate.defined()) {  // [T, hidden], scaled by [T, 1]
-    at::Tensor shared = expert(x, shared_gate_up, shared_down, r.shared_intermediate, bf16_dot);
+    const at::Tensor act = silu_mul(product(x, shared_gate_up, 2 * r.shared_intermediate, bf16_dot));
+    at::Tensor shared = product(act, shared_down, x.size(1), bf16_dot);
     out.add_(shared.mul_(at::sigmoid(product(x, e.shared_gate, 1, bf16_dot))));
   }
   return out;
@@ -107,15 +125,33 @@ void check_expert_panels(const std::vector<at::Tensor>& panels, int64_t k, const
   }
 }
 
-// A layer's experts from its tensors: router, shared gate (or empty), E gate|up, E down.
+// A layer's experts from its tensors: router, shared gate (or empty), layout (or empty), E gate|up
+// matrices' parts, E down matrices' parts.
 LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r) {
-  TORCH_CHECK(count >= 4 && count % 2 == 0,
-              "StackWeights: a layer's experts are its router, its shared gate and two matrices an expert");
-  const int64_t num = (count - 2) / 2;
-  LayerExperts e{t[0], t[1].numel() > 0 ? t[1] : at::Tensor(), {t + 2, t + 2 + num}, {t + 2 + num, t + count}};
-  check_expert_panels(e.gate_up, r.hidden, "gate|up");
-  check_expert_panels(e.down, r.intermediate, "down");
-  TORCH_CHECK(r.top_k > 0 && r.top_k <= num, "StackWeights: top_k must be between 1 and the number of experts");
+  TORCH_CHECK(count >= 5, "StackWeights: a layer's experts are its router, its shared gate, its layout "
+              "and each expert's matrices");
+  LayerExperts e{t[0], t[1].numel() > 0 ? t[1] : at::Tensor()};
+  const at::Tensor layout = t[2].contiguous();
+  if (layout.numel() > 0) {  // the file's blocks: [gate|up's parts, down's parts, their kinds...]
+    TORCH_CHECK(layout.scalar_type() == at::kLong && layout.numel() >= 2, "StackWeights: a layout is int64");
+    const int64_t* v = layout.data_ptr<int64_t>();
+    e.gate_up_parts = v[0];
+    e.down_parts = v[1];
+    TORCH_CHECK(e.gate_up_parts > 0 && e.down_parts > 0 && layout.numel() == 2 + e.gate_up_parts + e.down_parts,
+                "StackWeights: a layout is [gate|up's parts, down's parts, then a kind for each part]");
+    e.gate_up_kinds.assign(v + 2, v + 2 + e.gate_up_parts);
+    e.down_kinds.assign(v + 2 + e.gate_up_parts, v + layout.numel());
+  }
+  const int64_t per_expert = e.gate_up_parts + e.down_parts;
+  TORCH_CHECK((count - 3) % per_expert == 0, "StackWeights: every expert's matrices must have their parts");
+  e.count = (count - 3) / per_expert;
+  e.gate_up.assign(t + 3, t + 3 + e.count * e.gate_up_parts);
+  e.down.assign(t + 3 + e.count * e.gate_up_parts, t + count);
+  if (!e.in_file()) {  // (the file's parts are checked as each product reads them)
+    check_expert_panels(e.gate_up, r.hidden, "gate|up");
+    check_expert_panels(e.down, r.intermediate, "down");
+  }
+  TORCH_CHECK(r.top_k > 0 && r.top_k <= e.count, "StackWeights: top_k must be between 1 and the number of experts");
   return e;
 }
 

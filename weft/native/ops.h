@@ -99,4 +99,12 @@ void dot_linear_rows(const at::Tensor& x, at::TensorList panels, at::Tensor& out
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool bf16_dot);
 
+namespace file_dot {
+// file_dot.cpp: out = x @ W.T, W's rows the parts' (the GGUF file's blocks) in order; and row e of x
+// times matrix e, each matrix `parts_per_matrix` parts.
+at::Tensor file_linear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds);
+at::Tensor file_linear_rows(const at::Tensor& x, at::TensorList parts, at::IntArrayRef kinds,
+                            int64_t parts_per_matrix);
+}  // namespace file_dot
+
 }  // namespace weft

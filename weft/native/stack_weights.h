@@ -13,12 +13,19 @@
 namespace weft {
 
 // A layer's mixture of experts, as model/moe.py's SparseMoE holds it (Qwen3-MoE, Mixtral, Qwen2-MoE):
-// its router, each expert's gate|up and down matrices in int8 dot panels, and Qwen2-MoE's shared
-// expert's gate (the shared expert's own matrices are the layer's MLP weights, kGateUp and kDown).
+// its router, each expert's gate|up and down matrices, and Qwen2-MoE's shared expert's gate (the
+// shared expert's own matrices are the layer's MLP weights, kGateUp and kDown). An expert's matrix is
+// int8 dot panels, or (`expert_weights="file"`) its parts in the GGUF file's own blocks, each of the
+// kind file_dot.cpp codes (gate|up: gate's rows, then up's).
 struct LayerExperts {
   at::Tensor router;  // [E, hidden] panels (packed_linear)
   at::Tensor shared_gate;  // [1, hidden] panels, or undefined: no shared expert
-  std::vector<at::Tensor> gate_up, down;  // E each: int8 dot panels, [2I, hidden] and [hidden, I]
+  int64_t count = 0;  // E; 0: the layer has an MLP
+  int64_t gate_up_parts = 1, down_parts = 1;  // tensors an expert's matrix (1: dot panels)
+  std::vector<int64_t> gate_up_kinds, down_kinds;  // each part's kind in the file; empty: dot panels
+  std::vector<at::Tensor> gate_up, down;  // E * parts each, expert by expert
+
+  bool in_file() const { return !gate_up_kinds.empty(); }
 };
 
 // How every mixture of experts of the stack routes and multiplies (SparseMoE's settings).
@@ -34,14 +41,16 @@ struct Routing {
 struct StackWeights : torch::CustomClassHolder {
   // layers: kWeightsPerLayer tensors a layer (decoder.cpp's `Weight` order). experts: per layer
   // `experts_per_layer[i]` tensors, none for a layer with an MLP, else its router, its shared
-  // expert's gate (an empty tensor for none), its E gate|up matrices and its E down matrices.
+  // expert's gate (an empty tensor for none), its layout (an empty tensor for dot panels, else int64
+  // [gate|up's parts, down's parts, their kinds...]), its E gate|up matrices' parts and its E down
+  // matrices' parts.
   // routing: top_k, normalize, hidden, intermediate, shared_intermediate, chunk_rows (unused without
   // experts).
   StackWeights(std::vector<at::Tensor> layers, std::vector<at::Tensor> experts, std::vector<int64_t> experts_per_layer,
                std::vector<int64_t> routing);
 
   std::vector<at::Tensor> layers;
-  std::vector<LayerExperts> experts;  // per layer: empty `gate_up` where it has an MLP
+  std::vector<LayerExperts> experts;  // per layer (`count` 0 where it has an MLP)
   Routing routing{};
 };
 
