@@ -67,6 +67,8 @@ TEMPLATES = {
     "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction_v2",
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": None,
     "google-gemma-2-2b-it.jinja": None,
+    "microsoft-Phi-3.5-mini-instruct.jinja": None,
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": None,
 }
 
 
@@ -104,6 +106,7 @@ REPLIES = {
     ),
     "firefunction_v2": f"Let me check. functools[{CALL}, {TIME_CALL}]",
     "granite": f"Let me check.<|tool_call|>[{CALL}, {TIME_CALL}]",
+    "phi4_mini": f"Let me check.<|tool_call|>[{CALL}, {TIME_CALL}]<|/tool_call|>",
     "qwen3_coder": (
         "Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
@@ -195,6 +198,8 @@ GRAMMAR_CASES = [  # tokenizer, format, reply, accepted as a prefix, complete
     ("llama3", "firefunction_v2", REPLIES["firefunction_v2"], True, True),
     ("llama3", "granite", REPLIES["granite"], True, True),
     ("llama3", "granite", '<|tool_call|>[{"name": "get_time", "arguments": {"utc": 1', False, False),
+    ("llama3", "phi4_mini", REPLIES["phi4_mini"], True, True),
+    ("llama3", "phi4_mini", REPLIES["phi4_mini"].removesuffix("<|/tool_call|>"), True, False),  # unclosed
     ("llama3", "hermes", f"<tool_call>\n{CALL}\n</tool_call>", True, True),
     ("qwen2.5", "qwen3_coder", "Just text, no call.", True, True),
     ("qwen2.5", "qwen3_coder", REPLIES["qwen3_coder"], True, True),
@@ -626,6 +631,31 @@ def test_granite_calls_are_detected_and_read_back_as_its_template_writes_them():
     reply = rendered[rendered.index("<|tool_call|>") : rendered.rindex("<|end_of_text|>")]
     _, (back,) = final_calls(FORMATS["granite"], reply, SPECS)
     assert back.name == "get_weather" and json.loads(back.arguments) == json.loads(CALL_ARGS)
+
+
+# Phi-4-mini's template reads the tools from the system message and writes each message's content
+# after its role's token; written here, not copied
+PHI4_MINI_TEMPLATE = """
+{%- for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}
+{%- if message['role'] == 'system' and message['tools'] is defined and message['tools'] is not none %}
+<|tool|>{{ message['tools'] }}<|/tool|>{% endif %}<|end|>{% endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_phi4_mini_gets_its_tools_in_the_system_message_and_its_format():
+    from weft.tokenizer import render_chat_template
+
+    assert detect_tool_format(PHI4_MINI_TEMPLATE).name == "phi4_mini"
+    tools_text = json.dumps([WEATHER["function"], TIME["function"]], ensure_ascii=False)
+    user = {"role": "user", "content": "Weather?"}
+    alone = render_chat_template(PHI4_MINI_TEMPLATE, [user], tools=TOOLS)
+    assert alone == f"<|system|><|tool|>{tools_text}<|/tool|><|end|><|user|>Weather?<|end|><|assistant|>"
+    system = {"role": "system", "content": "Be brief."}
+    with_system = render_chat_template(PHI4_MINI_TEMPLATE, [system, user], tools=TOOLS)
+    assert with_system.startswith(f"<|system|>Be brief.<|tool|>{tools_text}<|/tool|><|end|><|user|>")
+    assert "<|tool|>" not in render_chat_template(PHI4_MINI_TEMPLATE, [system, user])  # no tools: none
+    hermes = shared_data("chat_templates/Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    assert "Be brief." in render_chat_template(hermes, [system, user], tools=TOOLS)  # others: as given
 
 
 def test_qwen3_coder_calls_are_told_apart_from_hermes_and_written_back_by_its_template():

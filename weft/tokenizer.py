@@ -206,15 +206,34 @@ def _call_arguments_as_object(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": decoded}}
 
 
+# a template that reads the tools from the system message, not from `tools` (Phi-4-mini's: the JSON
+# text of the functions between <|tool|> and <|/tool|>)
+_TOOLS_IN_SYSTEM = re.compile(r"message\[['\"]tools['\"]\]|message\.tools\b")
+
+
+def _tools_in_system(messages: list[Message], tools: list[Any]) -> list[Message]:
+    """The messages with the tools' functions as JSON text on the first system message (a system
+    message of no text put first where there is none), as such a template reads them."""
+    functions = [t.get("function", t) if isinstance(t, dict) else t for t in tools]
+    text = json.dumps(functions, ensure_ascii=False)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "tools": text}, *messages[1:]]
+    return [{"role": "system", "content": "", "tools": text}, *messages]
+
+
 def render_chat_template(
     template: str, messages: list[Message], add_generation_prompt: bool = True, **context: Any
 ) -> str:
     """Render a Hugging Face chat template in a sandboxed jinja2 environment, after checking the
     messages (`check_chat_messages`). Tool calls' `arguments` given as JSON text (OpenAI's shape)
-    reach a template that writes them with `tojson` as the object they encode."""
+    reach a template that writes them with `tojson` as the object they encode; `tools` reach a
+    template that reads them from the system message there (`_tools_in_system`)."""
     check_chat_messages(messages)
     if _ARGUMENTS_TO_JSON.search(template):
         messages = [_arguments_as_objects(m) for m in messages]
+    tools = context.get("tools")
+    if tools and _TOOLS_IN_SYSTEM.search(template) and not any("tools" in m for m in messages):
+        messages = _tools_in_system(messages, list(tools))
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )

@@ -104,6 +104,11 @@ FORMATS: dict[str, ToolCallFormat] = {
         ),
         # functionary v3.1 (Llama 3.1 based)
         ToolCallFormat("functionary_v3_1", "", "", "", shape=CallShape.TAG, markers=("<function=",)),
+        # Phi-4-mini: a JSON list of calls between "<|tool_call|>" and "<|/tool_call|>"; its template
+        # reads the tools from the system message, between "<|tool|>" and "<|/tool|>"
+        ToolCallFormat(
+            "phi4_mini", "<|tool_call|>[", ", ", "]<|/tool_call|>", markers=("<|tool|>", "<|/tool|>")
+        ),
         # Granite 3.x: "<|tool_call|>" and a JSON list of calls
         ToolCallFormat("granite", "<|tool_call|>[", ", ", "]", markers=("<|tool_call|>",)),
         # firefunction v2
