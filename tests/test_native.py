@@ -644,6 +644,30 @@ def test_decoder_stack_runs_experts_with_the_layer_paths_numbers(checkpoint_fact
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize(("arch", "mix"), [("gptoss", "mxfp4"), ("qwen3moe", "q4_k_m")])
+def test_decoder_stack_runs_a_gguf_files_experts_with_the_layer_paths_numbers(
+    checkpoint_factory, tmp_path, arch, mix
+):
+    """Random GGUF files: gpt-oss's MXFP4 experts with their biases and clamped SwiGLU, its attention
+    sinks, q/k/v and o biases and sliding-window layers; Qwen3-MoE's Q4_K_M mix. The stack's tokens
+    and logprobs are the layer path's."""
+    from weft import LLM, SamplingParams
+    from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
+
+    config = checkpoint_factory(arch) / "config.json"
+    path = write_random_gguf(config, mix, tmp_path / "random.gguf", num_layers=2)
+    tokenizer = str(word_level_tokenizer(384, tmp_path / "tokenizer"))
+    fused, layered = (LLM(str(path), tokenizer=tokenizer, show_progress=False, block_size=4) for _ in "ab")
+    assert fused.engine.model.stack is not None
+    layered.engine.model.stack = None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    for prompts in ([[5, 6, 7]], [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]):
+        outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_decoder_stack_leaves_experts_it_cannot_run_to_the_layers(checkpoint_factory):
     """Float experts (not dot panels) keep the layer path."""
     from weft import LLM

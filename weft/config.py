@@ -123,10 +123,9 @@ class ModelConfig:
         the logits' are applied outside the stack, the attention's is its scale, the residual one the
         stack's `residual_scale`), SmolLM3's layers without rotary embedding, and Gemma's (norms
         around each branch, GeGLU, soft-capped scores, sliding-window layers with a rotation of
-        their own), and mixtures of experts with SwiGLU experts without biases; not attention sinks
-        (gpt-oss)."""
-        experts_fit = self.num_experts == 0 or (not self.expert_bias and self.swiglu_limit is None)
-        return self.hidden_act in ("silu", "gelu_pytorch_tanh") and experts_fit and not self.attention_sinks
+        their own), attention sinks, and mixtures of experts (gpt-oss's with biases and its clamped
+        SwiGLU)."""
+        return self.hidden_act in ("silu", "gelu_pytorch_tanh")
 
     def layer_has_experts(self, layer: int) -> bool:
         """Whether layer `layer` runs a mixture of experts instead of an MLP."""

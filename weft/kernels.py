@@ -130,6 +130,8 @@ class StackRouting:
     intermediate: int = 0  # a routed expert's columns
     shared_intermediate: int = 0  # the shared expert's (Qwen2-MoE), 0: none
     chunk_rows: int = 1  # rows routed at a time (`MOE_CHUNK_BYTES`)
+    swiglu_limit: float = 0.0  # gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`); 0: plain SwiGLU
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,8 +383,8 @@ class TorchKernels:
         self, layers: list[torch.Tensor], experts: list[list[torch.Tensor]], routing: StackRouting
     ) -> object:
         """A whole stack's weights for `decoder_stack_`, held by the kernel once: each layer's in the
-        kernel's order, and each layer's experts (its router, its shared expert's gate or an empty
-        tensor, every expert's gate|up, then every expert's down; [] for a layer with an MLP)."""
+        kernel's order, and each layer's experts (`SparseMoE.stack_tensors`; [] for a layer with an
+        MLP)."""
         raise NotImplementedError(f"the {self.name} kernel set has no decoder_stack_")
 
     def decoder_stack_(
@@ -682,7 +684,8 @@ class NativeCpuKernels(TorchKernels):
         r = routing
         sizes = [r.top_k, int(r.normalize), r.hidden, r.intermediate, r.shared_intermediate, r.chunk_rows]
         flat = [t for layer in experts for t in layer]
-        return torch.classes.weft.StackWeights(layers, flat, [len(layer) for layer in experts], sizes)
+        swiglu = [r.swiglu_limit, r.swiglu_alpha]
+        return torch.classes.weft.StackWeights(layers, flat, [len(layer) for layer in experts], sizes, swiglu)
 
     def decoder_stack_(
         self,

@@ -406,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
         layers = cast(list[DecoderLayer | PostNormLayer], list(self.layers))
         device = self.lm_head.weight.device
         if not self.config.fits_decoder_stack:
-            return  # (the kernel has no sinks or experts)
+            return  # (the kernel has no such layers)
         if not self.kernels.has_decoder_stack(device, self.activation_dtype):
             return
         if not all(_stackable(layer) for layer in layers) or self.tp is not None:
@@ -444,6 +444,8 @@ class LlamaForCausalLM(nn.Module):
             intermediate=c.moe_intermediate_size,
             shared_intermediate=c.shared_expert_intermediate_size,
             chunk_rows=moe.chunk_rows(c.hidden_size),
+            swiglu_limit=c.swiglu_limit or 0.0,
+            swiglu_alpha=c.swiglu_alpha,
         )
 
     def _stack_ropes(self) -> tuple[int, ...]:
@@ -543,4 +545,5 @@ def _stack_weights(layer: DecoderLayer | PostNormLayer) -> list[torch.Tensor]:
         empty if attn.q_norm is None else attn.q_norm.weight,
         empty if attn.k_norm is None else attn.k_norm.weight,
         *after,
+        empty if attn.sinks is None else attn.sinks.float(),
     ]

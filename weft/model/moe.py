@@ -173,26 +173,35 @@ class SparseMoE(nn.Module):
 
     def stackable(self) -> bool:
         """Whether the fused decoder stack runs this layer's experts (weft/native/experts.cpp): routed
-        experts all in int8 dot panels or all in the file's blocks, SwiGLU without biases (not
-        gpt-oss's), the router and the shared expert packed whole into panels."""
+        experts all in int8 dot panels or all in the file's blocks, the router and the shared expert
+        packed whole into panels."""
         experts = cast(list[Expert], list(self.experts))
-        if not self._groups() or self._biases is not None or experts[0].limit is not None:
+        if not self._groups():
             return False
-        whole = [self.router] + [lin for lin in (self.shared_gate,) if lin is not None]
+        whole = [lin for lin in (self.shared_gate,) if lin is not None]
         if self.shared_expert is not None:
             whole += [self.shared_expert.gate_up, self.shared_expert.down]
         panels = all(_dot_panels(e.gate_up) and _dot_panels(e.down) for e in experts)
         in_file = all(e.gate_up.file is not None and e.down.file is not None for e in experts)
-        return (panels or in_file) and all(
-            lin.layout is WeightLayout.PANELS and lin.parts is None and lin.bias is None for lin in whole
+        router = self.router.layout is WeightLayout.PANELS and self.router.parts is None
+        return (
+            (panels or in_file)
+            and router
+            and all(
+                lin.layout is WeightLayout.PANELS and lin.parts is None and lin.bias is None for lin in whole
+            )
         )
 
     def stack_tensors(self) -> list[torch.Tensor]:
-        """Its weights in the stack's order: the router, the shared expert's gate (or an empty
-        tensor), the experts' layout (an empty tensor for dot panels, else int64 [gate|up's parts,
-        down's parts, each part's kind]), every expert's gate|up (its parts), every expert's down."""
-        gate = torch.empty(0) if self.shared_gate is None else self.shared_gate.weight
-        return [self.router.weight, gate, *_stacked_experts(cast(list[Expert], list(self.experts)))]
+        """Its weights in the stack's order: the router and its bias, the shared expert's gate, the
+        experts' layout, their gate|up biases [E, 2I] and down biases [E, hidden] (each an empty
+        tensor where there is none), every expert's gate|up (its parts), every expert's down."""
+        empty = torch.empty(0)
+        router_bias = empty if self.router.bias is None else self.router.bias
+        gate = empty if self.shared_gate is None else self.shared_gate.weight
+        layout, *matrices = _stacked_experts(cast(list[Expert], list(self.experts)))
+        biases = self._biases or (empty, empty)
+        return [self.router.weight, router_bias, gate, layout, *biases, *matrices]
 
 
 def _stacked_experts(experts: list[Expert]) -> list[torch.Tensor]:

@@ -29,10 +29,11 @@ namespace {
 // Q6_K v beside Q4_K q and k, `PartedRows`), or an empty tensor; kQNorm, kKNorm: each head's RMSNorm
 // of q and of k (Qwen3's and Gemma 3's [D] weights), or empty tensors; kPostNorm: the MLP's input norm;
 // kAttnOutNorm, kMlpOutNorm: the norms of each branch's output before it joins the residual stream
-// (Gemma's sandwich layers), or empty tensors.
+// (Gemma's sandwich layers), or empty tensors; kSinks: each head's attention sink (gpt-oss's float32
+// [H]), or an empty tensor.
 enum Weight {
   kInputNorm, kQkv, kQkvTail, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kAttnOutNorm,
-  kMlpOutNorm, kWeightsPerLayer
+  kMlpOutNorm, kSinks, kWeightsPerLayer
 };
 
 struct StackShape {
@@ -169,7 +170,7 @@ at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& cache
   if (a.cos != nullptr) weft::rope_(qk, positions, *a.cos, *a.sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, *a.slots, "decoder_stack_");
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, *a.block_table, *a.context_lens,
-                                                 s.scale, a.window, s.softcap);
+                                                 s.scale, a.window, s.softcap, bias_or_none(w[kSinks]));
   return linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s);
 }
 
@@ -282,8 +283,8 @@ void decoder_stack_(at::Tensor& x, const c10::intrusive_ptr<weft::StackWeights>&
 
 TORCH_LIBRARY_FRAGMENT(weft, m) {
   m.class_<weft::StackWeights>("StackWeights")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
-                       std::vector<int64_t>>());
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<double>>());
   m.def(
       "decoder_stack_(Tensor(a!) x, __torch__.torch.classes.weft.StackWeights weights, Tensor(b!)[] kv_caches, "
       "Tensor slots, Tensor block_table, Tensor context_lens, Tensor positions, Tensor[] cos, Tensor[] sin, "

@@ -20,25 +20,47 @@
 namespace weft {
 namespace {
 
-// x [T, K] @ W.T through packed_linear, W [n, K] in panels (bfloat16 products where asked and W is
-// bfloat16).
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t n, bool bf16_dot) {
-  return packed_linear(x, w, std::nullopt, n, bf16_dot && w.scalar_type() == at::kBFloat16);
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// Rows x [n, K] times one of an expert's matrices (`parts` of them from `first`): its dot panels, or
-// its parts in the file's blocks, as `Linear` multiplies them.
+// x [T, K] @ W.T (+ bias) through packed_linear, W [n, K] in panels (bfloat16 products where asked
+// and W is bfloat16).
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t n, bool bf16_dot,
+                   const std::optional<at::Tensor>& bias = std::nullopt) {
+  return packed_linear(x, w, bias, n, bf16_dot && w.scalar_type() == at::kBFloat16);
+}
+
+// Rows x [n, K] times one of an expert's matrices (`parts` of them from `first`) plus its bias: its dot
+// panels, or its parts in the file's blocks, as `Linear` multiplies them.
 at::Tensor expert_product(const at::Tensor& x, const std::vector<at::Tensor>& matrices, int64_t first,
-                          int64_t parts, const std::vector<int64_t>& kinds, int64_t n) {
-  if (kinds.empty()) return product(x, matrices[first], n, false);
-  return file_dot::file_linear(x, at::TensorList(matrices).slice(first, parts), kinds);
+                          int64_t parts, const std::vector<int64_t>& kinds, int64_t n,
+                          const std::optional<at::Tensor>& bias) {
+  if (kinds.empty()) return product(x, matrices[first], n, false, bias);
+  at::Tensor out = file_dot::file_linear(x, at::TensorList(matrices).slice(first, parts), kinds);
+  return bias ? out.add_(*bias) : out;
 }
 
-// Expert `ex`'s SwiGLU over rows x [n, hidden]: down(silu(gate) * up).
+// SwiGLU over gate|up [N, 2I] -> [N, I], or gpt-oss's clamped one (Expert.activation): gate clamped
+// above and up on both sides at the limit, then (up + 1) * gate * sigmoid(alpha * gate).
+at::Tensor activation(const at::Tensor& gate_up, const Routing& r) {
+  if (r.limit == 0.0) return silu_mul(gate_up);
+  const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);  // gate, up: [N, I] each
+  const at::Tensor gate = at::clamp(halves[0], std::nullopt, r.limit);
+  const at::Tensor glu = gate * at::sigmoid(gate * r.alpha);
+  return at::clamp(halves[1], -r.limit, r.limit).add_(1.0).mul_(glu);
+}
+
+std::optional<at::Tensor> bias_row(const at::Tensor& biases, int64_t ex) {
+  return biases.defined() ? std::optional<at::Tensor>(biases[ex]) : std::nullopt;
+}
+
+// Expert `ex` over rows x [n, hidden]: down(activation(gate|up)).
 at::Tensor routed_expert(const at::Tensor& x, const LayerExperts& e, int64_t ex, const Routing& r) {
-  const at::Tensor gate_up =
-      expert_product(x, e.gate_up, ex * e.gate_up_parts, e.gate_up_parts, e.gate_up_kinds, 2 * r.intermediate);
-  return expert_product(silu_mul(gate_up), e.down, ex * e.down_parts, e.down_parts, e.down_kinds, x.size(1));
+  const at::Tensor gate_up = expert_product(x, e.gate_up, ex * e.gate_up_parts, e.gate_up_parts, e.gate_up_kinds,
+                                            2 * r.intermediate, bias_row(e.gate_up_bias, ex));
+  return expert_product(activation(gate_up, r), e.down, ex * e.down_parts, e.down_parts, e.down_kinds, x.size(1),
+                        bias_row(e.down_bias, ex));
 }
 
 // Row i of x [k, K] times the matrix of the i-th of `ids` (k experts), every matrix in one call:
@@ -47,7 +69,10 @@ at::Tensor rows_product(const at::Tensor& x, const std::vector<at::Tensor>& matr
                         const std::vector<int64_t>& kinds, const int64_t* ids, int64_t n) {
   const int64_t k = x.size(0);
   std::vector<at::Tensor> chosen;
-  for (int64_t i = 0; i < k; ++i) chosen.insert(chosen.end(), &matrices[ids[i] * parts], &matrices[(ids[i] + 1) * parts]);
+  for (int64_t i = 0; i < k; ++i) {
+    const auto first = matrices.begin() + ids[i] * parts;
+    chosen.insert(chosen.end(), first, first + parts);
+  }
   if (!kinds.empty()) {
     std::vector<int64_t> all_kinds;
     for (int64_t i = 0; i < k; ++i) all_kinds.insert(all_kinds.end(), kinds.begin(), kinds.end());
@@ -61,7 +86,8 @@ at::Tensor rows_product(const at::Tensor& x, const std::vector<at::Tensor>& matr
 // Each row's experts [T, k] int64 and their weights [T, k] float32 (SparseMoE.route).
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const LayerExperts& e, const Routing& r,
                                         bool bf16_dot) {
-  const at::Tensor probs = at::softmax(product(x, e.router, e.count, bf16_dot), -1);  // [T, E]
+  const at::Tensor logits = product(x, e.router, e.count, bf16_dot, defined_or_none(e.router_bias));
+  const at::Tensor probs = at::softmax(logits, -1);  // [T, E]
   auto [weights, chosen] = at::topk(probs, r.top_k, -1);
   if (r.normalize) weights = weights / weights.sum(-1, true);
   return {weights, chosen};
@@ -73,9 +99,11 @@ at::Tensor one_row(const at::Tensor& x, const LayerExperts& e, const Routing& r,
   const int64_t k = chosen.size(1), hidden = x.size(1);
   const at::Tensor ids = chosen.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
-  const at::Tensor sums =
+  at::Tensor sums =
       rows_product(x.expand({k, hidden}), e.gate_up, e.gate_up_parts, e.gate_up_kinds, id, 2 * r.intermediate);
-  at::Tensor y = rows_product(silu_mul(sums), e.down, e.down_parts, e.down_kinds, id, hidden);  // [k, hidden]
+  if (e.gate_up_bias.defined()) sums.add_(e.gate_up_bias.index_select(0, ids.view({-1})));  // (as a tile adds it)
+  at::Tensor y = rows_product(activation(sums, r), e.down, e.down_parts, e.down_kinds, id, hidden);  // [k, hidden]
+  if (e.down_bias.defined()) y.add_(e.down_bias.index_select(0, ids.view({-1})));
   return y.mul_(weights.select(0, 0).unsqueeze(1)).view({1, k, hidden}).sum(1);
 }
 
@@ -125,13 +153,16 @@ void check_expert_panels(const std::vector<at::Tensor>& panels, int64_t k, const
   }
 }
 
-// A layer's experts from its tensors: router, shared gate (or empty), layout (or empty), E gate|up
-// matrices' parts, E down matrices' parts.
+at::Tensor tensor_or_none(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
+
+// A layer's experts from its tensors: router, its bias, shared gate, layout, gate|up biases, down
+// biases (each an empty tensor where there is none), E gate|up matrices' parts, E down matrices' parts.
 LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r) {
-  TORCH_CHECK(count >= 5, "StackWeights: a layer's experts are its router, its shared gate, its layout "
-              "and each expert's matrices");
-  LayerExperts e{t[0], t[1].numel() > 0 ? t[1] : at::Tensor()};
-  const at::Tensor layout = t[2].contiguous();
+  constexpr int64_t kHead = 6;  // the tensors before the matrices
+  TORCH_CHECK(count > kHead, "StackWeights: a layer's experts are its router and its bias, its shared gate, its "
+              "layout, its experts' biases and their matrices");
+  LayerExperts e{t[0], tensor_or_none(t[1]), tensor_or_none(t[2]), tensor_or_none(t[4]), tensor_or_none(t[5])};
+  const at::Tensor layout = t[3].contiguous();
   if (layout.numel() > 0) {  // the file's blocks: [gate|up's parts, down's parts, their kinds...]
     TORCH_CHECK(layout.scalar_type() == at::kLong && layout.numel() >= 2, "StackWeights: a layout is int64");
     const int64_t* v = layout.data_ptr<int64_t>();
@@ -143,10 +174,14 @@ LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r)
     e.down_kinds.assign(v + 2 + e.gate_up_parts, v + layout.numel());
   }
   const int64_t per_expert = e.gate_up_parts + e.down_parts;
-  TORCH_CHECK((count - 3) % per_expert == 0, "StackWeights: every expert's matrices must have their parts");
-  e.count = (count - 3) / per_expert;
-  e.gate_up.assign(t + 3, t + 3 + e.count * e.gate_up_parts);
-  e.down.assign(t + 3 + e.count * e.gate_up_parts, t + count);
+  TORCH_CHECK((count - kHead) % per_expert == 0, "StackWeights: every expert's matrices must have their parts");
+  e.count = (count - kHead) / per_expert;
+  e.gate_up.assign(t + kHead, t + kHead + e.count * e.gate_up_parts);
+  e.down.assign(t + kHead + e.count * e.gate_up_parts, t + count);
+  for (const at::Tensor* bias : {&e.router_bias, &e.gate_up_bias, &e.down_bias}) {
+    TORCH_CHECK(!bias->defined() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+                "StackWeights: the experts' biases must be contiguous float32");
+  }
   if (!e.in_file()) {  // (the file's parts are checked as each product reads them)
     check_expert_panels(e.gate_up, r.hidden, "gate|up");
     check_expert_panels(e.down, r.intermediate, "down");
@@ -158,12 +193,14 @@ LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r)
 }  // namespace
 
 StackWeights::StackWeights(std::vector<at::Tensor> layers_in, std::vector<at::Tensor> experts_in,
-                           std::vector<int64_t> experts_per_layer, std::vector<int64_t> routing_in)
+                           std::vector<int64_t> experts_per_layer, std::vector<int64_t> routing_in,
+                           std::vector<double> swiglu)
     : layers(std::move(layers_in)) {
+  TORCH_CHECK(swiglu.size() == 2, "StackWeights: swiglu is [limit, alpha]");
   TORCH_CHECK(routing_in.size() == 6, "StackWeights: routing is [top_k, normalize, hidden, intermediate, "
               "shared_intermediate, chunk_rows]");
   const std::vector<int64_t>& v = routing_in;
-  routing = Routing{v[0], v[1] != 0, v[2], v[3], v[4], std::max<int64_t>(1, v[5])};
+  routing = Routing{v[0], v[1] != 0, v[2], v[3], v[4], std::max<int64_t>(1, v[5]), swiglu[0], swiglu[1]};
   int64_t offset = 0;
   for (const int64_t count : experts_per_layer) {
     TORCH_CHECK(count >= 0 && offset + count <= static_cast<int64_t>(experts_in.size()),

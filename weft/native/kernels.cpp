@@ -1831,8 +1831,9 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
   ::rope_(x, positions, cos, sin, num_heads);
 }
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
-  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, std::nullopt, softcap);
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
+  return ::paged_decode_attention(q, kv_cache, block_table, context_lens, scale, window, sinks, softcap);
 }
 
 }  // namespace weft
