@@ -622,18 +622,12 @@ def test_decoder_stack_in_one_call_equals_layer_by_layer(checkpoint_factory, arc
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
-def test_decoder_stack_runs_experts_with_the_layer_paths_numbers(checkpoint_factory, arch):
-    """A mixture of experts in the stack (weft/native/experts.cpp): Qwen3-MoE's normalized top 2 of
-    8, Qwen2-MoE's shared expert and its gate, Mixtral's w1/w2/w3 experts, each quantized to Q8_0 at
-    load (dot panels, which the stack takes). A row alone takes its experts in two grouped products,
-    several rows are grouped by expert: greedy tokens and logprobs equal to the layer path's."""
+def assert_the_stack_computes_the_layers_numbers(path: str, **options) -> None:
+    """Two engines on one model, one with the fused stack and one without: the same greedy tokens and
+    logprobs, a row alone and a batch with a prompt of 21 tokens (blocks of 4)."""
     from weft import LLM, SamplingParams
 
-    path = str(checkpoint_factory(arch))
-    fused, layered = (
-        LLM(path, show_progress=False, dtype="float32", block_size=4, quantization="q8_0") for _ in "ab"
-    )
+    fused, layered = (LLM(path, show_progress=False, block_size=4, **options) for _ in "ab")
     assert fused.engine.model.stack is not None
     layered.engine.model.stack = None
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -642,6 +636,16 @@ def test_decoder_stack_runs_experts_with_the_layer_paths_numbers(checkpoint_fact
         for a, b in zip(*outs, strict=True):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "mixtral"])
+def test_decoder_stack_runs_experts_with_the_layer_paths_numbers(checkpoint_factory, arch):
+    """A mixture of experts in the stack (weft/native/experts.cpp): Qwen3-MoE's normalized top 2 of
+    8, Qwen2-MoE's shared expert and its gate, Mixtral's w1/w2/w3 experts, each quantized to Q8_0 at
+    load (dot panels, which the stack takes). A row alone takes its experts in two grouped products,
+    several rows are grouped by expert: greedy tokens and logprobs equal to the layer path's."""
+    path = str(checkpoint_factory(arch))
+    assert_the_stack_computes_the_layers_numbers(path, dtype="float32", quantization="q8_0")
 
 
 @pytest.mark.parametrize(("arch", "mix"), [("gptoss", "mxfp4"), ("qwen3moe", "q4_k_m")])
@@ -651,21 +655,12 @@ def test_decoder_stack_runs_a_gguf_files_experts_with_the_layer_paths_numbers(
     """Random GGUF files: gpt-oss's MXFP4 experts with their biases and clamped SwiGLU, its attention
     sinks, q/k/v and o biases and sliding-window layers; Qwen3-MoE's Q4_K_M mix. The stack's tokens
     and logprobs are the layer path's."""
-    from weft import LLM, SamplingParams
     from weft.bench.random_gguf import word_level_tokenizer, write_random_gguf
 
     config = checkpoint_factory(arch) / "config.json"
     path = write_random_gguf(config, mix, tmp_path / "random.gguf", num_layers=2)
     tokenizer = str(word_level_tokenizer(384, tmp_path / "tokenizer"))
-    fused, layered = (LLM(str(path), tokenizer=tokenizer, show_progress=False, block_size=4) for _ in "ab")
-    assert fused.engine.model.stack is not None
-    layered.engine.model.stack = None
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    for prompts in ([[5, 6, 7]], [[5, 6, 7, 8, 9], [3] * 21, [11, 12]]):
-        outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (fused, layered)]
-        for a, b in zip(*outs, strict=True):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_the_stack_computes_the_layers_numbers(str(path), tokenizer=tokenizer)
 
 
 def test_decoder_stack_leaves_experts_it_cannot_run_to_the_layers(checkpoint_factory):
