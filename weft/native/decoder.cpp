@@ -69,14 +69,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return weft::packed_linear(x, w, bias, n, s.bf16_dot && w.scalar_type() == at::kBFloat16);
 }
 
-std::optional<at::Tensor> bias_or_none(const at::Tensor& bias) {
-  return bias.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(bias);
-}
-
 // The fused q/k/v projection [T, n]: one matrix, or its two parts (kQkv's panels of 32 rows each,
 // then kQkvTail's) each into its columns.
 at::Tensor qkv_projection(const at::Tensor& h, const at::Tensor* w, int64_t n, const StackShape& s) {
-  const std::optional<at::Tensor> bias = bias_or_none(w[kQkvBias]);
+  const std::optional<at::Tensor> bias = weft::nonempty(w[kQkvBias]);
   if (w[kQkvTail].numel() == 0) return linear(h, w[kQkv], bias, n, s);
   const int64_t head = w[kQkv].size(0) * weft::kPanel;  // the first part's rows: whole panels
   const auto part_bias = [&](int64_t start, int64_t rows) {
@@ -170,8 +166,8 @@ at::Tensor attention(const at::Tensor& h, const at::Tensor* w, at::Tensor& cache
   if (a.cos != nullptr) weft::rope_(qk, positions, *a.cos, *a.sin, heads + kv_heads);
   write_kv(qkv.view({tokens, -1}).narrow(1, heads * d, 2 * kv_heads * d), cache, *a.slots, "decoder_stack_");
   at::Tensor attn = weft::paged_decode_attention(qkv.narrow(1, 0, heads), cache, *a.block_table, *a.context_lens,
-                                                 s.scale, a.window, s.softcap, bias_or_none(w[kSinks]));
-  return linear(attn.view({tokens, heads * d}), w[kO], bias_or_none(w[kOBias]), s.hidden, s);
+                                                 s.scale, a.window, s.softcap, weft::nonempty(w[kSinks]));
+  return linear(attn.view({tokens, heads * d}), w[kO], weft::nonempty(w[kOBias]), s.hidden, s);
 }
 
 // The MLP branch's output [T, hidden] from its input h [T, hidden].
@@ -253,19 +249,20 @@ void check_stack_args(const at::Tensor& x, const weft::StackWeights& weights, in
 // (an empty tensor for a missing bias or norm) and each layer's experts (stack_weights.h);
 // kv_caches: one per layer; slots [T], block_table [T, max_blocks], context_lens [T] and positions
 // [T] int64: row t is one query whose context (itself included) is context_lens[t] tokens. cos, sin:
-// the rotary tables [P, D / 2] of the model and of the layers that rotate otherwise. shape: num_heads, num_kv_heads, head_dim, hidden, intermediate.
-// bf16_dot: bfloat16 products in every matrix (bfloat16 weights; see linear.cpp). residual_scale:
-// Granite's residual multiplier (1 elsewhere). layer_rope: per layer, its index in cos and sin (-1: no
-// rotation, SmolLM3's NoPE layers); empty: every layer's 0. sandwich, gelu, softcap: Gemma's norms
-// around each branch, its GeGLU, Gemma 2's soft-capped scores. layer_window: per layer, the keys a
-// query sees (0: all; empty: every layer's 0); window_meta: [slots, block_table, context_lens] of the
-// sliding-window layers' own pool, or empty (they share the model's).
+// the rotary tables [P, D / 2] of the model and of the layers that rotate otherwise. shape:
+// num_heads, num_kv_heads, head_dim, hidden, intermediate. bf16_dot: bfloat16 products in every
+// matrix (bfloat16 weights; see linear.cpp). residual_scale: Granite's residual multiplier (1
+// elsewhere). layer_rope: per layer, its index in cos and sin (-1: no rotation, SmolLM3's NoPE
+// layers); empty: every layer's 0. sandwich, gelu, softcap: Gemma's norms around each branch, its
+// GeGLU, Gemma 2's soft-capped scores. layer_window: per layer, the keys a query sees (0: all; empty:
+// every layer's 0); window_meta: [slots, block_table, context_lens] of the sliding-window layers' own
+// pool, or empty (they share the model's).
 void decoder_stack_(at::Tensor& x, const c10::intrusive_ptr<weft::StackWeights>& weights, at::TensorList kv_caches,
                     const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
-                    const at::Tensor& positions,
-                    at::TensorList cos, at::TensorList sin, at::IntArrayRef shape, double eps, double scale,
-                    bool bf16_dot, double residual_scale, at::IntArrayRef layer_rope, bool sandwich, bool gelu,
-                    double softcap, at::IntArrayRef layer_window, at::TensorList window_meta) {
+                    const at::Tensor& positions, at::TensorList cos, at::TensorList sin, at::IntArrayRef shape,
+                    double eps, double scale, bool bf16_dot, double residual_scale, at::IntArrayRef layer_rope,
+                    bool sandwich, bool gelu, double softcap, at::IntArrayRef layer_window,
+                    at::TensorList window_meta) {
   TORCH_CHECK(shape.size() == 5, "decoder_stack_: shape must be [heads, kv_heads, head_dim, hidden, intermediate]");
   const StackShape s{shape[0], shape[1], shape[2], shape[3], shape[4], eps, scale, bf16_dot, residual_scale,
                      sandwich, gelu, softcap};

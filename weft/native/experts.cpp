@@ -20,10 +20,6 @@
 namespace weft {
 namespace {
 
-std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // x [T, K] @ W.T (+ bias) through packed_linear, W [n, K] in panels (bfloat16 products where asked
 // and W is bfloat16).
 at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t n, bool bf16_dot,
@@ -52,7 +48,7 @@ at::Tensor activation(const at::Tensor& gate_up, const Routing& r) {
 }
 
 std::optional<at::Tensor> bias_row(const at::Tensor& biases, int64_t ex) {
-  return biases.defined() ? std::optional<at::Tensor>(biases[ex]) : std::nullopt;
+  return biases.numel() > 0 ? std::optional<at::Tensor>(biases[ex]) : std::nullopt;
 }
 
 // Expert `ex` over rows x [n, hidden]: down(activation(gate|up)).
@@ -86,7 +82,7 @@ at::Tensor rows_product(const at::Tensor& x, const std::vector<at::Tensor>& matr
 // Each row's experts [T, k] int64 and their weights [T, k] float32 (SparseMoE.route).
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const LayerExperts& e, const Routing& r,
                                         bool bf16_dot) {
-  const at::Tensor logits = product(x, e.router, e.count, bf16_dot, defined_or_none(e.router_bias));
+  const at::Tensor logits = product(x, e.router, e.count, bf16_dot, nonempty(e.router_bias));
   const at::Tensor probs = at::softmax(logits, -1);  // [T, E]
   auto [weights, chosen] = at::topk(probs, r.top_k, -1);
   if (r.normalize) weights = weights / weights.sum(-1, true);
@@ -101,9 +97,9 @@ at::Tensor one_row(const at::Tensor& x, const LayerExperts& e, const Routing& r,
   const int64_t* id = ids.data_ptr<int64_t>();
   at::Tensor sums =
       rows_product(x.expand({k, hidden}), e.gate_up, e.gate_up_parts, e.gate_up_kinds, id, 2 * r.intermediate);
-  if (e.gate_up_bias.defined()) sums.add_(e.gate_up_bias.index_select(0, ids.view({-1})));  // (as a tile adds it)
+  if (e.gate_up_bias.numel() > 0) sums.add_(e.gate_up_bias.index_select(0, ids.view({-1})));  // (as a tile adds it)
   at::Tensor y = rows_product(activation(sums, r), e.down, e.down_parts, e.down_kinds, id, hidden);  // [k, hidden]
-  if (e.down_bias.defined()) y.add_(e.down_bias.index_select(0, ids.view({-1})));
+  if (e.down_bias.numel() > 0) y.add_(e.down_bias.index_select(0, ids.view({-1})));
   return y.mul_(weights.select(0, 0).unsqueeze(1)).view({1, k, hidden}).sum(1);
 }
 
@@ -137,7 +133,7 @@ at::Tensor chunk_branch(const at::Tensor& x, const LayerExperts& e, const Routin
                         const at::Tensor& shared_down, bool bf16_dot) {
   const auto [weights, chosen] = route(x, e, r, bf16_dot);
   at::Tensor out = x.size(0) == 1 ? one_row(x, e, r, weights, chosen) : grouped_rows(x, e, r, weights, chosen);
-  if (e.shared_gate.defined()) {  // [T, hidden], scaled by [T, 1]
+  if (e.shared_gate.numel() > 0) {  // [T, hidden], scaled by [T, 1]
     const at::Tensor act = silu_mul(product(x, shared_gate_up, 2 * r.shared_intermediate, bf16_dot));
     at::Tensor shared = product(act, shared_down, x.size(1), bf16_dot);
     out.add_(shared.mul_(at::sigmoid(product(x, e.shared_gate, 1, bf16_dot))));
@@ -153,15 +149,13 @@ void check_expert_panels(const std::vector<at::Tensor>& panels, int64_t k, const
   }
 }
 
-at::Tensor tensor_or_none(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
-
 // A layer's experts from its tensors: router, its bias, shared gate, layout, gate|up biases, down
 // biases (each an empty tensor where there is none), E gate|up matrices' parts, E down matrices' parts.
 LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r) {
   constexpr int64_t kHead = 6;  // the tensors before the matrices
   TORCH_CHECK(count > kHead, "StackWeights: a layer's experts are its router and its bias, its shared gate, its "
               "layout, its experts' biases and their matrices");
-  LayerExperts e{t[0], tensor_or_none(t[1]), tensor_or_none(t[2]), tensor_or_none(t[4]), tensor_or_none(t[5])};
+  LayerExperts e{t[0], t[1], t[2], t[4], t[5]};
   const at::Tensor layout = t[3].contiguous();
   if (layout.numel() > 0) {  // the file's blocks: [gate|up's parts, down's parts, their kinds...]
     TORCH_CHECK(layout.scalar_type() == at::kLong && layout.numel() >= 2, "StackWeights: a layout is int64");
@@ -179,7 +173,7 @@ LayerExperts layer_experts(const at::Tensor* t, int64_t count, const Routing& r)
   e.gate_up.assign(t + kHead, t + kHead + e.count * e.gate_up_parts);
   e.down.assign(t + kHead + e.count * e.gate_up_parts, t + count);
   for (const at::Tensor* bias : {&e.router_bias, &e.gate_up_bias, &e.down_bias}) {
-    TORCH_CHECK(!bias->defined() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+    TORCH_CHECK(bias->numel() == 0 || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
                 "StackWeights: the experts' biases must be contiguous float32");
   }
   if (!e.in_file()) {  // (the file's parts are checked as each product reads them)

@@ -23,6 +23,11 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale, int64_t window = 0,
                                   double softcap = 0.0, const std::optional<at::Tensor>& sinks = std::nullopt);
+// A tensor that is empty where there is none (the stack's missing biases, norms and sinks) as an
+// optional one.
+inline std::optional<at::Tensor> nonempty(const at::Tensor& t) {
+  return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
+}
 // qdot.cpp: whether `panels` are dot panels (int8, panels.h) of K input features, and out = x @ W.T
 // (+ bias) through them, x quantized to int8.
 bool is_dot_panels(const at::Tensor& panels, int64_t k);

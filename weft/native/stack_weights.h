@@ -20,9 +20,9 @@ namespace weft {
 // kind file_dot.cpp codes (gate|up: gate's rows, then up's).
 struct LayerExperts {
   at::Tensor router;  // [E, hidden] panels (packed_linear)
-  at::Tensor router_bias;  // [E] float32, or undefined: none
-  at::Tensor shared_gate;  // [1, hidden] panels, or undefined: no shared expert
-  at::Tensor gate_up_bias, down_bias;  // [E, 2I] and [E, hidden] float32, or undefined: none
+  at::Tensor router_bias;  // [E] float32, or empty: none
+  at::Tensor shared_gate;  // [1, hidden] panels, or empty: no shared expert
+  at::Tensor gate_up_bias, down_bias;  // [E, 2I] and [E, hidden] float32, or empty: none
   int64_t count = 0;  // E; 0: the layer has an MLP
   int64_t gate_up_parts = 1, down_parts = 1;  // tensors an expert's matrix (1: dot panels)
   std::vector<int64_t> gate_up_kinds, down_kinds;  // each part's kind in the file; empty: dot panels
