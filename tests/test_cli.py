@@ -303,3 +303,20 @@ def test_bench_speculative_runs_every_workload_with_identical_tokens(tmp_path):
     assert [r["acceptance"] for r in results[3:]] == [1.0] * 3  # the oracles' drafts: all accepted
     assert [_line_start(text, 8) for text in ("ab\ncd\nefgh", "abcdefghij", "abcdefgh\nij")] == [6, 8, 8]
     assert all(prompt.endswith("\n") for prompt, _ in _requests("copy", 4, 8))
+
+
+def test_bench_throughput_pairs_each_weft_run_with_the_reference_run_after_it(capsys):
+    """Beside the best run of each engine, the decode ratio of each weft run over the reference run
+    that followed it, and their median: where the machine's memory speed moves between runs, the best
+    runs of the two engines may come from different speeds."""
+    from weft.bench.throughput import _print_paired_ratios
+    from weft.bench.timing import Timing
+
+    ours = [Timing(0.1, 1.1), Timing(0.1, 2.1), Timing(0.1, 1.6)]  # 1.0, 2.0, 1.5 s of decode
+    theirs = [Timing(0.2, 1.7), Timing(0.2, 2.2), Timing(0.2, 3.2)]  # 1.5, 2.0, 3.0 s
+    ratios = Timing.paired_decode_ratios(ours, theirs, batch=1, output_len=11)
+    assert ratios == pytest.approx([1.5, 1.0, 2.0])
+    _print_paired_ratios([{"batch": 1, "decode_ratios": ratios}, {"batch": 8}], "llama.cpp")
+    out = capsys.readouterr().out
+    assert "each weft run / the llama.cpp run after it" in out
+    assert "batch 1: 1.50, 1.00, 2.00 (median 1.50)" in out and "batch 8" not in out

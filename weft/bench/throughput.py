@@ -33,11 +33,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -421,7 +422,7 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
 
 def _measure_all(
     llm, reference: Reference | None, batch_sizes: list[int], args: argparse.Namespace
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.model.vocab_size  # prompts are token ids drawn from the config's vocabulary
     # a prompt of the measured length: kernels compiled per shape (Triton's) compile here, untimed
@@ -446,7 +447,7 @@ def _measure_all(
                 ref_runs.append(reference.time(prompts, args.output_len))
         w = Timing.best(weft_runs)
         decode_tps = w.decode_tps(batch, args.output_len)
-        row = {
+        row: dict[str, Any] = {
             "batch": batch,
             "weft_prefill_tps": w.prefill_tps(batch, args.prompt_len),
             "weft_decode_tps": decode_tps,
@@ -458,6 +459,7 @@ def _measure_all(
             row["ref_decode_tps"] = r.decode_tps(batch, args.output_len)
             if r.kv_bytes is not None:
                 row["ref_kv_bytes"] = r.kv_bytes
+            row["decode_ratios"] = Timing.paired_decode_ratios(weft_runs, ref_runs, batch, args.output_len)
         if w.kv_bytes is not None:
             row["weft_kv_bytes"] = w.kv_bytes
             row["weft_kv_decode_bytes"] = w.kv_decode_bytes or 0
@@ -471,8 +473,19 @@ def _bandwidth_kind(device: str) -> str:
     return "device copy" if torch.device(device).type == "cuda" else "memory read"
 
 
+def _print_paired_ratios(results: list[dict[str, Any]], reference: str) -> None:
+    """The decode ratio of each weft run over the reference's run after it, and their median."""
+    paired = [r for r in results if len(r.get("decode_ratios", ())) > 1]
+    if paired:
+        print(f"\ndecode ratio run by run (each weft run / the {reference} run after it):")
+    for r in paired:
+        ratios = r["decode_ratios"]
+        listed = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"  batch {r['batch']}: {listed} (median {statistics.median(ratios):.2f})")
+
+
 def _print_table(
-    results: list[dict[str, float]],
+    results: list[dict[str, Any]],
     args: argparse.Namespace,
     weight_bytes: int,
     bandwidth: float,
@@ -493,6 +506,7 @@ def _print_table(
             f"| {r['batch']} | {r['weft_prefill_tps']:.0f} | {ref_p_text} | {p_ratio} "
             f"| {r['weft_decode_tps']:.1f} | {ref_d_text} | {d_ratio} |"
         )
+    _print_paired_ratios(results, reference)
     kv = [r for r in results if "weft_kv_bytes" in r]
     if kv:
         print(f"\nKV memory (MiB): weft's blocks held at most (while decoding) / {reference}'s cache")

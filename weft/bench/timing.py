@@ -25,3 +25,13 @@ class Timing:
         kv_bytes = max((r.kv_bytes for r in runs if r.kv_bytes is not None), default=None)
         decode = max((r.kv_decode_bytes for r in runs if r.kv_decode_bytes is not None), default=None)
         return Timing(prefill, prefill + min(r.total_s - r.prefill_s for r in runs), kv_bytes, decode)
+
+    @staticmethod
+    def paired_decode_ratios(
+        ours: list[Timing], theirs: list[Timing], batch: int, output_len: int
+    ) -> list[float]:
+        """Each of our runs' decode tokens/s over that of the run of theirs right after it: on a machine
+        whose memory speed moves from second to second, a pair's two runs share one speed more often
+        than the best of each engine's runs do."""
+        pairs = zip(ours, theirs, strict=True)
+        return [o.decode_tps(batch, output_len) / t.decode_tps(batch, output_len) for o, t in pairs]
