@@ -12,7 +12,9 @@ Steps, in order:
      ignored) of the same random prompts (token ids), in weft and in the reference; decode
      tokens/s = batch * (output_len - 1) / (total - prefill). The two engines alternate
      `--repeats` times in one process and each keeps its best run, so that a burst of load from
-     other tenants of a shared machine does not decide the ratio;
+     other tenants of a shared machine does not decide the ratio; beside it, each weft run's decode
+     ratio over the reference run right after it (the two runs of a pair most often share one
+     memory speed, where the machine's moves from minute to minute);
   4. print one table with the weft/reference ratio per batch size, and weft's achieved
      weight-read bandwidth at batch 1 (weight bytes / seconds per decode step), and its share of
      the bandwidth limit (the tokens/s at which one step reads every weight at the plain bandwidth).
