@@ -26,7 +26,7 @@ from pathlib import Path
 
 from make_quant_files import FTYPES, quantize
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from weft.bench.throughput import SHARED
 
 
 def write_checkpoint(config: Path, tokenizer: Path, out: Path) -> None:

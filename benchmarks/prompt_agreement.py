@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 def llama_cpp_logprobs(path: Path, prompt: list[int]) -> np.ndarray:
@@ -25,9 +26,8 @@ def llama_cpp_logprobs(path: Path, prompt: list[int]) -> np.ndarray:
     context = max(256, 2 * len(prompt))
     llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=2, logits_all=True, verbose=False)
     llm.eval(prompt)
-    logits = np.asarray(llm.scores[: len(prompt) - 1], dtype=np.float64)
-    logprobs = logits - logits.max(axis=1, keepdims=True)
-    logprobs -= np.log(np.exp(logprobs).sum(axis=1, keepdims=True))
+    logits = torch.from_numpy(np.asarray(llm.scores[: len(prompt) - 1], dtype=np.float64))
+    logprobs = torch.log_softmax(logits, dim=-1).numpy()
     return logprobs[np.arange(len(prompt) - 1), prompt[1:]]
 
 

@@ -15,9 +15,8 @@ namespace weft {
 // A layer's mixture of experts, as model/moe.py's SparseMoE holds it (Qwen3-MoE, Mixtral, Qwen2-MoE,
 // gpt-oss): its router, each expert's gate|up and down matrices (gpt-oss's with biases), and
 // Qwen2-MoE's shared expert's gate (the shared expert's own matrices are the layer's MLP weights,
-// kGateUp and kDown). An expert's matrix is
-// int8 dot panels, or (`expert_weights="file"`) its parts in the GGUF file's own blocks, each of the
-// kind file_dot.cpp codes (gate|up: gate's rows, then up's).
+// kGateUp and kDown). An expert's matrix is int8 dot panels, or (`expert_weights="file"`) its parts
+// in the GGUF file's own blocks, each of the kind file_dot.cpp codes (gate|up: gate's rows, then up's).
 struct LayerExperts {
   at::Tensor router;  // [E, hidden] panels (packed_linear)
   at::Tensor router_bias;  // [E] float32, or empty: none
