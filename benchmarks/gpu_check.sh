@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# weft's CUDA checks in one run, sized for a short lease of one GPU (<= 8 minutes on an H100/H200):
+# weft's CUDA checks in one run, sized for a short lease of one GPU (at most about 8 minutes on an H100/H200):
 # the CUDA tests, then `weft bench throughput` (bfloat16 against transformers; a random-block Q4_K_M
-# file of the same shape), the quantized kernel's tiles (benchmarks/quant_tiles.py), `weft bench
+# file of the same shape), where a decode step's time goes kernel by kernel (benchmarks/step_profile.py,
+# both files, batch 1 and 64), the quantized kernel's tiles (benchmarks/quant_tiles.py), `weft bench
 # structured`, `weft bench logprobs` and `weft bench overhead` on the device; with
 # GPU_CHECK_STATIC=1, transformers with a static cache and torch.compile too (about 90 s more). Each step has its own time limit
 # and its output goes to $OUT (default: gpu-out/): one log per step and the summary gpu_check.md
-# (8 files: what a lease brings back). Step limits are from the first run on an H200 (2026-11-28).
+# (10 files: what a lease brings back). Step limits are from the first run on an H200 (2026-11-28).
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -33,7 +34,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log it, note it i
     local rc=$?
     echo "## $name (exit $rc, $(( $(date +%s) - t0 )) s)" >>"$report"
     echo '```' >>"$report"
-    grep -E '^\||passed|failed|error|Error|streams|weft bench|what ran|weft:|overhead|cost|done|GB/s' "$OUT/$name.log" | tail -60 >>"$report"
+    grep -E '^\||a step \(wall\)|passed|failed|error|Error|streams|weft bench|what ran|weft:|overhead|cost|done|GB/s' "$OUT/$name.log" | tail -60 >>"$report"
     echo '```' >>"$report"
 }
 
@@ -51,10 +52,13 @@ step throughput-bf16 100 python3 -m weft bench throughput --device cuda --config
     --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
 step throughput-q4_k_m 50 python3 -m weft bench throughput --device cuda --config "$CONFIG" --dtype bfloat16 \
     --gguf-type q4_k_m --no-reference --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
-step quant-tiles 30 python3 benchmarks/quant_tiles.py
+step profile-bf16 35 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --batch-sizes 1,64
+step profile-q4_k_m 25 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --gguf-type q4_k_m \
+    --batch-sizes 1,64
+step quant-tiles 25 python3 benchmarks/quant_tiles.py
 step structured 40 python3 -m weft bench structured --device cuda --batch-sizes 1,64 --output-len 64 \
     --repeats 1 --no-transformers
-step logprobs 60 python3 -m weft bench logprobs --device cuda --config "$CONFIG" --batch-sizes 1,64 \
+step logprobs 50 python3 -m weft bench logprobs --device cuda --config "$CONFIG" --batch-sizes 1,64 \
     --output-len 64 --repeats 1
 step overhead 20 python3 -m weft bench overhead --device cuda --batch-sizes 1,32,256 --workloads greedy,json,top-5
 echo "total $(( $(date +%s) - started )) s" >>"$report"

@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
             str(path),
             device=args.device,
             dtype="float32",
-            max_model_len=PROMPT_LEN + args.steps + 32,
+            max_model_len=PROMPT_LEN + 2 * args.steps + 32,  # each case times its steps twice
             max_num_seqs=max(batch_sizes),
             max_num_batched_tokens=max(batch_sizes) * PROMPT_LEN,
             enable_prefix_caching=False,
