@@ -52,7 +52,8 @@ step throughput-bf16 100 python3 -m weft bench throughput --device cuda --config
     --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
 step throughput-q4_k_m 50 python3 -m weft bench throughput --device cuda --config "$CONFIG" --dtype bfloat16 \
     --gguf-type q4_k_m --no-reference --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
-step profile-bf16 35 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --batch-sizes 1,64
+step profile-bf16 40 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --batch-sizes 1,64 \
+    --logprobs 0,5
 step profile-q4_k_m 25 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --gguf-type q4_k_m \
     --batch-sizes 1,64
 step quant-tiles 25 python3 benchmarks/quant_tiles.py

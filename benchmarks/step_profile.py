@@ -6,11 +6,12 @@
 For each batch size: a random-weight checkpoint of the config (or, with --gguf-type, a GGUF file of
 random blocks in that mix), that many prompts of --prompt-len tokens, stepped until every row
 decodes; then --steps greedy decode steps timed plain (wall time a step), and --steps more under
-`torch.profiler`. Printed per batch size: the wall time a step, the device time a step (the sum of
-its kernels' times: what the device is busy with), and the kernels grouped by what they do
-(matrix products, attention, norms, rotary and KV writes, activation, sampling, copies), each with
-its time and launches a step; then the costliest kernels by name. On CPU the kernels are the CPU
-operators (their self time), so the script runs, and is tested, anywhere.
+`torch.profiler`; with `--logprobs 0,5`, the same again for each top-n logprobs. Printed per case:
+the wall time a step, the device time a step (the sum of its kernels' times: what the device is
+busy with), and the kernels grouped by what they do (matrix products, attention, norms, rotary and
+KV writes, activation, sampling, copies), each with its time and launches a step; then the
+costliest kernels by name. On CPU the kernels are the CPU operators (their self time), so the
+script runs, and is tested, anywhere.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--logprobs", default="0", help="comma-separated top-n logprobs to profile (0: none)")
     p.add_argument("--num-layers", type=int, default=None, help="fewer layers than the config's")
     args = p.parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -57,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     what = args.gguf_type or args.dtype
     print(f"step_profile: {args.config.parent.name}, {what}, on {device_name(torch.device(args.device))}")
     for batch in batch_sizes:
-        wall, kernels = profile_batch(llm, batch, args)
-        print_batch(batch, wall, kernels, args.steps)
+        for top in [int(n) for n in args.logprobs.split(",")]:
+            wall, kernels = profile_batch(llm, batch, top, args)
+            case = f"batch {batch}" + (f", top-{top} logprobs" if top else "")
+            print_batch(case, wall, kernels, args.steps)
     return 0
 
 
@@ -87,7 +91,9 @@ def load(args: argparse.Namespace, max_batch: int, tmp: Path) -> Any:  # an LLM
     )  # fmt: skip
 
 
-def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> tuple[float, dict[str, list[float]]]:
+def profile_batch(
+    llm: Any, batch: int, top: int, args: argparse.Namespace
+) -> tuple[float, dict[str, list[float]]]:
     """(wall seconds a decode step, {kernel name: [seconds, launches]} over the profiled steps)."""
     from weft import SamplingParams
 
@@ -95,8 +101,9 @@ def profile_batch(llm: Any, batch: int, args: argparse.Namespace) -> tuple[float
     vocab = engine.config.model.vocab_size
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(vocab // 8, vocab - vocab // 8, (batch, args.prompt_len), generator=gen)
-    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 8, ignore_eos=True)
-    ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    logprobs = top if top else None
+    params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 8, ignore_eos=True, logprobs=logprobs)
+    ids = [f"profile-{batch}-{top}-{i}" for i in range(batch)]
     for request_id, prompt in zip(ids, prompts.tolist(), strict=True):
         engine.add_request(request_id, prompt, params)
     while engine.stats().num_waiting or engine.stats().extra["num_computing_prompts"]:
@@ -145,13 +152,13 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def print_batch(batch: int, wall: float, kernels: dict[str, list[float]], steps: int) -> None:
+def print_batch(case: str, wall: float, kernels: dict[str, list[float]], steps: int) -> None:
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for name, (seconds, count) in kernels.items():
         groups[group_of(name)][0] += seconds
         groups[group_of(name)][1] += count
     busy = sum(seconds for seconds, _ in kernels.values()) / steps
-    print(f"\nbatch {batch}: {wall * 1e3:.3f} ms a step (wall), {busy * 1e3:.3f} ms of kernels a step")
+    print(f"\n{case}: {wall * 1e3:.3f} ms a step (wall), {busy * 1e3:.3f} ms of kernels a step")
     print("| group | ms a step | launches a step | share of the kernels |\n|---|---:|---:|---:|")
     for group, (seconds, count) in sorted(groups.items(), key=lambda item: -item[1][0]):
         share = seconds / steps / busy if busy else 0.0

@@ -23,13 +23,15 @@ def _script():
 @pytest.mark.parametrize("gguf", [None, "q8_0"])
 def test_step_profile_prints_each_batch_with_its_groups(tiny_llama, capsys, gguf):
     args = ["--config", str(tiny_llama / "config.json"), "--device", "cpu", "--dtype", "float32"]
-    args += ["--batch-sizes", "1,3", "--steps", "3", "--prompt-len", "8"]
+    args += ["--batch-sizes", "1,3", "--steps", "3", "--prompt-len", "8", "--logprobs", "0,5"]
     if gguf is not None:
         args += ["--gguf-type", gguf]
     assert _script().main(args) == 0
     out = capsys.readouterr().out
-    heads = re.findall(r"^batch (\d+): ([\d.]+) ms a step \(wall\), ([\d.]+) ms of kernels", out, re.M)
-    assert [int(b) for b, _, _ in heads] == [1, 3], out
+    head = r"^batch (\d+)(?:, top-5 logprobs)?: ([\d.]+) ms a step \(wall\), ([\d.]+) ms of kernels"
+    heads = re.findall(head, out, re.M)
+    assert [int(b) for b, _, _ in heads] == [1, 1, 3, 3], out
+    assert out.count("top-5 logprobs:") == 2, out
     assert all(float(wall) > 0 and float(busy) > 0 for _, wall, busy in heads), out
     for table in out.split("\nbatch ")[1:]:  # each batch's groups: their shares add up to the whole
         shares = re.findall(r"^\| [^|]+ \| [\d.]+ \| [\d.]+ \| ([\d.]+)% \|$", table, re.M)
