@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weft.cuda import block_gemv
 from weft.kernels import GGUF_BLOCKS, BlockPart
 
 # each kind's KIND in the kernels
@@ -255,6 +256,10 @@ def quantized_linear(
         x = x.contiguous()
     block_m, block_n, use_dot, warps = tile_config(num_rows, x.device.type == "cpu")
     for part in parts:
+        if num_rows <= GEMV_ROWS:
+            w = weight[part.byte_start : part.byte_start + part.rows * part.row_bytes]
+            block_gemv.gemv(x, w, part.kind, part.rows, part.row_bytes, out[:, part.out_start :])
+            continue
         code, block, size = KINDS[part.kind]
         num_blocks = part.row_bytes // size
         w = weight[part.byte_start : part.byte_start + part.rows * part.row_bytes]

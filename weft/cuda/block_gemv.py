@@ -1,0 +1,227 @@
+"""Decode products over GGUF blocks in Triton (up to four rows of activations): the weights stream
+once, and each weight costs a few instructions.
+
+At batch 1 a 4-bit weight arrives every 0.12 ps on an H200 (4.8 TB/s), so the kernel has about four
+instructions a weight before the arithmetic, not the memory, sets its speed. The general tile of
+`cuda/quant.py` spends about 32 (a scale decoded and gathered for every weight); here a weight
+costs about six (sm_90 SASS of the loop, Q4_K):
+
+- Each chunk of 256 input features is two planes of G groups of W weights that share one scale
+  (Q4_K: 4 x 32, its sub-blocks; Q6_K and the 32-wide kinds: 8 x 16), laid out as the block's bytes
+  are (a Q4_K byte's low nibble is one plane, its high nibble the other). A group's scale and its
+  offset (Q4_K's min, Q6_K's -32, Q4_0's -8, Q4_1's m) are decoded once per group, not per weight.
+- A weight's integer q becomes float32 without a conversion instruction: `q | 0x4B000000` read as
+  float32 is 2**23 + q, and one fused multiply-add, (2**23 + q) * s - 2**23 * s, gives q * s with
+  a single rounding (exactly the float32 product q * s). A high nibble is used in place, as 16 q,
+  its scale divided by 16 (exact).
+- The offset never touches a weight: it multiplies the group's sum of activations, once a chunk.
+- Products add into a [BLOCK_N, G, W] float32 accumulator, summed once after the loop (no
+  reduction across threads inside it); a program owns BLOCK_N output columns of one activation row,
+  and the programs of one column tile's rows are adjacent, so rows 2-4 read the tile from L2.
+
+Runs on CUDA, and on CPU tensors in Triton's interpreter (`FMA` off there: the interpreter's
+multiply-add rounds twice, so it takes (2**23 + q - 2**23) * s, the same number), where
+tests/test_triton_quant.py checks every kind against gguf's reference dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from weft.kernels import GGUF_BLOCKS
+
+MAGIC = tl.constexpr(8388608.0)  # 2**23: the float32 whose bits are 0x4B000000
+# kind -> (its code in the kernel, groups a plane, weights a group)
+PLANES = {"q8_0": (0, 8, 16), "q4_0": (1, 8, 16), "q5_0": (2, 8, 16), "q4_k": (3, 4, 32),
+          "q6_k": (4, 8, 16), "q4_1": (5, 8, 16), "q5_1": (6, 8, 16)}  # fmt: skip
+
+
+@triton.jit
+def _f16(ptr, offsets, mask):
+    """float16 values at byte `offsets` (even) of the uint8 `ptr`, widened to float32."""
+    return tl.load((ptr + offsets).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _times(q, scale, FMA: tl.constexpr):
+    """q * scale: q [N, G, W] small non-negative int32, scale [N, G, 1] float32."""
+    f = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
+    if FMA:
+        return tl.fma(f, scale, -MAGIC * scale)
+    return (f - MAGIC) * scale
+
+
+@triton.jit
+def _q4_k(w_ptr, rows, chunk):
+    """Q4_K: byte 32 j + l of the 128 holds features 64 j + l (low nibble, sub-block 2 j) and
+    64 j + 32 + l (high, 2 j + 1); 6-bit scales and mins of the 8 sub-blocks in 12 bytes."""
+    j = tl.arange(0, 4)
+    lane = 32 * j[:, None] + tl.arange(0, 32)[None, :]  # [4, 32]
+    base = rows + chunk * 144  # [N]
+    q = tl.load(w_ptr + base[:, None, None] + 16 + lane[None, :, :]).to(tl.int32)  # [N, 4, 32]
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
+    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    feature = 64 * j[:, None] + tl.arange(0, 32)[None, :]  # [4, 32]
+    return (
+        q & 15, d * sc_lo, -dmin * min_lo, feature,
+        q & 0xF0, d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
+        j >= 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q4_k_scale_min(scales, s):
+    """The 6-bit scale and min of sub-blocks s ([1, S]) from the 12 bytes at `scales` ([N, 1]):
+    bytes s and s + 4 (s < 4), or packed from bytes s + 4, s - 4 and s (s >= 4)."""
+    first = s < 4
+    a = tl.load(scales + s).to(tl.int32)
+    b = tl.load(scales + s + 4).to(tl.int32)
+    c = tl.load(scales + tl.where(first, s, s - 4)).to(tl.int32)
+    scale = tl.where(first, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
+    low = tl.where(first, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    return scale, low
+
+
+@triton.jit
+def _q6_k(w_ptr, rows, chunk):
+    """Q6_K: 210 bytes (128 of low nibbles, 64 of high bit pairs, 16 int8 scales, d). Group
+    g = 4 h + r of 16 (h: which 128 features, r: which 16 of their first 64): low-nibble byte
+    16 g + l holds features 128 h + 16 r + l (low) and + 64 (high), their two high bits in byte
+    128 + 32 h + 16 (r % 2) + l at bits 2 (r // 2) and 2 (r // 2) + 4."""
+    g = tl.arange(0, 8)
+    h, r = g // 4, g % 4
+    lane = tl.arange(0, 16)[None, :]
+    base = rows + chunk * 210  # [N]
+    low_at = 16 * g[:, None] + lane  # [8, 16]
+    low = tl.load(w_ptr + base[:, None, None] + low_at[None, :, :]).to(tl.int32)  # [N, 8, 16]
+    high_at = 128 + 32 * h[:, None] + 16 * (r % 2)[:, None] + lane  # [8, 16]
+    high = tl.load(w_ptr + base[:, None, None] + high_at[None, :, :]).to(tl.int32)
+    high = high << (4 - 2 * (r // 2))[None, :, None]  # the pairs at bits 4-5 (low plane), 8-9 (high)
+    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    at = base[:, None] + 192 + (8 * h + r)[None, :]  # [N, 8]: the low plane's scale; the high's is 4 on
+    sc_lo = d * tl.load(w_ptr + at).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_hi = d * tl.load(w_ptr + at + 4).to(tl.int8, bitcast=True).to(tl.float32)
+    feature = 128 * h[:, None] + 16 * r[:, None] + lane  # [8, 16]
+    return (
+        (low & 0x0F) | (high & 0x30), sc_lo, -32.0 * sc_lo, feature,
+        (low & 0xF0) | (high & 0x300), sc_hi * 0.0625, -32.0 * sc_hi, feature + 64,
+        g >= 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
+    """Q8_0, Q4_0, Q5_0, Q4_1, Q5_1: eight 32-wide blocks, group g the block chunk * 8 + g; its
+    features l (low plane) and 16 + l (high), l < 16."""
+    g = tl.arange(0, 8)
+    lane = tl.arange(0, 16)[None, :]
+    block = chunk * 8 + g
+    ok = block < num_blocks  # [8]: a row's last chunk may hold fewer blocks
+    if KIND == 0:  # bytes a block, and where its quants start
+        size, qs = 34, 2
+    elif KIND == 1:
+        size, qs = 18, 2
+    elif KIND == 2:
+        size, qs = 22, 6
+    elif KIND == 5:
+        size, qs = 20, 4
+    else:
+        size, qs = 24, 8
+    at = rows[:, None] + (block * size)[None, :]  # [N, 8] byte offsets of the blocks
+    mask = ok[None, :] & (rows >= 0)[:, None]
+    d = _f16(w_ptr, at, mask)  # [N, 8]
+    if KIND >= 5:  # Q4_1, Q5_1: + m
+        m = _f16(w_ptr, at + 2, mask)
+    elif KIND == 0:  # the zero point: 128 (q + 128), 8, 16
+        m = -128.0 * d
+    elif KIND == 1:
+        m = -8.0 * d
+    else:
+        m = -16.0 * d
+    weights = at[:, :, None] + qs + lane[None, :, :]  # [N, 8, 16]
+    mask3 = mask[:, :, None]
+    if KIND == 0:  # int8: q + 128 is 0-255
+        lo = tl.load(w_ptr + weights, mask=mask3, other=0).to(tl.int32) ^ 0x80
+        hi = tl.load(w_ptr + weights + 16, mask=mask3, other=0).to(tl.int32) ^ 0x80
+        scale_hi = d
+    else:
+        byte = tl.load(w_ptr + weights, mask=mask3, other=0).to(tl.int32)
+        lo, hi = byte & 0x0F, byte & 0xF0
+        if KIND == 2 or KIND == 6:  # the fifth bits: bit l of the little-endian uint32 before qs
+            bits = at[:, :, None] + qs - 4 + lane[None, :, :] // 8  # [N, 8, 16]
+            shift = lane[None, :, :] % 8
+            lo |= ((tl.load(w_ptr + bits, mask=mask3, other=0).to(tl.int32) >> shift) & 1) << 4
+            hi |= ((tl.load(w_ptr + bits + 2, mask=mask3, other=0).to(tl.int32) >> shift) & 1) << 8
+        scale_hi = d * 0.0625
+    feature = 32 * g[:, None] + lane  # [8, 16]
+    return lo, d, m, feature, hi, scale_hi, m, feature + 16, ok
+
+
+@triton.jit
+def _planes(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
+    """Chunk `chunk` of the rows at byte offsets `rows` [N], as two planes, each (q [N, G, W] int32
+    non-negative, its groups' scale [N, G] and offset [N, G], the features [G, W] within the chunk),
+    then which groups exist [G]: the weights are q * scale + offset."""
+    if KIND == 3:
+        return _q4_k(w_ptr, rows, chunk)
+    elif KIND == 4:
+        return _q6_k(w_ptr, rows, chunk)
+    else:
+        return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, num_out, num_chunks, num_blocks, stride_x, row_bytes, stride_out,
+    KIND: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+):  # fmt: skip
+    """out[m, n-tile] = x[m] times the tile's rows of blocks, transposed (m: program_id(0))."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
+    rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the rows
+    x_row = x_ptr + m * stride_x
+    acc = tl.zeros([BLOCK_N, G, W], tl.float32)
+    offsets = tl.zeros([BLOCK_N, G], tl.float32)  # the groups' offsets times their activations' sums
+    for chunk in range(0, num_chunks):
+        q_lo, s_lo, o_lo, f_lo, q_hi, s_hi, o_hi, f_hi, ok = _planes(w_ptr, rows, chunk, num_blocks, KIND)
+        x_lo = tl.load(x_row + chunk * 256 + f_lo, mask=ok[:, None], other=0.0).to(tl.float32)  # [G, W]
+        x_hi = tl.load(x_row + chunk * 256 + f_hi, mask=ok[:, None], other=0.0).to(tl.float32)
+        acc += _times(q_lo, s_lo[:, :, None], FMA) * x_lo[None, :, :]
+        acc += _times(q_hi, s_hi[:, :, None], FMA) * x_hi[None, :, :]
+        offsets += o_lo * tl.sum(x_lo, 1)[None, :] + o_hi * tl.sum(x_hi, 1)[None, :]
+    total = tl.sum(tl.sum(acc, 2), 1) + tl.sum(offsets, 1)  # [N]
+    tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=n < num_out)
+
+
+def gemv_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): 8 output columns a warp (64 weights a thread a chunk, where the loop
+    costs least a weight), and tiles narrow enough that a matrix of few rows still gives every
+    multiprocessor several programs. Triton's interpreter costs per program: one wide tile."""
+    if interpreted:
+        return min(1024, triton.next_power_of_2(num_out)), 1
+    block_n = 32 if num_out >= 16384 else 16 if num_out >= 8192 else 8
+    return block_n, block_n // 8
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= 4, unit stride along K
+    rows: torch.Tensor,  # [num_out * row_bytes] uint8: one part's rows of blocks
+    kind: str,
+    num_out: int,
+    row_bytes: int,
+    out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
+) -> None:
+    code, groups, width = PLANES[kind]
+    block, size = GGUF_BLOCKS[kind]
+    num_blocks = row_bytes // size
+    interpreted = x.device.type == "cpu"
+    block_n, warps = gemv_tile(num_out, interpreted)
+    grid = (x.shape[0], triton.cdiv(num_out, block_n))
+    _gemv_kernel[grid](
+        x, rows, out, num_out, triton.cdiv(num_blocks * block, 256), num_blocks, x.stride(0), row_bytes,
+        out.stride(0), KIND=code, G=groups, W=width, BLOCK_N=block_n, FMA=not interpreted, num_warps=warps,
+    )  # fmt: skip
