@@ -10,9 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from test_qdot import rounded_activations
 
 from weft.bench import random_gguf
-from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear
+from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear, takes_int8_activations
 from weft.kernels import BlockPart
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,6 +60,44 @@ def test_products_over_blocks_are_the_dequantized_products(kind, features, num_r
     got = quantized_linear(x.to(DEVICE), flat(rows), parts, 37).cpu()
     expected = x @ reference(kind, rows).T
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("num_rows", [1, 4])
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_rows, monkeypatch):
+    """`block_gemv_q8`: the activations rounded as llama.cpp's quantize_row_q8_K (and weft's CPU
+    kernels) round them, a NaN to 0 and a chunk of zeros to zeros, times the dequantized weights."""
+    monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "int8")
+    rows = random_blocks(kind, 37, 768, seed=num_rows)
+    x = torch.randn(num_rows, 768, generator=torch.Generator().manual_seed(2))
+    x[0, 3] = float("nan")
+    x[-1, 256:512] = 0.0
+    parts = (BlockPart(kind, 0, 37, 0, rows.shape[1]),)
+    got = quantized_linear(x.to(DEVICE), flat(rows), parts, 37).cpu().double()
+    expected = rounded_activations(x, kind) @ reference(kind, rows).double().T
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    unrounded = x.nan_to_num().double() @ reference(kind, rows).double().T
+    assert (got - unrounded).abs().max() > 1e-3 * unrounded.abs().max()  # the rounding did happen
+
+
+def test_half_precision_decode_rows_take_int8_for_k_quants_only(monkeypatch):
+    monkeypatch.delenv("WEFT_GEMV_ACTIVATIONS", raising=False)
+    assert takes_int8_activations("q4_k", torch.bfloat16) and takes_int8_activations("q6_k", torch.float16)
+    assert not takes_int8_activations("q4_k", torch.float32)
+    assert not takes_int8_activations("q8_0", torch.bfloat16)
+    monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "float")
+    assert not takes_int8_activations("q4_k", torch.bfloat16)
+    monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="WEFT_GEMV_ACTIVATIONS='fp8': choose float or int8"):
+        takes_int8_activations("q4_k", torch.bfloat16)
+    monkeypatch.delenv("WEFT_GEMV_ACTIVATIONS")
+    rows = random_blocks("q6_k", 16, 512, seed=7)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
+    parts = (BlockPart("q6_k", 0, 16, 0, rows.shape[1]),)
+    got = quantized_linear(x.to(DEVICE), flat(rows), parts, 16).cpu().double()
+    expected = rounded_activations(x.float(), "q6_k") @ reference("q6_k", rows).double().T
+    # within bfloat16's rounding of the output
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=8e-3 * expected.abs().max().item())
 
 
 def test_parts_of_two_kinds_write_their_own_columns():

@@ -202,7 +202,7 @@ def gemv_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
     costs least a weight), and tiles narrow enough that a matrix of few rows still gives every
     multiprocessor several programs. Triton's interpreter costs per program: one wide tile."""
     if interpreted:
-        return min(1024, triton.next_power_of_2(num_out)), 1
+        return min(8192, triton.next_power_of_2(num_out)), 1
     block_n = 32 if num_out >= 16384 else 16 if num_out >= 8192 else 8
     return block_n, block_n // 8
 

@@ -13,9 +13,11 @@ reshaped.
 
 `quantized_linear(x, weight, parts, out_features)` multiplies x [M, K] by a matrix whose rows come
 in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4_K_M files have): a
-launch per part, each writing its columns of one output. Up to four rows (decode) add float32
-products into a [rows, columns, 128] accumulator summed once at the end; more rows take `tl.dot`
-with the weights rounded to the activations' dtype (float32 activations: exact float32 products).
+launch per part, each writing its columns of one output. Up to four rows (decode) take the
+matrix-vector kernels: `block_gemv_q8` (int8 activations and `dp4a`) for Q4_K and Q6_K under
+half-precision activations, `block_gemv` (float products, exact for float32 activations) otherwise.
+More rows take `tl.dot` with the weights rounded to the activations' dtype (float32 activations:
+exact float32 products).
 `dequantize_rows` gives rows of a matrix in float (the embedding lookup of a tied table).
 
 Runs on CUDA, and on CPU tensors in Triton's interpreter, where the tests check every kind against
@@ -24,11 +26,13 @@ gguf's reference dequantization.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from weft.cuda import block_gemv
+from weft.cuda import block_gemv, block_gemv_q8
 from weft.kernels import GGUF_BLOCKS, BlockPart
 
 # each kind's KIND in the kernels
@@ -36,8 +40,7 @@ _CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_
 # kind -> (its code in the kernels, input features per block, bytes per block)
 KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
-MAX_NUMEL = 1 << 20  # elements of a Triton tensor, at most
-GEMV_ROWS = 4  # up to this many rows, products and sums in float32; more, `tl.dot` (tensor cores)
+GEMV_ROWS = 4  # up to this many rows, the matrix-vector kernels; more, `tl.dot` (tensor cores)
 
 
 @triton.jit
@@ -174,39 +177,28 @@ def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
 @triton.jit
 def _quantized_linear_kernel(
     x_ptr, w_ptr, out_ptr, num_rows, num_out, num_chunks, num_blocks, stride_x, row_bytes, stride_out,
-    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """out [M, N] = x [M, K] times the rows' blocks, transposed. Decode tiles (not USE_DOT) keep a
-    [M, N, P] float32 accumulator of products and sum it once at the end, so that the loop over
-    the chunks carries no reduction across threads."""
+    """out [M, N] = x [M, K] times the rows' blocks, transposed, by `tl.dot` over each chunk's two
+    planes (the prompt rows; decode rows take `block_gemv`)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] rows of x
     m_ok = m < num_rows
     rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the weight rows
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x  # [M, 1]
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        products = tl.zeros([BLOCK_M, BLOCK_N, 128], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for chunk in range(0, num_chunks):
         lo, hi, f_lo, f_hi, ok = _dequant(w_ptr, rows, chunk, num_blocks, KIND)
         x_mask = m_ok[:, None] & ok[None, :]
         x_lo = tl.load(x_rows + (chunk * 256 + f_lo)[None, :], mask=x_mask, other=0.0)  # [M, P]
         x_hi = tl.load(x_rows + (chunk * 256 + f_hi)[None, :], mask=x_mask, other=0.0)
-        if USE_DOT:
-            if DOT_FP32:  # float32 activations (no TF32), or Triton's interpreter, which multiplies
-                # half-precision operands wrongly
-                acc += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
-                acc += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
-            else:
-                acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)))
-                acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)))
+        if DOT_FP32:  # float32 activations (no TF32), or Triton's interpreter, which multiplies
+            # half-precision operands wrongly
+            acc += tl.dot(x_lo.to(tl.float32), tl.trans(lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), tl.trans(hi), input_precision="ieee")
         else:
-            products += x_lo.to(tl.float32)[:, None, :] * lo[None, :, :]
-            products += x_hi.to(tl.float32)[:, None, :] * hi[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(products, axis=2)
+            acc += tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)))
+            acc += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)))
     out = out_ptr + m.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (n < num_out)[None, :])
 
@@ -228,17 +220,22 @@ def _dequantize_kernel(
         tl.store(out + chunk * 256 + f_hi, tl.sum(hi, 0).to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def tile_config(num_rows: int, interpreted: bool = False) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, USE_DOT, num_warps) for a product of `num_rows` rows: up to `GEMV_ROWS`
-    rows (decode) take narrow column tiles and float32 products, so that a step has several
-    programs per multiprocessor streaming the weights; more take tensor-core tiles. Triton's
-    interpreter (CPU tensors) costs per program, not per element: wide tiles there, as wide as
-    Triton's largest tensor allows (a decode tile's [M, N, 128] products)."""
-    wide = 4096 if interpreted else 0
-    if num_rows <= GEMV_ROWS:
-        block_m = triton.next_power_of_2(num_rows)
-        return block_m, min(wide, MAX_NUMEL // (128 * block_m)) or 8, False, 4
-    return (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), wide or 64, True, 4
+def tile_config(num_rows: int, interpreted: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the tensor-core tiles that multiply more than `GEMV_ROWS`
+    rows. Triton's interpreter (CPU tensors) costs per program, not per element: wide tiles there."""
+    return (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), 4096 if interpreted else 64, 4
+
+
+def takes_int8_activations(kind: str, dtype: torch.dtype) -> bool:
+    """Whether decode rows of `kind` meet it as int8 (`block_gemv_q8`, llama.cpp's and weft's CPU
+    rounding): Q4_K and Q6_K under half-precision activations. float32 activations keep exact
+    float products (`block_gemv`). `WEFT_GEMV_ACTIVATIONS=float|int8` decides for every dtype."""
+    if kind not in block_gemv_q8.Q8_PLANES:
+        return False
+    chosen = os.environ.get("WEFT_GEMV_ACTIVATIONS", "")
+    if chosen not in ("", "float", "int8"):
+        raise ValueError(f"WEFT_GEMV_ACTIVATIONS={chosen!r}: choose float or int8 (or leave it unset)")
+    return chosen == "int8" if chosen else dtype != torch.float32
 
 
 def quantized_linear(
@@ -254,11 +251,12 @@ def quantized_linear(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    block_m, block_n, use_dot, warps = tile_config(num_rows, x.device.type == "cpu")
+    block_m, block_n, warps = tile_config(num_rows, x.device.type == "cpu")
     for part in parts:
         if num_rows <= GEMV_ROWS:
             w = weight[part.byte_start : part.byte_start + part.rows * part.row_bytes]
-            block_gemv.gemv(x, w, part.kind, part.rows, part.row_bytes, out[:, part.out_start :])
+            gemv = block_gemv_q8.gemv_q8 if takes_int8_activations(part.kind, x.dtype) else block_gemv.gemv
+            gemv(x, w, part.kind, part.rows, part.row_bytes, out[:, part.out_start :])
             continue
         code, block, size = KINDS[part.kind]
         num_blocks = part.row_bytes // size
@@ -267,7 +265,7 @@ def quantized_linear(
         _quantized_linear_kernel[grid](
             x, w, out[:, part.out_start :], num_rows, part.rows, triton.cdiv(num_blocks * block, CHUNK),
             num_blocks, x.stride(0), part.row_bytes, out.stride(0),
-            KIND=code, BLOCK_M=block_m, BLOCK_N=block_n, USE_DOT=use_dot,
+            KIND=code, BLOCK_M=block_m, BLOCK_N=block_n,
             DOT_FP32=x.device.type == "cpu" or x.dtype == torch.float32, num_warps=warps,
         )  # fmt: skip
     return out if bias is None else out.add_(bias)

@@ -1,0 +1,174 @@
+"""Decode products over Q4_K and Q6_K blocks with int8 activations, four products an instruction.
+
+What llama.cpp's CUDA matrix-vector kernels do, in Triton: the activations are rounded to int8 and
+a weight's integer meets its activation's in `dp4a` (four byte products and their sum, one
+instruction), so a weight costs about one instruction where `block_gemv`'s float products cost six.
+The rounding is the one weft's CPU kernels and llama.cpp's x86 code use for k-quants
+(quantize_row_q8_K): per 256 features, q = rint(x * (127 / max |x|)), d = 1 / (127 / max |x|), a NaN
+rounding to 0; so a GGUF file's decode gives the same numbers on either device.
+
+A program owns BLOCK_N output columns of one activation row. For each chunk of 256 features (one
+super-block) it rounds its 256 activations itself (in registers, packed four to an int32; cheaper
+than a kernel of its own a product, which at batch 1 would add a launch to every matrix) and then,
+for each plane (a Q4_K byte's low and high nibbles; Q6_K's low nibbles and high bit pairs put
+together), takes `dp4a` of four weights' bytes with four activations'. A high nibble is used in
+place (its byte & 0xF0, 16 q; the group's scale divided by 16), so a word of eight Q4_K weights
+costs two logic operations and two `dp4a`. Each group (Q4_K's sub-blocks of 32, Q6_K's 16) sums its
+products as int32; its scale, its offset (Q4_K's min, Q6_K's -32) times the group's sum of
+activations, and the chunk's activation scale make the float result, once a group.
+
+Under Triton's interpreter (CPU tensors, the tests), `dp4a` and `rint` are written out in plain
+integer and float operations (`COMPILED` off): the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from weft.cuda.block_gemv import _f16, _q4_k_scale_min
+from weft.kernels import GGUF_BLOCKS
+
+HIGH_NIBBLES = tl.constexpr(-252645136)  # 0xF0F0F0F0 as int32
+ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUND - ROUND is v rounded to nearest even
+# kind -> (its code in the kernel, groups a plane, int32 words of four weights a group)
+Q8_PLANES = {"q4_k": (3, 4, 8), "q6_k": (4, 8, 4)}
+
+
+@triton.jit
+def _dp4a(a, b, COMPILED: tl.constexpr):
+    """Elementwise sum of the four products of a's unsigned bytes and b's signed bytes (int32)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+        )
+    total = ((a & 0xFF) * ((b << 24) >> 24)) + (((a >> 8) & 0xFF) * ((b << 16) >> 24))
+    return total + (((a >> 16) & 0xFF) * ((b << 8) >> 24)) + (((a >> 24) & 0xFF) * (b >> 24))
+
+
+@triton.jit
+def _rint(v, COMPILED: tl.constexpr):
+    if COMPILED:
+        return libdevice.rint(v)
+    return (v + ROUND) - ROUND  # |v| <= 127.5 here
+
+
+@triton.jit
+def _round_activations(x_row, f_lo, f_hi, COMPILED: tl.constexpr):
+    """The chunk's activations at features f_lo and f_hi ([G, Q, 4] each, the 256 of the chunk)
+    rounded as quantize_row_q8_K rounds them: (words [G, Q] of four int8 each, per plane; each
+    group's sum of its int8s [G], per plane; the scale d)."""
+    x_lo = tl.load(x_row + f_lo).to(tl.float32)  # [G, Q, 4]
+    x_hi = tl.load(x_row + f_hi).to(tl.float32)
+    finite_lo = tl.where(x_lo == x_lo, tl.abs(x_lo), 0.0)  # NaN left out of the maximum
+    finite_hi = tl.where(x_hi == x_hi, tl.abs(x_hi), 0.0)
+    amax = tl.maximum(tl.max(tl.max(tl.max(finite_lo, 2), 1), 0), tl.max(tl.max(tl.max(finite_hi, 2), 1), 0))
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    d = tl.where(inv > 0, 1.0 / tl.where(inv > 0, inv, 1.0), 0.0)
+    q_lo = _rint(x_lo * inv, COMPILED)
+    q_hi = _rint(x_hi * inv, COMPILED)
+    q_lo = tl.where(tl.abs(q_lo) <= 127, q_lo, 0.0).to(tl.int32)  # a NaN or an infinity: 0
+    q_hi = tl.where(tl.abs(q_hi) <= 127, q_hi, 0.0).to(tl.int32)
+    shift = (8 * tl.arange(0, 4))[None, None, :]
+    words_lo = tl.sum((q_lo & 0xFF) << shift, 2)  # disjoint bytes: the sum is their bits
+    words_hi = tl.sum((q_hi & 0xFF) << shift, 2)
+    return words_lo, tl.sum(tl.sum(q_lo, 2), 1), words_hi, tl.sum(tl.sum(q_hi, 2), 1), d
+
+
+@triton.jit
+def _q4_k_words(w_ptr, rows, chunk):
+    """Q4_K: word 8 j + w of the 128 bytes holds, in its bytes' low nibbles, features 64 j + 4 w + k
+    (sub-block 2 j) and in their high ones 64 j + 32 + 4 w + k (2 j + 1), k < 4."""
+    j = tl.arange(0, 4)
+    w = tl.arange(0, 8)
+    base = rows + chunk * 144  # [N]
+    at = base[:, None] + 16 + 4 * tl.arange(0, 32)[None, :]  # [N, 32]: contiguous, so vector loads
+    words = tl.reshape(tl.load((w_ptr + at).to(tl.pointer_type(tl.int32))), (at.shape[0], 4, 8))
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
+    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    feature = (64 * j[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
+    return (
+        words & 0x0F0F0F0F, d * sc_lo, -dmin * min_lo, feature,
+        words & HIGH_NIBBLES, d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q6_k_words(w_ptr, rows, chunk):
+    """Q6_K (see `block_gemv._q6_k`): group g = 4 h + r of 16 features, four words of its low-nibble
+    bytes 16 g + 4 w + k and of their high-bit bytes 128 + 32 h + 16 (r % 2) + 4 w + k, the pairs
+    at bits 2 (r // 2) (low plane) and 2 (r // 2) + 4 (high plane) of each byte."""
+    g = tl.arange(0, 8)
+    w = tl.arange(0, 4)
+    h, r = g // 4, g % 4
+    base = rows + chunk * 210  # [N]
+    low_at = (16 * g[:, None] + 4 * w[None, :])[None, :, :]  # [1, 8, 4]
+    high_at = (128 + 32 * h[:, None] + 16 * (r % 2)[:, None] + 4 * w[None, :])[None, :, :]
+    low = tl.load((w_ptr + base[:, None, None] + low_at).to(tl.pointer_type(tl.int32)))  # [N, 8, 4]
+    high = tl.load((w_ptr + base[:, None, None] + high_at).to(tl.pointer_type(tl.int32)))
+    shift = (2 * (r // 2))[None, :, None]
+    q_lo = (low & 0x0F0F0F0F) | ((high << (4 - shift)) & 0x30303030)  # bytes 0-63
+    q_hi = ((low >> 4) & 0x0F0F0F0F) | ((high >> shift) & 0x30303030)
+    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    at = base[:, None] + 192 + (8 * h + r)[None, :]  # [N, 8]: the low plane's scales; the high's 4 on
+    sc_lo = d * tl.load(w_ptr + at).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_hi = d * tl.load(w_ptr + at + 4).to(tl.int8, bitcast=True).to(tl.float32)
+    group_start = 128 * h + 16 * r  # [8]; features [8, 4, 4]
+    feature = (group_start[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]
+    return q_lo, sc_lo, -32.0 * sc_lo, feature, q_hi, sc_hi, -32.0 * sc_hi, feature + 64
+
+
+@triton.jit
+def _gemv_q8_kernel(
+    x_ptr, w_ptr, out_ptr, num_out, num_chunks, stride_x, row_bytes, stride_out,
+    KIND: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr,
+):  # fmt: skip
+    """out[m, n-tile] = x[m], rounded to int8 a chunk at a time, times the tile's rows of blocks."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
+    rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the rows
+    x_row = x_ptr + m * stride_x
+    acc = tl.zeros([BLOCK_N, G, Q], tl.float32)  # each word's scaled products: no reduction in the loop
+    offsets = tl.zeros([BLOCK_N, G], tl.float32)  # the groups' offsets times their activations' sums
+    for chunk in range(0, num_chunks):
+        if KIND == 3:
+            w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q4_k_words(w_ptr, rows, chunk)
+        else:
+            w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q6_k_words(w_ptr, rows, chunk)
+        x_lo, sum_lo, x_hi, sum_hi, d = _round_activations(x_row + chunk * 256, f_lo, f_hi, COMPILED)
+        acc += (d * s_lo)[:, :, None] * _dp4a(w_lo, x_lo[None, :, :], COMPILED).to(tl.float32)
+        acc += (d * s_hi)[:, :, None] * _dp4a(w_hi, x_hi[None, :, :], COMPILED).to(tl.float32)
+        offsets += d * (o_lo * sum_lo.to(tl.float32)[None, :] + o_hi * sum_hi.to(tl.float32)[None, :])
+    total = tl.sum(tl.sum(acc, 2), 1) + tl.sum(offsets, 1)  # [N]
+    tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=n < num_out)
+
+
+def gemv_q8_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): one warp a program (the chunk's rounding then stays inside a warp), 16
+    output columns; the interpreter costs per program: one wide tile."""
+    if interpreted:
+        return min(8192, triton.next_power_of_2(num_out)), 1
+    return 16, 1
+
+
+def gemv_q8(
+    x: torch.Tensor,  # [M, K], M <= 4, unit stride along K
+    rows: torch.Tensor,  # [num_out * row_bytes] uint8: one part's rows of Q4_K or Q6_K blocks
+    kind: str,
+    num_out: int,
+    row_bytes: int,
+    out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
+) -> None:
+    code, groups, words = Q8_PLANES[kind]
+    size = GGUF_BLOCKS[kind][1]
+    interpreted = x.device.type == "cpu"
+    block_n, warps = gemv_q8_tile(num_out, interpreted)
+    grid = (x.shape[0], triton.cdiv(num_out, block_n))
+    _gemv_q8_kernel[grid](
+        x, rows, out, num_out, row_bytes // size, x.stride(0), row_bytes, out.stride(0),
+        KIND=code, G=groups, Q=words, BLOCK_N=block_n, COMPILED=not interpreted, num_warps=warps,
+    )  # fmt: skip
