@@ -56,7 +56,7 @@ step profile-bf16 40 python3 benchmarks/step_profile.py --device cuda --config "
     --logprobs 0,5
 step profile-q4_k_m 25 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --gguf-type q4_k_m \
     --batch-sizes 1,64
-step quant-tiles 25 python3 benchmarks/quant_tiles.py
+step quant-tiles 60 python3 benchmarks/quant_tiles.py
 step structured 40 python3 -m weft bench structured --device cuda --batch-sizes 1,64 --output-len 64 \
     --repeats 1 --no-transformers
 step logprobs 50 python3 -m weft bench logprobs --device cuda --config "$CONFIG" --batch-sizes 1,64 \

@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 from test_qdot import rounded_activations
 
 from weft.bench import random_gguf
+from weft.cuda import block_gemv, block_gemv_q8, split_k
 from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear, takes_int8_activations
 from weft.kernels import BlockPart
 
@@ -78,6 +79,28 @@ def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     unrounded = x.nan_to_num().double() @ reference(kind, rows).double().T
     assert (got - unrounded).abs().max() > 1e-3 * unrounded.abs().max()  # the rounding did happen
+
+
+SPLIT_CASES = [("int8", "q4_k"), ("int8", "q6_k"), ("float", "q4_k"), ("float", "q8_0"), ("float", "q5_1")]
+
+
+@pytest.mark.parametrize(("gemv", "kind"), SPLIT_CASES)
+def test_split_tiles_add_up_and_leave_the_workspace_zero(gemv, kind):
+    """Split-K (`split_k`): 3 programs a column tile, uneven shares of 7 chunks (or 18 blocks), the
+    same products as one program, and the workspace all zeros again after every launch."""
+    features = 1792 if kind.endswith("_k") else 576
+    rows = random_blocks(kind, 37, features, seed=9)
+    x = torch.randn(3, features, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    run = block_gemv_q8.gemv_q8 if gemv == "int8" else block_gemv.gemv
+    outs = []
+    for split in (1, 3):
+        out = torch.full((3, 40), 7.0, device=DEVICE)
+        run(x, flat(rows), kind, 37, rows.shape[1], out[:, 1:], split=split)
+        outs.append(out.cpu())
+        sums, counts = split_k.workspace(x.device, 1, 1, 1)
+        assert not sums.any() and not counts.any()
+    assert (outs[1][:, 0] == 7).all() and (outs[1][:, 38:] == 7).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
 
 
 def test_half_precision_decode_rows_take_int8_for_k_quants_only(monkeypatch):

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weft.cuda import split_k
 from weft.kernels import GGUF_BLOCKS
 
 MAGIC = tl.constexpr(8388608.0)  # 2**23: the float32 whose bits are 0x4B000000
@@ -176,17 +177,20 @@ def _planes(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, num_out, num_chunks, num_blocks, stride_x, row_bytes, stride_out,
-    KIND: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr, FMA: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, sums_ptr, counts_ptr, num_out, num_chunks, num_blocks, stride_x, row_bytes,
+    stride_out, KIND: tl.constexpr, G: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMA: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """out[m, n-tile] = x[m] times the tile's rows of blocks, transposed (m: program_id(0))."""
+    """out[m, n-tile] = x[m] times the tile's rows of blocks, transposed (m: program_id(0); with
+    SPLIT > 1, program_id(2) takes its share of the chunks, `split_k`)."""
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
     rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the rows
     x_row = x_ptr + m * stride_x
     acc = tl.zeros([BLOCK_N, G, W], tl.float32)
     offsets = tl.zeros([BLOCK_N, G], tl.float32)  # the groups' offsets times their activations' sums
-    for chunk in range(0, num_chunks):
+    first, end = split_k.chunk_range(num_chunks, SPLIT)
+    for chunk in range(first, end):
         q_lo, s_lo, o_lo, f_lo, q_hi, s_hi, o_hi, f_hi, ok = _planes(w_ptr, rows, chunk, num_blocks, KIND)
         x_lo = tl.load(x_row + chunk * 256 + f_lo, mask=ok[:, None], other=0.0).to(tl.float32)  # [G, W]
         x_hi = tl.load(x_row + chunk * 256 + f_hi, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -194,7 +198,7 @@ def _gemv_kernel(
         acc += _times(q_hi, s_hi[:, :, None], FMA) * x_hi[None, :, :]
         offsets += o_lo * tl.sum(x_lo, 1)[None, :] + o_hi * tl.sum(x_hi, 1)[None, :]
     total = tl.sum(tl.sum(acc, 2), 1) + tl.sum(offsets, 1)  # [N]
-    tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=n < num_out)
+    split_k.finish(total, out_ptr, m, n, num_out, stride_out, sums_ptr, counts_ptr, SPLIT)
 
 
 def gemv_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
@@ -214,14 +218,16 @@ def gemv(
     num_out: int,
     row_bytes: int,
     out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
+    split: int | None = None,  # programs a column tile (None: `split_k.split_for`)
 ) -> None:
     code, groups, width = PLANES[kind]
     block, size = GGUF_BLOCKS[kind]
     num_blocks = row_bytes // size
+    num_chunks = triton.cdiv(num_blocks * block, 256)
     interpreted = x.device.type == "cpu"
     block_n, warps = gemv_tile(num_out, interpreted)
-    grid = (x.shape[0], triton.cdiv(num_out, block_n))
+    grid, split, sums, counts = split_k.plan(x, num_out, block_n, num_chunks, split)
     _gemv_kernel[grid](
-        x, rows, out, num_out, triton.cdiv(num_blocks * block, 256), num_blocks, x.stride(0), row_bytes,
-        out.stride(0), KIND=code, G=groups, W=width, BLOCK_N=block_n, FMA=not interpreted, num_warps=warps,
+        x, rows, out, sums, counts, num_out, num_chunks, num_blocks, x.stride(0), row_bytes, out.stride(0),
+        KIND=code, G=groups, W=width, BLOCK_N=block_n, FMA=not interpreted, SPLIT=split, num_warps=warps,
     )  # fmt: skip

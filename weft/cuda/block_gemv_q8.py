@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from weft.cuda import split_k
 from weft.cuda.block_gemv import _f16, _q4_k_scale_min
 from weft.kernels import GGUF_BLOCKS
 
@@ -124,17 +125,20 @@ def _q6_k_words(w_ptr, rows, chunk):
 
 @triton.jit
 def _gemv_q8_kernel(
-    x_ptr, w_ptr, out_ptr, num_out, num_chunks, stride_x, row_bytes, stride_out,
+    x_ptr, w_ptr, out_ptr, sums_ptr, counts_ptr, num_out, num_chunks, stride_x, row_bytes, stride_out,
     KIND: tl.constexpr, G: tl.constexpr, Q: tl.constexpr, BLOCK_N: tl.constexpr, COMPILED: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """out[m, n-tile] = x[m], rounded to int8 a chunk at a time, times the tile's rows of blocks."""
+    """out[m, n-tile] = x[m], rounded to int8 a chunk at a time, times the tile's rows of blocks
+    (with SPLIT > 1, program_id(2) takes its share of the chunks, `split_k`)."""
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] output columns
     rows = tl.where(n < num_out, n, 0).to(tl.int64) * row_bytes  # [N] byte offsets of the rows
     x_row = x_ptr + m * stride_x
     acc = tl.zeros([BLOCK_N, G, Q], tl.float32)  # each word's scaled products: no reduction in the loop
     offsets = tl.zeros([BLOCK_N, G], tl.float32)  # the groups' offsets times their activations' sums
-    for chunk in range(0, num_chunks):
+    first, end = split_k.chunk_range(num_chunks, SPLIT)
+    for chunk in range(first, end):
         if KIND == 3:
             w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q4_k_words(w_ptr, rows, chunk)
         else:
@@ -144,7 +148,7 @@ def _gemv_q8_kernel(
         acc += (d * s_hi)[:, :, None] * _dp4a(w_hi, x_hi[None, :, :], COMPILED).to(tl.float32)
         offsets += d * (o_lo * sum_lo.to(tl.float32)[None, :] + o_hi * sum_hi.to(tl.float32)[None, :])
     total = tl.sum(tl.sum(acc, 2), 1) + tl.sum(offsets, 1)  # [N]
-    tl.store(out_ptr + m * stride_out + n, total.to(out_ptr.dtype.element_ty), mask=n < num_out)
+    split_k.finish(total, out_ptr, m, n, num_out, stride_out, sums_ptr, counts_ptr, SPLIT)
 
 
 def gemv_q8_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
@@ -162,13 +166,15 @@ def gemv_q8(
     num_out: int,
     row_bytes: int,
     out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
+    split: int | None = None,  # programs a column tile (None: `split_k.split_for`)
 ) -> None:
     code, groups, words = Q8_PLANES[kind]
-    size = GGUF_BLOCKS[kind][1]
+    num_chunks = row_bytes // GGUF_BLOCKS[kind][1]
     interpreted = x.device.type == "cpu"
     block_n, warps = gemv_q8_tile(num_out, interpreted)
-    grid = (x.shape[0], triton.cdiv(num_out, block_n))
+    grid, split, sums, counts = split_k.plan(x, num_out, block_n, num_chunks, split)
     _gemv_q8_kernel[grid](
-        x, rows, out, num_out, row_bytes // size, x.stride(0), row_bytes, out.stride(0),
-        KIND=code, G=groups, Q=words, BLOCK_N=block_n, COMPILED=not interpreted, num_warps=warps,
+        x, rows, out, sums, counts, num_out, num_chunks, x.stride(0), row_bytes, out.stride(0),
+        KIND=code, G=groups, Q=words, BLOCK_N=block_n, COMPILED=not interpreted, SPLIT=split,
+        num_warps=warps,
     )  # fmt: skip
