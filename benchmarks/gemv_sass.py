@@ -1,8 +1,8 @@
 """What weft's decode kernels over GGUF blocks cost in instructions, measured without a GPU: each is
 compiled for an sm_90 GPU (H100, H200) by Triton's own compiler and ptxas (they ship in Triton's
 wheel), and its SASS is read with cuobjdump. Printed per kernel, kind and tile: registers a thread,
-bytes spilled, the instructions of the loop over 256-feature chunks, those per weight (the loop's
-instructions over the weights a thread handles in one pass), and its most frequent instructions.
+the instructions of the loop over 256-feature chunks, those per weight (the loop's instructions
+over the weights a thread handles in one pass), its `dp4a`s, and its most frequent instructions.
 
     python benchmarks/gemv_sass.py [--kinds q4_k,q6_k] [--tiles 8x1,16x1,32x4]
 
@@ -96,10 +96,11 @@ def measure(kernel_name: str, kind: str, block_n: int, warps: int, split: int = 
         kernel = block_gemv._gemv_kernel
     regs, loop = sass_loop(compile_sm90(kernel, signature, constants | {"SPLIT": split}, warps))
     per_thread = block_n * 256 / (32 * warps)  # weights a thread handles in one chunk
-    common = ", ".join(f"{op} {n}" for op, n in Counter(map(opcode, loop)).most_common(6))
+    counts = Counter(map(opcode, loop))
+    common = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
     return (
         f"| {kernel_name} | {kind} | {block_n} x {warps}, split {split} | {regs} | {len(loop)} | "
-        f"{len(loop) / per_thread:.2f} | {common} |"
+        f"{len(loop) / per_thread:.2f} | {counts['IDP']} | {common} |"
     )
 
 
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, default=1, help="programs a column tile (split-K)")
     args = p.parse_args(argv)
     columns = ["kernel", "kind", "tile (columns x warps)", "registers", "loop instructions", "a weight"]
-    columns.append("most frequent")
+    columns += ["dp4a (IDP)", "most frequent"]
     print("| " + " | ".join(columns) + " |")
-    print("|---|---|---|---:|---:|---:|---|")
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for kind in args.kinds.split(","):
         for kernel_name in ("float", "int8") if kind in block_gemv_q8.Q8_PLANES else ("float",):
             for tile in args.tiles.split(","):
