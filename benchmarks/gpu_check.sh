@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# weft's CUDA checks in one run, sized for a short lease of one GPU (at most about 8 minutes on an H100/H200):
-# the CUDA tests, then `weft bench throughput` (bfloat16 against transformers; a random-block Q4_K_M
-# file of the same shape), where a decode step's time goes kernel by kernel (benchmarks/step_profile.py,
-# both files, batch 1 and 64), the quantized kernel's tiles (benchmarks/quant_tiles.py), `weft bench
-# structured`, `weft bench logprobs` and `weft bench overhead` on the device; with
-# GPU_CHECK_STATIC=1, transformers with a static cache and torch.compile too (about 90 s more). Each step has its own time limit
-# and its output goes to $OUT (default: gpu-out/): one log per step and the summary gpu_check.md
-# (10 files: what a lease brings back). Step limits are from the first run on an H200 (2026-11-28).
+# weft's CUDA checks in one run, sized for a short lease of one GPU (about 9 minutes at most on an
+# H100/H200, every step's limit added up): the CUDA tests; `weft bench throughput` (bfloat16 against
+# transformers; a random-block Q4_K_M file of the same shape, and its batch 1 again with float
+# products, WEFT_GEMV_ACTIVATIONS=float); where a decode step's time goes kernel by kernel
+# (benchmarks/step_profile.py, both files, batch 1 and 64, greedy and top-5 logprobs); the quantized
+# kernels' tiles (benchmarks/quant_tiles.py); `weft bench structured`, `weft bench logprobs` and
+# `weft bench overhead` on the device. With GPU_CHECK_STATIC=1, transformers with a static cache
+# and torch.compile too (about 90 s more). Each step has its own time limit and its output goes to
+# $OUT (default: gpu-out/): one log per step and the summary gpu_check.md (11 files: what a lease
+# brings back). Step limits are from the first run on an H200 (2026-11-28) and estimates since.
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -45,18 +47,22 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log it, note it i
     git log -1 --oneline 2>/dev/null || true
 } >"$report" 2>&1
 
-step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_triton_quant.py \
-    tests/test_graphs.py tests/test_step_uploads.py tests/test_model_parity.py tests/test_sliding_window.py \
-    tests/test_gguf.py::test_triton_kernels_multiply_the_blocks_as_the_file_stores_them
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_quant.py \
+    tests/test_gguf.py::test_triton_half_precision_decode_rows_meet_k_quants_as_int8 \
+    tests/test_gguf.py::test_triton_kernels_multiply_the_blocks_as_the_file_stores_them tests/test_triton.py \
+    tests/test_graphs.py tests/test_step_uploads.py tests/test_model_parity.py tests/test_sliding_window.py
 step throughput-bf16 100 python3 -m weft bench throughput --device cuda --config "$CONFIG" --dtype bfloat16 \
     --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
 step throughput-q4_k_m 50 python3 -m weft bench throughput --device cuda --config "$CONFIG" --dtype bfloat16 \
     --gguf-type q4_k_m --no-reference --batch-sizes 1,16,64,256 --prompt-len 128 --output-len 128 --repeats 1
+WEFT_GEMV_ACTIVATIONS=float step throughput-q4_k_m-float 30 python3 -m weft bench throughput --device cuda \
+    --config "$CONFIG" --dtype bfloat16 --gguf-type q4_k_m --no-reference --batch-sizes 1 --prompt-len 128 \
+    --output-len 128 --repeats 1
 step profile-bf16 40 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --batch-sizes 1,64 \
     --logprobs 0,5
 step profile-q4_k_m 25 python3 benchmarks/step_profile.py --device cuda --config "$CONFIG" --gguf-type q4_k_m \
     --batch-sizes 1,64
-step quant-tiles 60 python3 benchmarks/quant_tiles.py
+step quant-tiles 45 python3 benchmarks/quant_tiles.py
 step structured 40 python3 -m weft bench structured --device cuda --batch-sizes 1,64 --output-len 64 \
     --repeats 1 --no-transformers
 step logprobs 50 python3 -m weft bench logprobs --device cuda --config "$CONFIG" --batch-sizes 1,64 \
