@@ -82,3 +82,32 @@ def test_low_bit_files_greedy_tokens_follow_llama_cpp(name):
             theirs,
             top,
         )
+
+
+@pytest.mark.parametrize("name", ["q5_k_m", "q2_k", "q3_k_m"])
+def test_triton_kernels_keep_every_low_bit_matrix_in_its_blocks(name, monkeypatch):
+    """The Triton kernel set (CUDA; Triton's interpreter here) multiplies Q2_K and Q5_K blocks as
+    the file stores them (Q3_K rewritten as Q6_K, exactly), no matrix made float, and its float32
+    logprobs, prompt rows (`tl.dot`) and decode rows (`block_gemv`) alike, are the torch kernel
+    set's, which multiplies the same file's float32 dequantization."""
+    import torch
+
+    path, ids = str(DATA / f"{name}.gguf"), [5, 300, 17, 900, 42, 611, 77, 1000]
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, logprobs=3, ignore_eos=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outs = {}
+    for kernel_set in ("torch", "triton"):
+        monkeypatch.setenv("WEFT_KERNELS", kernel_set)
+        llm = LLM(path, show_progress=False, device=device, dtype="float32", enforce_eager=True,
+                  matmul_precision="float32")  # fmt: skip
+        outs[kernel_set] = llm.generate([ids], params, use_tqdm=False)[0]
+    linears = [m for m in llm.engine.model.modules() if type(m).__name__ == "Linear"]
+    assert linears and all(m.weight.dtype == torch.uint8 for m in linears), llm.kernels
+    torch_out, triton_out = outs["torch"], outs["triton"]
+    assert triton_out.outputs[0].token_ids == torch_out.outputs[0].token_ids
+    pairs = list(zip(torch_out.prompt_logprobs[1:], triton_out.prompt_logprobs[1:], strict=True))
+    pairs += list(zip(torch_out.outputs[0].logprobs, triton_out.outputs[0].logprobs, strict=True))
+    for expected, got in pairs:
+        for token, logprob in expected.items():
+            tolerance = 1e-4 + 2e-5 * abs(logprob.logprob)  # float32 sums; these logprobs reach -45
+            assert abs(got[token].logprob - logprob.logprob) <= tolerance, (token, got, expected)

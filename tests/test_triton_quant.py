@@ -35,7 +35,7 @@ def flat(rows: np.ndarray) -> torch.Tensor:
 
 
 # K-quants take whole 256-feature super-blocks; 32-wide kinds also 576 (18 blocks: a partial chunk)
-SHAPES = [(kind, k) for kind in KINDS for k in ((256, 512) if kind in ("q4_k", "q6_k") else (576, 256))]
+SHAPES = [(kind, k) for kind in KINDS for k in ((256, 512) if kind.endswith("_k") else (576, 256))]
 SHAPES = [
     (kind, k) for kind, k in SHAPES if kind not in ("q4_1", "q5_1") or k == 576
 ]  # one size: read as Q4_0 and Q5_0 are
@@ -64,7 +64,7 @@ def test_products_over_blocks_are_the_dequantized_products(kind, features, num_r
 
 
 @pytest.mark.parametrize("num_rows", [1, 4])
-@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
 def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_rows, monkeypatch):
     """`block_gemv_q8`: the activations rounded as llama.cpp's quantize_row_q8_K (and weft's CPU
     kernels) round them, a NaN to 0 and a chunk of zeros to zeros, times the dequantized weights."""
@@ -81,7 +81,8 @@ def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_
     assert (got - unrounded).abs().max() > 1e-3 * unrounded.abs().max()  # the rounding did happen
 
 
-SPLIT_CASES = [("int8", "q4_k"), ("int8", "q6_k"), ("float", "q4_k"), ("float", "q8_0"), ("float", "q5_1")]
+SPLIT_CASES = [("int8", "q4_k"), ("int8", "q5_k"), ("int8", "q6_k"), ("float", "q2_k"), ("float", "q8_0")]
+SPLIT_CASES += [("float", "q5_1")]
 
 
 @pytest.mark.parametrize(("gemv", "kind"), SPLIT_CASES)

@@ -36,7 +36,8 @@ from weft.kernels import GGUF_BLOCKS
 MAGIC = tl.constexpr(8388608.0)  # 2**23: the float32 whose bits are 0x4B000000
 # kind -> (its code in the kernel, groups a plane, weights a group)
 PLANES = {"q8_0": (0, 8, 16), "q4_0": (1, 8, 16), "q5_0": (2, 8, 16), "q4_k": (3, 4, 32),
-          "q6_k": (4, 8, 16), "q4_1": (5, 8, 16), "q5_1": (6, 8, 16)}  # fmt: skip
+          "q6_k": (4, 8, 16), "q4_1": (5, 8, 16), "q5_1": (6, 8, 16), "q5_k": (7, 4, 32),
+          "q2_k": (8, 8, 16)}  # fmt: skip
 
 
 @triton.jit
@@ -71,6 +72,55 @@ def _q4_k(w_ptr, rows, chunk):
         q & 15, d * sc_lo, -dmin * min_lo, feature,
         q & 0xF0, d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
         j >= 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q5_k(w_ptr, rows, chunk):
+    """Q5_K: Q4_K's layout with 32 bytes of fifth bits before the nibbles (which start at 48): the
+    fifth bit of feature 64 j + l is bit 2 j of byte l, of 64 j + 32 + l bit 2 j + 1."""
+    j = tl.arange(0, 4)
+    lane = tl.arange(0, 32)
+    base = rows + chunk * 176  # [N]
+    q = tl.load(w_ptr + base[:, None, None] + 48 + (32 * j[:, None] + lane[None, :])[None, :, :]).to(tl.int32)
+    bits = tl.load(w_ptr + base[:, None, None] + 16 + lane[None, None, :]).to(tl.int32)  # [N, 1, 32]
+    bits = bits >> (2 * j)[None, :, None]  # [N, 4, 32]: bit 0 the low nibble's, bit 1 the high's
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
+    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    feature = 64 * j[:, None] + lane[None, :]  # [4, 32]
+    return (
+        (q & 15) | ((bits & 1) << 4), d * sc_lo, -dmin * min_lo, feature,
+        (q & 0xF0) | ((bits & 2) << 7), d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
+        j >= 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q2_k(w_ptr, rows, chunk):
+    """Q2_K: bits 2 j of byte b (64 bytes from 16) hold feature 128 (b // 32) + 32 j + b % 32, its
+    16-feature group's 4-bit scale and min in byte 8 (b // 32) + 2 j + (b % 32) // 16. Group g of
+    the low plane is j = g // 4 and bytes 16 (g % 4) + l; of the high plane j + 2. A weight is used
+    in place (byte & 3 << 2 j: 4^j q), its scale divided by 4^j."""
+    g = tl.arange(0, 8)
+    j, quarter = g // 4, g % 4
+    lane = tl.arange(0, 16)[None, :]
+    base = rows + chunk * 84  # [N]
+    byte = tl.load(w_ptr + base[:, None, None] + (16 + 16 * quarter[:, None] + lane)[None, :, :]).to(tl.int32)
+    d = _f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 82, rows >= 0)[:, None]
+    at = base[:, None] + (8 * (quarter // 2) + 2 * j + quarter % 2)[None, :]  # [N, 8]: the low plane's
+    packed_lo = tl.load(w_ptr + at).to(tl.int32)
+    packed_hi = tl.load(w_ptr + at + 4).to(tl.int32)
+    step = tl.where(j == 0, 1.0, 0.25)[None, :]  # 1 / 4^j
+    feature = 128 * (quarter // 2)[:, None] + 32 * j[:, None] + 16 * (quarter % 2)[:, None] + lane  # [8, 16]
+    return (
+        byte & (3 << (2 * j))[None, :, None], d * (packed_lo & 15).to(tl.float32) * step,
+        -dmin * (packed_lo >> 4).to(tl.float32), feature,
+        byte & (48 << (2 * j))[None, :, None], d * (packed_hi & 15).to(tl.float32) * step * 0.0625,
+        -dmin * (packed_hi >> 4).to(tl.float32), feature + 64,
+        g >= 0,
     )  # fmt: skip
 
 
@@ -171,6 +221,10 @@ def _planes(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         return _q4_k(w_ptr, rows, chunk)
     elif KIND == 4:
         return _q6_k(w_ptr, rows, chunk)
+    elif KIND == 7:
+        return _q5_k(w_ptr, rows, chunk)
+    elif KIND == 8:
+        return _q2_k(w_ptr, rows, chunk)
     else:
         return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
 

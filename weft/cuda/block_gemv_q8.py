@@ -1,21 +1,23 @@
-"""Decode products over Q4_K and Q6_K blocks with int8 activations, four products an instruction.
+"""Decode products over Q4_K, Q5_K and Q6_K blocks with int8 activations, four products an
+instruction.
 
 What llama.cpp's CUDA matrix-vector kernels do, in Triton: the activations are rounded to int8 and
 a weight's integer meets its activation's in `dp4a` (four byte products and their sum, one
 instruction), so a weight costs about one instruction where `block_gemv`'s float products cost six.
 The rounding is the one weft's CPU kernels and llama.cpp's x86 code use for k-quants
 (quantize_row_q8_K): per 256 features, q = rint(x * (127 / max |x|)), d = 1 / (127 / max |x|), a NaN
-rounding to 0; so a GGUF file's decode gives the same numbers on either device.
+rounding to 0; so decode rows round their activations as they do on CPU.
 
 A program owns BLOCK_N output columns of one activation row. For each chunk of 256 features (one
 super-block) it rounds its 256 activations itself (in registers, packed four to an int32; cheaper
 than a kernel of its own a product, which at batch 1 would add a launch to every matrix) and then,
-for each plane (a Q4_K byte's low and high nibbles; Q6_K's low nibbles and high bit pairs put
-together), takes `dp4a` of four weights' bytes with four activations'. A high nibble is used in
-place (its byte & 0xF0, 16 q; the group's scale divided by 16), so a word of eight Q4_K weights
-costs two logic operations and two `dp4a`. Each group (Q4_K's sub-blocks of 32, Q6_K's 16) sums its
-products as int32; its scale, its offset (Q4_K's min, Q6_K's -32) times the group's sum of
-activations, and the chunk's activation scale make the float result, once a group.
+for each plane (a Q4_K byte's low and high nibbles; Q5_K's with their fifth bits, Q6_K's with
+their high bit pairs, put together), takes `dp4a` of four weights' bytes with four activations'.
+A Q4_K high nibble is used in place (its byte & 0xF0, 16 q; the group's scale divided by 16), so a
+word of eight Q4_K weights costs two logic operations and two `dp4a`. Each group (the sub-blocks
+of 32 of Q4_K and Q5_K, Q6_K's 16) sums its products as int32; its scale, its offset (the mins,
+Q6_K's -32) times the group's sum of activations, and the chunk's activation scale make the float
+result, once a group.
 
 Under Triton's interpreter (CPU tensors, the tests), `dp4a` and `rint` are written out in plain
 integer and float operations (`COMPILED` off): the same numbers.
@@ -35,7 +37,7 @@ from weft.kernels import GGUF_BLOCKS
 HIGH_NIBBLES = tl.constexpr(-252645136)  # 0xF0F0F0F0 as int32
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUND - ROUND is v rounded to nearest even
 # kind -> (its code in the kernel, groups a plane, int32 words of four weights a group)
-Q8_PLANES = {"q4_k": (3, 4, 8), "q6_k": (4, 8, 4)}
+Q8_PLANES = {"q4_k": (3, 4, 8), "q6_k": (4, 8, 4), "q5_k": (7, 4, 8)}
 
 
 @triton.jit
@@ -99,6 +101,28 @@ def _q4_k_words(w_ptr, rows, chunk):
 
 
 @triton.jit
+def _q5_k_words(w_ptr, rows, chunk):
+    """Q5_K: Q4_K's words of nibbles (from byte 48), each byte's fifth bit from the 32 bytes at 16:
+    bit 2 j of byte l for the low nibble of group j's byte l, bit 2 j + 1 for its high nibble."""
+    j = tl.arange(0, 4)
+    w = tl.arange(0, 8)
+    base = rows + chunk * 176  # [N]
+    at = base[:, None, None] + 48 + (32 * j[:, None] + 4 * w[None, :])[None, :, :]  # [N, 4, 8]
+    words = tl.load((w_ptr + at).to(tl.pointer_type(tl.int32)))
+    bits = tl.load((w_ptr + base[:, None, None] + 16 + 4 * w[None, None, :]).to(tl.pointer_type(tl.int32)))
+    bits = bits >> (2 * j)[None, :, None]  # [N, 4, 8]: bit 0 of each byte the low nibble's, 1 the high's
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
+    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    feature = (64 * j[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
+    return (
+        (words & 0x0F0F0F0F) | ((bits & 0x01010101) << 4), d * sc_lo, -dmin * min_lo, feature,
+        ((words >> 4) & 0x0F0F0F0F) | ((bits & 0x02020202) << 3), d * sc_hi, -dmin * min_hi, feature + 32,
+    )  # fmt: skip
+
+
+@triton.jit
 def _q6_k_words(w_ptr, rows, chunk):
     """Q6_K (see `block_gemv._q6_k`): group g = 4 h + r of 16 features, four words of its low-nibble
     bytes 16 g + 4 w + k and of their high-bit bytes 128 + 32 h + 16 (r % 2) + 4 w + k, the pairs
@@ -141,6 +165,8 @@ def _gemv_q8_kernel(
     for chunk in range(first, end):
         if KIND == 3:
             w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q4_k_words(w_ptr, rows, chunk)
+        elif KIND == 7:
+            w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q5_k_words(w_ptr, rows, chunk)
         else:
             w_lo, s_lo, o_lo, f_lo, w_hi, s_hi, o_hi, f_hi = _q6_k_words(w_ptr, rows, chunk)
         x_lo, sum_lo, x_hi, sum_hi, d = _round_activations(x_row + chunk * 256, f_lo, f_hi, COMPILED)

@@ -1,6 +1,6 @@
 """Matrix products over GGUF blocks in Triton: the weights stay in the file's blocks on the device
-(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q6_K) and each program dequantizes its tile as it streams it in; no float
-copy of a matrix is ever made.
+(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K) and each program dequantizes its tile as it
+streams it in; no float copy of a matrix is ever made.
 
 Every kind is read 256 input features at a time (a chunk: one K-quant super-block, or eight 32-wide
 blocks) as two planes of 128 columns in the order of the block's bytes, not of the features: a
@@ -36,7 +36,7 @@ from weft.cuda import block_gemv, block_gemv_q8
 from weft.kernels import GGUF_BLOCKS, BlockPart
 
 # each kind's KIND in the kernels
-_CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_1": 6}
+_CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_1": 6, "q5_k": 7, "q2_k": 8}
 # kind -> (its code in the kernels, input features per block, bytes per block)
 KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
@@ -120,6 +120,51 @@ def _q4_k(w_ptr, rows, chunk):
 
 
 @triton.jit
+def _q5_k(w_ptr, rows, chunk):
+    """Q5_K: 176 bytes (d, dmin, Q4_K's 12 bytes of scales and mins, 32 bytes of fifth bits, Q4_K's
+    128 bytes of nibbles); the fifth bit of feature 64 j + l is bit 2 j of byte l, of 64 j + 32 + l
+    bit 2 j + 1."""
+    base = rows + chunk * 176  # [N]
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    cols = tl.arange(0, 128)
+    nibbles = tl.load(w_ptr + base[:, None] + 48 + cols[None, :]).to(tl.int32)  # [N, P]
+    bits = tl.load(w_ptr + base[:, None] + 16 + (cols % 32)[None, :]).to(tl.int32)
+    sub = 2 * (cols // 32)  # [P] the low nibbles' sub-block
+    q_lo = (nibbles & 15) | (((bits >> sub[None, :]) & 1) << 4)
+    q_hi = (nibbles >> 4) | (((bits >> (sub + 1)[None, :]) & 1) << 4)
+    lo = _q4_k_plane(w_ptr, base, q_lo, sub, d, dmin)
+    hi = _q4_k_plane(w_ptr, base, q_hi, sub + 1, d, dmin)
+    feature = (cols // 32) * 64 + cols % 32
+    return lo, hi, feature, feature + 32, cols >= 0
+
+
+@triton.jit
+def _q2_k(w_ptr, rows, chunk):
+    """Q2_K: 84 bytes (16 bytes of 4-bit scales and mins, 64 bytes of 2-bit quants, d, dmin); bits
+    2 j of byte b hold feature 128 (b // 32) + 32 j + b % 32, whose 16-feature group's scale and
+    min are byte 8 (b // 32) + 2 j + (b % 32) // 16. The low plane holds j = 0, 1, the high 2, 3."""
+    base = rows + chunk * 84  # [N]
+    d = _f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 82, rows >= 0)[:, None]
+    cols = tl.arange(0, 128)
+    b, j = cols % 64, cols // 64
+    byte = tl.load(w_ptr + base[:, None] + 16 + b[None, :]).to(tl.int32)  # [N, P]
+    group = 8 * (b // 32) + 2 * j + (b % 32) // 16  # [P]
+    lo = _q2_k_plane(w_ptr, base, (byte >> (2 * j)[None, :]) & 3, group, d, dmin)
+    hi = _q2_k_plane(w_ptr, base, (byte >> (2 * j + 4)[None, :]) & 3, group + 4, d, dmin)
+    feature = 128 * (b // 32) + 32 * j + b % 32
+    return lo, hi, feature, feature + 64, cols >= 0
+
+
+@triton.jit
+def _q2_k_plane(w_ptr, base, q, group, d, dmin):
+    """q [N, P] times its group's 4-bit scale, less its 4-bit min (byte `group` [P] of the 16)."""
+    packed = tl.load(w_ptr + base[:, None] + group[None, :]).to(tl.int32)  # [N, P]
+    return (d * (packed & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (packed >> 4).to(tl.float32)
+
+
+@triton.jit
 def _q4_k_plane(w_ptr, base, q, sub, d, dmin):
     """One plane of Q4_K weights: q [N, P] times each column's sub-block (`sub` [P]) scale, less its
     min. The 6-bit scale and min of sub-block s: bytes s and s + 4 of the 12 (s < 4), or packed
@@ -170,6 +215,10 @@ def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         return _q4_k(w_ptr, rows, chunk)
     elif KIND == 4:
         return _q6_k(w_ptr, rows, chunk)
+    elif KIND == 7:
+        return _q5_k(w_ptr, rows, chunk)
+    elif KIND == 8:
+        return _q2_k(w_ptr, rows, chunk)
     else:
         return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
 

@@ -385,13 +385,17 @@ def _expect_blocks(
     """Keep every matrix that came in blocks in them, flat (`WeightLayout.BLOCKS`), its Linear or
     Embedding (still on the meta device) taking their size: the kernel set multiplies them as they
     are; a kind it does not multiply (`block_kinds`) goes in the kind it is rewritten as where that
-    one is multiplied (MXFP4 as Q5_0, Q3_K as Q6_K, IQ4_NL as Q8_0: exactly), else is dequantized. A
-    tied table is one tensor for both (re-tied after the move to the device)."""
+    one is multiplied (MXFP4 as Q5_0, Q3_K as Q6_K, IQ4_NL as Q8_0: exactly; a fusion's parts each),
+    else is dequantized. A tied table is one tensor for both (re-tied after the move to the device)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(weight, QuantizedRows) and _rewrites_for(weight.kind, kernels.block_kinds):
             weight = weight.rewritten()
+        multiplied = kernels.block_kinds
+        if isinstance(weight, MixedRows) and any(_rewrites_for(k, multiplied) for k in weight.kinds):
+            rewrite = (p.rewritten() if _rewrites_for(p.kind, multiplied) else p for p in weight.parts)
+            weight = MixedRows(tuple(rewrite))  # a Q2_K+Q3_K fusion as Q2_K+Q6_K
         if (
             isinstance(weight, (QuantizedRows, MixedRows))
             and isinstance(module, (Linear, Embedding))
