@@ -79,7 +79,7 @@ def measure(kernel_name: str, kind: str, block_n: int, warps: int, split: int = 
     signature |= {"num_out": "i32", "num_chunks": "i32"}
     if kernel_name == "int8":
         code, groups, words = block_gemv_q8.Q8_PLANES[kind]
-        signature |= {"stride_x": "i32", "row_bytes": "i32", "stride_out": "i32"}
+        signature |= {"num_blocks": "i32", "stride_x": "i32", "row_bytes": "i32", "stride_out": "i32"}
         constants = {
             "KIND": code,
             "G": groups,
@@ -106,7 +106,7 @@ def measure(kernel_name: str, kind: str, block_n: int, warps: int, split: int = 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kinds", default="q4_k,q6_k,q8_0,q4_0")
+    p.add_argument("--kinds", default="q4_k,q5_k,q6_k,q8_0,q4_0,q2_k")
     p.add_argument("--tiles", default="8x1,16x1,32x4", help="BLOCK_N x num_warps, comma-separated")
     p.add_argument("--split", type=int, default=1, help="programs a column tile (split-K)")
     args = p.parse_args(argv)

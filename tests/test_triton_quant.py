@@ -64,13 +64,16 @@ def test_products_over_blocks_are_the_dequantized_products(kind, features, num_r
 
 
 @pytest.mark.parametrize("num_rows", [1, 4])
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
-def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_rows, monkeypatch):
-    """`block_gemv_q8`: the activations rounded as llama.cpp's quantize_row_q8_K (and weft's CPU
-    kernels) round them, a NaN to 0 and a chunk of zeros to zeros, times the dequantized weights."""
+@pytest.mark.parametrize(
+    ("kind", "features"), [("q4_k", 768), ("q5_k", 768), ("q6_k", 768), ("q8_0", 800), ("q4_0", 800)]
+)
+def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, features, num_rows, monkeypatch):
+    """`block_gemv_q8`: the activations rounded as llama.cpp's quantize_row_q8_K (K-quants) or
+    quantize_row_q8_0 (Q8_0, Q4_0; 800 features: a last chunk of 1 block) round them, as weft's CPU
+    kernels do, a NaN to 0 and a chunk of zeros to zeros, times the dequantized weights."""
     monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "int8")
-    rows = random_blocks(kind, 37, 768, seed=num_rows)
-    x = torch.randn(num_rows, 768, generator=torch.Generator().manual_seed(2))
+    rows = random_blocks(kind, 37, features, seed=num_rows)
+    x = torch.randn(num_rows, features, generator=torch.Generator().manual_seed(2))
     x[0, 3] = float("nan")
     x[-1, 256:512] = 0.0
     parts = (BlockPart(kind, 0, 37, 0, rows.shape[1]),)
@@ -81,8 +84,8 @@ def test_decode_rows_met_as_int8_are_the_rounded_activations_products(kind, num_
     assert (got - unrounded).abs().max() > 1e-3 * unrounded.abs().max()  # the rounding did happen
 
 
-SPLIT_CASES = [("int8", "q4_k"), ("int8", "q5_k"), ("int8", "q6_k"), ("float", "q2_k"), ("float", "q8_0")]
-SPLIT_CASES += [("float", "q5_1")]
+SPLIT_CASES = [("int8", "q4_k"), ("int8", "q5_k"), ("int8", "q6_k"), ("int8", "q8_0"), ("int8", "q4_0")]
+SPLIT_CASES += [("float", "q2_k"), ("float", "q8_0"), ("float", "q5_1")]
 
 
 @pytest.mark.parametrize(("gemv", "kind"), SPLIT_CASES)
@@ -104,11 +107,14 @@ def test_split_tiles_add_up_and_leave_the_workspace_zero(gemv, kind):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
 
 
-def test_half_precision_decode_rows_take_int8_for_k_quants_only(monkeypatch):
+def test_half_precision_decode_rows_take_int8_where_the_kernel_has_the_kind(monkeypatch):
     monkeypatch.delenv("WEFT_GEMV_ACTIVATIONS", raising=False)
     assert takes_int8_activations("q4_k", torch.bfloat16) and takes_int8_activations("q6_k", torch.float16)
     assert not takes_int8_activations("q4_k", torch.float32)
-    assert not takes_int8_activations("q8_0", torch.bfloat16)
+    assert takes_int8_activations("q8_0", torch.bfloat16) and takes_int8_activations("q4_0", torch.bfloat16)
+    assert not takes_int8_activations("q5_0", torch.bfloat16) and not takes_int8_activations(
+        "q4_1", torch.float16
+    )
     monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "float")
     assert not takes_int8_activations("q4_k", torch.bfloat16)
     monkeypatch.setenv("WEFT_GEMV_ACTIVATIONS", "fp8")

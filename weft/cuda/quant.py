@@ -14,8 +14,9 @@ reshaped.
 `quantized_linear(x, weight, parts, out_features)` multiplies x [M, K] by a matrix whose rows come
 in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4_K_M files have): a
 launch per part, each writing its columns of one output. Up to four rows (decode) take the
-matrix-vector kernels: `block_gemv_q8` (int8 activations and `dp4a`) for Q4_K and Q6_K under
-half-precision activations, `block_gemv` (float products, exact for float32 activations) otherwise.
+matrix-vector kernels: `block_gemv_q8` (int8 activations and `dp4a`) for Q4_K, Q5_K, Q6_K, Q8_0
+and Q4_0 under half-precision activations, `block_gemv` (float products, exact for float32
+activations) otherwise.
 More rows take `tl.dot` with the weights rounded to the activations' dtype (float32 activations:
 exact float32 products).
 `dequantize_rows` gives rows of a matrix in float (the embedding lookup of a tied table).
@@ -277,8 +278,9 @@ def tile_config(num_rows: int, interpreted: bool = False) -> tuple[int, int, int
 
 def takes_int8_activations(kind: str, dtype: torch.dtype) -> bool:
     """Whether decode rows of `kind` meet it as int8 (`block_gemv_q8`, llama.cpp's and weft's CPU
-    rounding): Q4_K and Q6_K under half-precision activations. float32 activations keep exact
-    float products (`block_gemv`). `WEFT_GEMV_ACTIVATIONS=float|int8` decides for every dtype."""
+    rounding): Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 under half-precision activations. float32
+    activations keep exact float products (`block_gemv`). `WEFT_GEMV_ACTIVATIONS=float|int8`
+    decides for every dtype."""
     if kind not in block_gemv_q8.Q8_PLANES:
         return False
     chosen = os.environ.get("WEFT_GEMV_ACTIVATIONS", "")
