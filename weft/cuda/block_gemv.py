@@ -3,21 +3,24 @@ once, and each weight costs a few instructions.
 
 At batch 1 a 4-bit weight arrives every 0.12 ps on an H200 (4.8 TB/s), so the kernel has about four
 instructions a weight before the arithmetic, not the memory, sets its speed. The general tile of
-`cuda/quant.py` spends about 32 (a scale decoded and gathered for every weight); here a weight
-costs about six (sm_90 SASS of the loop, Q4_K):
+`cuda/quant.py` spends about 10.6 on a Q4_K weight (a scale decoded for every weight); here a weight
+costs about 6.5 (sm_90 SASS of the loop, `benchmarks/gemv_sass.py`); `block_gemv_q8`, with int8
+activations, 3.7. This kernel serves float32 activations and the kinds that one lacks:
 
 - Each chunk of 256 input features is two planes of G groups of W weights that share one scale
-  (Q4_K: 4 x 32, its sub-blocks; Q6_K and the 32-wide kinds: 8 x 16), laid out as the block's bytes
-  are (a Q4_K byte's low nibble is one plane, its high nibble the other). A group's scale and its
-  offset (Q4_K's min, Q6_K's -32, Q4_0's -8, Q4_1's m) are decoded once per group, not per weight.
+  (Q4_K and Q5_K: 4 x 32, their sub-blocks; Q6_K, Q2_K and the 32-wide kinds: 8 x 16), laid out as
+  the block's bytes are (a Q4_K byte's low nibble is one plane, its high nibble the other). A
+  group's scale and its offset (the K-quants' mins, Q6_K's -32, Q4_0's -8, Q4_1's m) are decoded
+  once per group, not per weight.
 - A weight's integer q becomes float32 without a conversion instruction: `q | 0x4B000000` read as
   float32 is 2**23 + q, and one fused multiply-add, (2**23 + q) * s - 2**23 * s, gives q * s with
   a single rounding (exactly the float32 product q * s). A high nibble is used in place, as 16 q,
-  its scale divided by 16 (exact).
+  its scale divided by 16 (exact); a Q2_K pair at bits 2 j as 4^j q.
 - The offset never touches a weight: it multiplies the group's sum of activations, once a chunk.
 - Products add into a [BLOCK_N, G, W] float32 accumulator, summed once after the loop (no
   reduction across threads inside it); a program owns BLOCK_N output columns of one activation row,
-  and the programs of one column tile's rows are adjacent, so rows 2-4 read the tile from L2.
+  and the programs of one column tile's rows are adjacent, so rows 2-4 read the tile from L2. A
+  matrix of few output rows shares each tile's chunks among programs (`split_k`).
 
 Runs on CUDA, and on CPU tensors in Triton's interpreter (`FMA` off there: the interpreter's
 multiply-add rounds twice, so it takes (2**23 + q - 2**23) * s, the same number), where

@@ -16,9 +16,8 @@ in parts of one kind each (a fused q|k|v or gate|up of Q4_K and Q6_K rows, as Q4
 launch per part, each writing its columns of one output. Up to four rows (decode) take the
 matrix-vector kernels: `block_gemv_q8` (int8 activations and `dp4a`) for Q4_K, Q5_K, Q6_K, Q8_0
 and Q4_0 under half-precision activations, `block_gemv` (float products, exact for float32
-activations) otherwise.
-More rows take `tl.dot` with the weights rounded to the activations' dtype (float32 activations:
-exact float32 products).
+activations) otherwise. More rows take `tl.dot` with the weights rounded to the activations' dtype
+(float32 activations: exact float32 products).
 `dequantize_rows` gives rows of a matrix in float (the embedding lookup of a tied table).
 
 Runs on CUDA, and on CPU tensors in Triton's interpreter, where the tests check every kind against
