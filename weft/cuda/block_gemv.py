@@ -29,6 +29,9 @@ tests/test_triton_quant.py checks every kind against gguf's reference dequantiza
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -268,6 +271,38 @@ def gemv_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
     return block_n, block_n // 8
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """How a decode kernel over one part's blocks is launched (`decode_plan`)."""
+
+    num_blocks: int  # blocks a row
+    num_chunks: int  # chunks of 256 features a row
+    block_n: int
+    warps: int
+    grid: tuple[int, int, int]  # (rows of x, column tiles, split)
+    split: int
+    sums: torch.Tensor  # split-K's workspace (x itself where the split is 1)
+    counts: torch.Tensor
+    interpreted: bool  # CPU tensors: Triton's interpreter
+
+
+def decode_plan(
+    x: torch.Tensor,
+    kind: str,
+    num_out: int,
+    row_bytes: int,
+    tile: Callable[[int, bool], tuple[int, int]],  # (num_out, interpreted) -> (BLOCK_N, num_warps)
+    split: int | None,
+) -> DecodePlan:
+    block, size = GGUF_BLOCKS[kind]
+    num_blocks = row_bytes // size
+    num_chunks = triton.cdiv(num_blocks * block, 256)
+    interpreted = x.device.type == "cpu"
+    block_n, warps = tile(num_out, interpreted)
+    grid, split, sums, counts = split_k.plan(x, num_out, block_n, num_chunks, split)
+    return DecodePlan(num_blocks, num_chunks, block_n, warps, grid, split, sums, counts, interpreted)
+
+
 def gemv(
     x: torch.Tensor,  # [M, K], M <= 4, unit stride along K
     rows: torch.Tensor,  # [num_out * row_bytes] uint8: one part's rows of blocks
@@ -277,14 +312,11 @@ def gemv(
     out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
     split: int | None = None,  # programs a column tile (None: `split_k.split_for`)
 ) -> None:
+    """out[:, :num_out] = x times one part's rows of blocks of `kind`, transposed (float products)."""
     code, groups, width = PLANES[kind]
-    block, size = GGUF_BLOCKS[kind]
-    num_blocks = row_bytes // size
-    num_chunks = triton.cdiv(num_blocks * block, 256)
-    interpreted = x.device.type == "cpu"
-    block_n, warps = gemv_tile(num_out, interpreted)
-    grid, split, sums, counts = split_k.plan(x, num_out, block_n, num_chunks, split)
-    _gemv_kernel[grid](
-        x, rows, out, sums, counts, num_out, num_chunks, num_blocks, x.stride(0), row_bytes, out.stride(0),
-        KIND=code, G=groups, W=width, BLOCK_N=block_n, FMA=not interpreted, SPLIT=split, num_warps=warps,
+    plan = decode_plan(x, kind, num_out, row_bytes, gemv_tile, split)
+    _gemv_kernel[plan.grid](
+        x, rows, out, plan.sums, plan.counts, num_out, plan.num_chunks, plan.num_blocks, x.stride(0),
+        row_bytes, out.stride(0), KIND=code, G=groups, W=width, BLOCK_N=plan.block_n,
+        FMA=not plan.interpreted, SPLIT=plan.split, num_warps=plan.warps,
     )  # fmt: skip

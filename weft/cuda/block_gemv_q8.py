@@ -32,8 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from weft.cuda import split_k
-from weft.cuda.block_gemv import _f16, _q4_k_scale_min
-from weft.kernels import GGUF_BLOCKS
+from weft.cuda.block_gemv import _f16, _q4_k_scale_min, decode_plan
 
 HIGH_NIBBLES = tl.constexpr(-252645136)  # 0xF0F0F0F0 as int32
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUND - ROUND is v rounded to nearest even
@@ -133,20 +132,11 @@ def _word(w_ptr, at, mask):
 def _q4_k_words(w_ptr, rows, chunk):
     """Q4_K: word 8 j + w of the 128 bytes holds, in its bytes' low nibbles, features 64 j + 4 w + k
     (sub-block 2 j) and in their high ones 64 j + 32 + 4 w + k (2 j + 1), k < 4."""
-    j = tl.arange(0, 4)
-    w = tl.arange(0, 8)
     base = rows + chunk * 144  # [N]
     at = base[:, None] + 16 + 4 * tl.arange(0, 32)[None, :]  # [N, 32]: contiguous, so vector loads
     words = tl.reshape(tl.load((w_ptr + at).to(tl.pointer_type(tl.int32))), (at.shape[0], 4, 8))
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
-    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
-    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
-    feature = (64 * j[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
-    return (
-        words & 0x0F0F0F0F, d * sc_lo, -dmin * min_lo, feature,
-        words & HIGH_NIBBLES, d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
-    )  # fmt: skip
+    s_lo, o_lo, s_hi, o_hi, feature = _sub_block_scales(w_ptr, base, rows >= 0)
+    return words & 0x0F0F0F0F, s_lo, o_lo, feature, words & HIGH_NIBBLES, s_hi * 0.0625, o_hi, feature + 32
 
 
 @triton.jit
@@ -160,15 +150,24 @@ def _q5_k_words(w_ptr, rows, chunk):
     words = tl.load((w_ptr + at).to(tl.pointer_type(tl.int32)))
     bits = tl.load((w_ptr + base[:, None, None] + 16 + 4 * w[None, None, :]).to(tl.pointer_type(tl.int32)))
     bits = bits >> (2 * j)[None, :, None]  # [N, 4, 8]: bit 0 of each byte the low nibble's, 1 the high's
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    s_lo, o_lo, s_hi, o_hi, feature = _sub_block_scales(w_ptr, base, rows >= 0)
+    return (
+        (words & 0x0F0F0F0F) | ((bits & 0x01010101) << 4), s_lo, o_lo, feature,
+        ((words >> 4) & 0x0F0F0F0F) | ((bits & 0x02020202) << 3), s_hi, o_hi, feature + 32,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sub_block_scales(w_ptr, base, ok):
+    """Q4_K's and Q5_K's d * scale and -dmin * min of sub-blocks 2 j and 2 j + 1 ([N, 4] each, the
+    super-blocks at byte offsets `base` [N]), and the low nibbles' features [4, 8, 4]."""
+    j = tl.arange(0, 4)
+    d = _f16(w_ptr, base, ok)[:, None]  # [N, 1]
+    dmin = _f16(w_ptr, base + 2, ok)[:, None]
     sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
     sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
-    feature = (64 * j[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]  # [4, 8, 4]
-    return (
-        (words & 0x0F0F0F0F) | ((bits & 0x01010101) << 4), d * sc_lo, -dmin * min_lo, feature,
-        ((words >> 4) & 0x0F0F0F0F) | ((bits & 0x02020202) << 3), d * sc_hi, -dmin * min_hi, feature + 32,
-    )  # fmt: skip
+    feature = (64 * j[:, None, None] + 4 * tl.arange(0, 8)[None, :, None]) + tl.arange(0, 4)[None, None, :]
+    return d * sc_lo, -dmin * min_lo, d * sc_hi, -dmin * min_hi, feature
 
 
 @triton.jit
@@ -253,23 +252,20 @@ def gemv_q8_tile(num_out: int, interpreted: bool = False) -> tuple[int, int]:
 
 
 def gemv_q8(
-    x: torch.Tensor,  # [M, K], M <= 4, unit stride along K
-    rows: torch.Tensor,  # [num_out * row_bytes] uint8: one part's rows of Q4_K or Q6_K blocks
+    x: torch.Tensor,
+    rows: torch.Tensor,
     kind: str,
     num_out: int,
     row_bytes: int,
-    out: torch.Tensor,  # [M, >= num_out] view: column 0 is the part's first output
-    split: int | None = None,  # programs a column tile (None: `split_k.split_for`)
+    out: torch.Tensor,
+    split: int | None = None,
 ) -> None:
+    """out[:, :num_out] = x rounded to int8, times one part's rows of blocks of `kind` (a kind of
+    Q8_PLANES), transposed; the arguments are `block_gemv.gemv`'s."""
     code, groups, words = Q8_PLANES[kind]
-    block, size = GGUF_BLOCKS[kind]
-    num_blocks = row_bytes // size
-    num_chunks = triton.cdiv(num_blocks * block, 256)
-    interpreted = x.device.type == "cpu"
-    block_n, warps = gemv_q8_tile(num_out, interpreted)
-    grid, split, sums, counts = split_k.plan(x, num_out, block_n, num_chunks, split)
-    _gemv_q8_kernel[grid](
-        x, rows, out, sums, counts, num_out, num_chunks, num_blocks, x.stride(0), row_bytes, out.stride(0),
-        KIND=code, G=groups, Q=words, BLOCK_N=block_n, COMPILED=not interpreted, SPLIT=split,
-        num_warps=warps,
+    plan = decode_plan(x, kind, num_out, row_bytes, gemv_q8_tile, split)
+    _gemv_q8_kernel[plan.grid](
+        x, rows, out, plan.sums, plan.counts, num_out, plan.num_chunks, plan.num_blocks, x.stride(0),
+        row_bytes, out.stride(0), KIND=code, G=groups, Q=words, BLOCK_N=plan.block_n,
+        COMPILED=not plan.interpreted, SPLIT=plan.split, num_warps=plan.warps,
     )  # fmt: skip
