@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_check.sh
 #
 # Where the machine lacks weft's dependencies and its data: wheels in .whl/ (installed to
-# /tmp/site) and a copy of what the run reads from ../shared/data in .gpu/data (copied there).
+# /tmp/site) and a copy of what the run reads from ../shared/data in .gpu/data (copied there;
+# `bash benchmarks/gpu_data.sh` makes it, about 26 MB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
