@@ -106,7 +106,7 @@ def measure(kernel_name: str, kind: str, block_n: int, warps: int, split: int = 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kinds", default="q4_k,q5_k,q6_k,q8_0,q4_0,q2_k")
+    p.add_argument("--kinds", default="q4_k,q5_k,q6_k,q8_0,q4_0,q2_k,iq4_xs")
     p.add_argument("--tiles", default="8x1,16x1,32x4", help="BLOCK_N x num_warps, comma-separated")
     p.add_argument("--split", type=int, default=1, help="programs a column tile (split-K)")
     args = p.parse_args(argv)

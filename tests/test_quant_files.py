@@ -84,12 +84,12 @@ def test_low_bit_files_greedy_tokens_follow_llama_cpp(name):
         )
 
 
-@pytest.mark.parametrize("name", ["q5_k_m", "q2_k", "q3_k_m"])
+@pytest.mark.parametrize("name", list(KINDS))
 def test_triton_kernels_keep_every_low_bit_matrix_in_its_blocks(name, monkeypatch):
-    """The Triton kernel set (CUDA; Triton's interpreter here) multiplies Q2_K and Q5_K blocks as
-    the file stores them (Q3_K rewritten as Q6_K, exactly), no matrix made float, and its float32
-    logprobs, prompt rows (`tl.dot`) and decode rows (`block_gemv`) alike, are the torch kernel
-    set's, which multiplies the same file's float32 dequantization."""
+    """The Triton kernel set (CUDA; Triton's interpreter here) multiplies Q2_K, Q5_K and IQ4_XS
+    blocks as the file stores them (Q3_K and IQ4_NL rewritten as Q6_K and Q8_0, exactly), no matrix
+    made float, and its float32 logprobs, prompt rows (`tl.dot`) and decode rows (`block_gemv`)
+    alike, are the torch kernel set's, which multiplies the same file's float32 dequantization."""
     import torch
 
     path, ids = str(DATA / f"{name}.gguf"), [5, 300, 17, 900, 42, 611, 77, 1000]

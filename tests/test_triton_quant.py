@@ -15,7 +15,7 @@ from test_qdot import rounded_activations
 from weft.bench import random_gguf
 from weft.cuda import block_gemv, block_gemv_q8, split_k
 from weft.cuda.quant import KINDS, dequantize_rows, quantized_linear, takes_int8_activations
-from weft.kernels import BlockPart
+from weft.kernels import GGUF_BLOCKS, BlockPart
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -34,8 +34,9 @@ def flat(rows: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(rows.reshape(-1).copy()).to(DEVICE)
 
 
-# K-quants take whole 256-feature super-blocks; 32-wide kinds also 576 (18 blocks: a partial chunk)
-SHAPES = [(kind, k) for kind in KINDS for k in ((256, 512) if kind.endswith("_k") else (576, 256))]
+# K-quants and IQ4_XS take whole 256-feature super-blocks; 32-wide kinds also 576 (18 blocks: a
+# partial chunk)
+SHAPES = [(kind, k) for kind in KINDS for k in ((256, 512) if GGUF_BLOCKS[kind][0] == 256 else (576, 256))]
 SHAPES = [
     (kind, k) for kind, k in SHAPES if kind not in ("q4_1", "q5_1") or k == 576
 ]  # one size: read as Q4_0 and Q5_0 are
@@ -155,7 +156,7 @@ def test_bfloat16_activations_round_only_the_tile():
 def test_kinds_the_kernels_lack_run_rewritten_where_exact():
     """On a kernel set that multiplies blocks (CUDA's), MXFP4 experts and Q3_K and IQ4_NL matrices
     are kept as the Q5_0, Q6_K and Q8_0 blocks of the same weights (exactly), not dequantized;
-    IQ4_XS, whose rewrite rounds its scales, is dequantized."""
+    IQ4_XS is multiplied as it is."""
     from types import SimpleNamespace
 
     from torch import nn
@@ -179,14 +180,11 @@ def test_kinds_the_kernels_lack_run_rewritten_where_exact():
     )
     tensors = _expect_blocks(model, state, kernels)  # type: ignore[arg-type]
     labels = {kind: model[kind].quantized for kind in matrices}
-    assert labels == {"mxfp4": "q5_0", "q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": None}
+    assert labels == {"mxfp4": "q5_0", "q3_k": "q6_k", "iq4_nl": "q8_0", "iq4_xs": "iq4_xs"}
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
-    for kind in ("mxfp4", "q3_k", "iq4_nl"):
+    for kind in matrices:
         got = quantized_linear(
             x.to(DEVICE), tensors[f"{kind}.weight"].to(DEVICE), model[kind].blocks.parts, 40
         )
         expected = x @ reference(kind, matrices[kind]).T
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    torch.testing.assert_close(
-        tensors["iq4_xs.weight"], reference("iq4_xs", matrices["iq4_xs"]), rtol=0, atol=0
-    )

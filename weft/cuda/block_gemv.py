@@ -40,10 +40,14 @@ from weft.cuda import split_k
 from weft.kernels import GGUF_BLOCKS
 
 MAGIC = tl.constexpr(8388608.0)  # 2**23: the float32 whose bits are 0x4B000000
+# IQ4's 16 levels (llama.cpp's kvalues_iq4nl) + 128, as the bytes of two int64s: level q is byte q % 8
+# of IQ4_LEVELS[q // 8] (the second's top byte, 241, read as a signed int64)
+IQ4_LEVELS = tl.constexpr(0x766A5D4F3F2D1801)
+IQ4_LEVELS_HIGH = tl.constexpr(0xF1D9C5B5A6998D81 - (1 << 64))
 # kind -> (its code in the kernel, groups a plane, weights a group)
 PLANES = {"q8_0": (0, 8, 16), "q4_0": (1, 8, 16), "q5_0": (2, 8, 16), "q4_k": (3, 4, 32),
           "q6_k": (4, 8, 16), "q4_1": (5, 8, 16), "q5_1": (6, 8, 16), "q5_k": (7, 4, 32),
-          "q2_k": (8, 8, 16)}  # fmt: skip
+          "q2_k": (8, 8, 16), "iq4_xs": (9, 8, 16)}  # fmt: skip
 
 
 @triton.jit
@@ -126,6 +130,35 @@ def _q2_k(w_ptr, rows, chunk):
         -dmin * (packed_lo >> 4).to(tl.float32), feature,
         byte & (48 << (2 * j))[None, :, None], d * (packed_hi & 15).to(tl.float32) * step * 0.0625,
         -dmin * (packed_hi >> 4).to(tl.float32), feature + 64,
+        g >= 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def iq4_level(q):
+    """IQ4's level q (int32 0-15) + 128, as int32 1-241 (a table lookup in two shifts)."""
+    shift = (8 * (q & 7)).to(tl.int64)
+    table = tl.where(q < 8, IQ4_LEVELS, IQ4_LEVELS_HIGH)
+    return ((table >> shift) & 255).to(tl.int32)
+
+
+@triton.jit
+def _iq4_xs(w_ptr, rows, chunk):
+    """IQ4_XS (see `quant._iq4_xs`): group g a sub-block of 32, its bytes 8 + 16 g + l; a weight is
+    its level + 128 (1-241, `iq4_level`), the group's offset -128 times its scale."""
+    g = tl.arange(0, 8)
+    lane = tl.arange(0, 16)[None, :]
+    base = rows + chunk * 136  # [N]
+    byte = tl.load(w_ptr + base[:, None, None] + (8 + 16 * g[:, None] + lane)[None, :, :]).to(tl.int32)
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    high = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.int16))).to(tl.int32)[:, None]  # [N, 1]
+    low = tl.load(w_ptr + base[:, None] + 4 + (g // 2)[None, :]).to(tl.int32)  # [N, 8]
+    scale = ((low >> (4 * (g % 2))[None, :]) & 15) | (((high >> (2 * g)[None, :]) & 3) << 4)
+    dl = d * (scale - 32).to(tl.float32)  # [N, 8]
+    feature = 32 * g[:, None] + lane  # [8, 16]
+    return (
+        iq4_level(byte & 15), dl, -128.0 * dl, feature,
+        iq4_level(byte >> 4), dl, -128.0 * dl, feature + 16,
         g >= 0,
     )  # fmt: skip
 
@@ -231,6 +264,8 @@ def _planes(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         return _q5_k(w_ptr, rows, chunk)
     elif KIND == 8:
         return _q2_k(w_ptr, rows, chunk)
+    elif KIND == 9:
+        return _iq4_xs(w_ptr, rows, chunk)
     else:
         return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
 

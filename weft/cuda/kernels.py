@@ -7,10 +7,10 @@ What it replaces in `TorchKernels`, and why:
 - RMSNorm, the residual add before it, SiLU-and-multiply, and the rotary embedding with the
   KV-cache write: one launch each (`cuda/elementwise.py`), where torch takes 3-6 kernels and
   temporaries (at batch 1 a step is about 330 launches, and launches, not bytes, set its time);
-- linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K): the blocks
-  stay on the device and each tile is dequantized in the kernel as it streams (`cuda/quant.py`;
-  decode rows `cuda/block_gemv.py` and `cuda/block_gemv_q8.py`), where a float copy of the weights
-  would take 3.5-7x their memory and bandwidth.
+- linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS):
+  the blocks stay on the device and each tile is dequantized in the kernel as it streams
+  (`cuda/quant.py`; decode rows `cuda/block_gemv.py` and `cuda/block_gemv_q8.py`), where a float
+  copy of the weights would take 3.5-7x their memory and bandwidth.
 
 Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, logprobs, bitmask) is the
 torch version, which runs on the device without a host sync.

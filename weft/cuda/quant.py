@@ -1,6 +1,6 @@
 """Matrix products over GGUF blocks in Triton: the weights stay in the file's blocks on the device
-(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K) and each program dequantizes its tile as it
-streams it in; no float copy of a matrix is ever made.
+(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS) and each program dequantizes its
+tile as it streams it in; no float copy of a matrix is ever made.
 
 Every kind is read 256 input features at a time (a chunk: one K-quant super-block, or eight 32-wide
 blocks) as two planes of 128 columns in the order of the block's bytes, not of the features: a
@@ -37,6 +37,7 @@ from weft.kernels import GGUF_BLOCKS, BlockPart
 
 # each kind's KIND in the kernels
 _CODES = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_k": 3, "q6_k": 4, "q4_1": 5, "q5_1": 6, "q5_k": 7, "q2_k": 8}
+_CODES["iq4_xs"] = 9
 # kind -> (its code in the kernels, input features per block, bytes per block)
 KINDS = {kind: (code, *GGUF_BLOCKS[kind]) for kind, code in _CODES.items()}
 CHUNK = 256  # input features per iteration
@@ -158,6 +159,27 @@ def _q2_k(w_ptr, rows, chunk):
 
 
 @triton.jit
+def _iq4_xs(w_ptr, rows, chunk):
+    """IQ4_XS: 136 bytes (d, 2 bytes of scales' high bits, 4 of their low 4 bits, 128 of 4-bit
+    indices into IQ4's 16 levels); byte 16 g + j of the 128 holds feature 32 g + j (low nibble) and
+    32 g + 16 + j (high) of sub-block g, whose 6-bit scale is scales_l[g // 2] >> 4 (g % 2) | the
+    bits 2 g of scales_h << 4, less 32."""
+    base = rows + chunk * 136  # [N]
+    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    cols = tl.arange(0, 128)
+    g = cols // 16
+    byte = tl.load(w_ptr + base[:, None] + 8 + cols[None, :]).to(tl.int32)  # [N, P]
+    high = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.int16))).to(tl.int32)[:, None]  # [N, 1]
+    low = tl.load(w_ptr + base[:, None] + 4 + (g // 2)[None, :]).to(tl.int32)  # [N, P]
+    scale = ((low >> (4 * (g % 2))[None, :]) & 15) | (((high >> (2 * g)[None, :]) & 3) << 4)
+    dl = d * (scale - 32).to(tl.float32)  # [N, P]
+    lo = dl * (block_gemv.iq4_level(byte & 15) - 128).to(tl.float32)
+    hi = dl * (block_gemv.iq4_level(byte >> 4) - 128).to(tl.float32)
+    feature = 32 * g + cols % 16
+    return lo, hi, feature, feature + 16, cols >= 0
+
+
+@triton.jit
 def _q2_k_plane(w_ptr, base, q, group, d, dmin):
     """q [N, P] times its group's 4-bit scale, less its 4-bit min (byte `group` [P] of the 16)."""
     packed = tl.load(w_ptr + base[:, None] + group[None, :]).to(tl.int32)  # [N, P]
@@ -219,6 +241,8 @@ def _dequant(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         return _q5_k(w_ptr, rows, chunk)
     elif KIND == 8:
         return _q2_k(w_ptr, rows, chunk)
+    elif KIND == 9:
+        return _iq4_xs(w_ptr, rows, chunk)
     else:
         return _legacy(w_ptr, rows, chunk, num_blocks, KIND)
 
