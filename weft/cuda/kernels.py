@@ -10,17 +10,19 @@ What it replaces in `TorchKernels`, and why:
 - linear layers over GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS):
   the blocks stay on the device and each tile is dequantized in the kernel as it streams
   (`cuda/quant.py`; decode rows `cuda/block_gemv.py` and `cuda/block_gemv_q8.py`), where a float
-  copy of the weights would take 3.5-7x their memory and bandwidth.
+  copy of the weights would take 3.5-7x their memory and bandwidth;
+- the logprobs of sampled and prompt tokens (chosen, rank, top n): three launches
+  (`cuda/logprobs.py`) where tensor operations take about 25.
 
-Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, logprobs, bitmask) is the
-torch version, which runs on the device without a host sync.
+Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, the bitmask) is the torch
+version, which runs on the device without a host sync.
 """
 
 from __future__ import annotations
 
 import torch
 
-from weft.cuda import attention, elementwise, quant
+from weft.cuda import attention, elementwise, logprobs, quant
 from weft.kernels import BlockPart, RaggedBatch, RopeTables, TorchKernels
 
 MAX_HEAD_DIM = 256
@@ -47,6 +49,14 @@ class TritonKernels(TorchKernels):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return super().silu_mul(gate_up)
         return elementwise.silu_mul(gate_up)
+
+    def row_logprobs(
+        self, x: torch.Tensor, ids: torch.Tensor, num_top: int, norm: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+            return super().row_logprobs(x, ids, num_top, norm)
+        norm = None if norm is None else norm.contiguous()
+        return logprobs.row_logprobs(x, ids.contiguous(), num_top, norm)
 
     block_kinds = frozenset(quant.KINDS)
 

@@ -1,0 +1,64 @@
+"""Logprobs in Triton (weft/cuda/logprobs.py): the chosen token's logprob and rank and the top n by
+logprob then id, equal to `TorchKernels.row_logprobs`, on logits that tie, hold NaN or -inf, rows
+given their own normalizer, and rows of one slice or several. On a CUDA GPU where there is one,
+else in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.cuda.kernels import TRITON_KERNELS
+from weft.cuda.logprobs import SLICE, row_logprobs
+from weft.kernels import TorchKernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REFERENCE = TorchKernels()
+
+
+def same(x: torch.Tensor, ids: torch.Tensor, num_top: int, norm: torch.Tensor | None = None) -> None:
+    expected = REFERENCE.row_logprobs(x, ids, num_top, norm)
+    got = row_logprobs(x.to(DEVICE), ids.to(DEVICE), num_top, None if norm is None else norm.to(DEVICE))
+    assert torch.equal(got[0].cpu(), expected[0]), (got[0], expected[0])
+    assert torch.equal(got[2].cpu(), expected[2]), (got[2], expected[2])
+    torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("num_top", [0, 1, 5, 20])
+def test_logprobs_of_rows_of_several_slices(num_top):
+    gen = torch.Generator().manual_seed(num_top)
+    x = torch.randn(3, 2 * SLICE + 808, generator=gen) * 3
+    same(x, torch.tensor([5, 2 * SLICE + 807, SLICE]), num_top)
+
+
+def test_ties_go_to_the_smaller_id():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.round(torch.randn(2, SLICE + 904, generator=gen) * 2) / 2  # many equal logits
+    same(x, torch.tensor([0, 17]), 7)
+
+
+def test_nan_and_minus_infinity():
+    """-inf (masked tokens) ranks last, ties by id; a row holding a NaN is all NaN, its top the
+    first ids; a row of -inf is NaN, as the CPU kernels make it."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, SLICE + 100, generator=gen)
+    x[0, 100:] = float("-inf")
+    x[1, 50] = float("nan")
+    x[2] = float("-inf")
+    same(x, torch.tensor([3, 4, 5, 6]), 5)
+
+
+def test_a_given_normalizer_and_its_absence():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5000, generator=gen)
+    same(x, torch.tensor([1, 2, 3]), 4, torch.tensor([10.0, float("nan"), -2.0]))
+
+
+def test_the_kernel_set_takes_them_for_float32_rows():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 300, generator=gen).to(DEVICE)
+    ids = torch.tensor([1, 299], device=DEVICE)
+    got = TRITON_KERNELS.row_logprobs(x, ids, 3)
+    expected = REFERENCE.row_logprobs(x.cpu(), ids.cpu(), 3)
+    assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[2].cpu(), expected[2])
+    torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-5)
