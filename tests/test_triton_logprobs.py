@@ -1,7 +1,7 @@
-"""Logprobs in Triton (weft/cuda/logprobs.py): the chosen token's logprob and rank and the top n by
-logprob then id, equal to `TorchKernels.row_logprobs`, on logits that tie, hold NaN or -inf, rows
-given their own normalizer, and rows of one slice or several. On a CUDA GPU where there is one,
-else in Triton's interpreter."""
+"""Logprobs and greedy tokens in Triton (weft/cuda/logprobs.py, greedy.py): the chosen token's
+logprob and rank and the top n by logprob then id, equal to `TorchKernels.row_logprobs`, on logits
+that tie, hold NaN or -inf, rows given their own normalizer, and rows of one slice or several. On a
+CUDA GPU where there is one, else in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ def test_the_kernel_set_takes_them_for_float32_rows():
     expected = REFERENCE.row_logprobs(x.cpu(), ids.cpu(), 3)
     assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[2].cpu(), expected[2])
     torch.testing.assert_close(got[1].cpu(), expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_tokens_are_the_first_largest_or_invalid():
+    """One launch (weft/cuda/greedy.py) against `TorchKernels.greedy_tokens`: the first of equal
+    maxima across the 4,096-logit iterations, -1 for a row holding a NaN or only -inf."""
+    from weft.cuda.greedy import BLOCK, greedy_tokens
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 2 * BLOCK + 3, generator=gen)
+    x[0, 7] = x[0, BLOCK + 9] = 50.0  # the same maximum in two iterations: the first wins
+    x[1, 2 * BLOCK + 2] = 60.0  # in the last, partial iteration
+    x[2, 11] = float("nan")
+    x[3] = float("-inf")
+    x[4, :100] = float("-inf")
+    expected = REFERENCE.greedy_tokens(x, -1)
+    assert expected.tolist()[:4] == [7, 2 * BLOCK + 2, -1, -1]
+    assert torch.equal(greedy_tokens(x.to(DEVICE), -1).cpu(), expected)
+    assert torch.equal(TRITON_KERNELS.greedy_tokens(x.to(DEVICE), -1).cpu(), expected)

@@ -425,6 +425,12 @@ class TorchKernels:
         values, ids = x.max(dim=-1)
         return values, ids
 
+    def greedy_tokens(self, x: torch.Tensor, invalid: int) -> torch.Tensor:
+        """[B] int64: each row's first largest value's index, `invalid` where the row holds a NaN
+        or nothing above -inf."""
+        maxima, ids = self.row_max(x)
+        return ids.masked_fill(maxima.isnan() | (maxima == float("-inf")), invalid)
+
     def gumbel_argmax(
         self,
         logits: torch.Tensor,  # [B, V] float32

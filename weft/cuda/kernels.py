@@ -12,7 +12,8 @@ What it replaces in `TorchKernels`, and why:
   (`cuda/quant.py`; decode rows `cuda/block_gemv.py` and `cuda/block_gemv_q8.py`), where a float
   copy of the weights would take 3.5-7x their memory and bandwidth;
 - the logprobs of sampled and prompt tokens (chosen, rank, top n): three launches
-  (`cuda/logprobs.py`) where tensor operations take about 25.
+  (`cuda/logprobs.py`) where tensor operations take about 25; greedy tokens, one
+  (`cuda/greedy.py`) where they take five.
 
 Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, the bitmask) is the torch
 version, which runs on the device without a host sync.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.cuda import attention, elementwise, logprobs, quant
+from weft.cuda import attention, elementwise, greedy, logprobs, quant
 from weft.kernels import BlockPart, RaggedBatch, RopeTables, TorchKernels
 
 MAX_HEAD_DIM = 256
@@ -49,6 +50,11 @@ class TritonKernels(TorchKernels):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return super().silu_mul(gate_up)
         return elementwise.silu_mul(gate_up)
+
+    def greedy_tokens(self, x: torch.Tensor, invalid: int) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+            return super().greedy_tokens(x, invalid)
+        return greedy.greedy_tokens(x, invalid)
 
     def row_logprobs(
         self, x: torch.Tensor, ids: torch.Tensor, num_top: int, norm: torch.Tensor | None = None

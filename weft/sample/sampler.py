@@ -352,13 +352,12 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V] -> [B] int64, `INVALID_TOKEN` on rows that are not finite."""
+        if batch.columns.all_greedy:
+            return self.kernels.greedy_tokens(logits, INVALID_TOKEN)
         maxima, greedy = self.kernels.row_max(logits)  # [B] each; a NaN row's maximum is NaN
         invalid = maxima.isnan() | (maxima == float("-inf"))  # [B] bool
-        if batch.columns.all_greedy:
-            chosen = greedy
-        else:
-            sampled = self.kernels.gumbel_argmax(logits, batch.columns.seeds, batch.positions)
-            chosen = torch.where(batch.columns.is_greedy, greedy, sampled)
+        sampled = self.kernels.gumbel_argmax(logits, batch.columns.seeds, batch.positions)
+        chosen = torch.where(batch.columns.is_greedy, greedy, sampled)
         return chosen.masked_fill(invalid, INVALID_TOKEN)
 
     def _gather(
