@@ -48,7 +48,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log it, note it i
     git log -1 --oneline 2>/dev/null || true
 } >"$report" 2>&1
 
-step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_quant.py tests/test_triton_logprobs.py \
+step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_quant.py tests/test_triton_step_kernels.py \
     tests/test_gguf.py::test_triton_half_precision_decode_rows_meet_k_quants_as_int8 \
     tests/test_gguf.py::test_triton_kernels_multiply_the_blocks_as_the_file_stores_them tests/test_triton.py \
     tests/test_graphs.py tests/test_step_uploads.py tests/test_model_parity.py tests/test_sliding_window.py

@@ -59,6 +59,19 @@ class RaggedBatch:
     window: int = 0  # a sliding-window layer's keys per query, itself included; 0: every earlier key
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A decode step's per-row inputs, or a captured graph's static buffers of them (`engine/graphs.py`):
+    token ids, positions and sequence lengths (None: a sliding-window pool's rows, which share the
+    main pool's), KV slots and the block table."""
+
+    ids: torch.Tensor | None  # [B] int64
+    positions: torch.Tensor | None  # [B] int64
+    slots: torch.Tensor  # [B] int64
+    table: torch.Tensor  # [B, width] int32
+    lengths: torch.Tensor | None  # [B] int32
+
+
 # GGUF block kinds weft keeps as they are -> (input features per block, bytes per block in the file)
 GGUF_BLOCKS = {
     "q8_0": (32, 34),
@@ -424,6 +437,26 @@ class TorchKernels:
         gives NaN and the first NaN's index)."""
         values, ids = x.max(dim=-1)
         return values, ids
+
+    def stage_decode_rows(
+        self, static: DecodeRows, step: DecodeRows, size: int, pad_block: int, block_size: int
+    ) -> None:
+        """Copy a decode step's rows (B = step's) into the first B rows of a captured graph's static
+        buffers, and make rows B..size-1 padding rows: one token into block `pad_block`'s first
+        slot, reading only it (table entry 0 that block, length 1)."""
+        num_rows, width = step.table.shape
+        pairs = [(static.slots, step.slots), (static.ids, step.ids), (static.positions, step.positions)]
+        pairs.append((static.lengths, step.lengths))
+        for dst, src in pairs:
+            if dst is not None and src is not None:
+                dst[:num_rows].copy_(src)
+        static.table[:num_rows, :width].copy_(step.table)
+        if num_rows == size:  # the batch fills the size: no padding rows (their launches saved)
+            return
+        static.slots[num_rows:size] = pad_block * block_size
+        static.table[num_rows:size, 0] = pad_block
+        if static.lengths is not None:
+            static.lengths[num_rows:size] = 1
 
     def greedy_tokens(self, x: torch.Tensor, invalid: int) -> torch.Tensor:
         """[B] int64: each row's first largest value's index, `invalid` where the row holds a NaN

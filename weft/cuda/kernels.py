@@ -13,7 +13,8 @@ What it replaces in `TorchKernels`, and why:
   copy of the weights would take 3.5-7x their memory and bandwidth;
 - the logprobs of sampled and prompt tokens (chosen, rank, top n): three launches
   (`cuda/logprobs.py`) where tensor operations take about 25; greedy tokens, one
-  (`cuda/greedy.py`) where they take five.
+  (`cuda/greedy.py`) where they take five; a replayed decode graph's inputs, one
+  (`cuda/graph_rows.py`) where copies and fills take eight.
 
 Float linear layers stay cuBLAS (`F.linear`); everything else (sampling, the bitmask) is the torch
 version, which runs on the device without a host sync.
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from weft.cuda import attention, elementwise, greedy, logprobs, quant
-from weft.kernels import BlockPart, RaggedBatch, RopeTables, TorchKernels
+from weft.cuda import attention, elementwise, graph_rows, greedy, logprobs, quant
+from weft.kernels import BlockPart, DecodeRows, RaggedBatch, RopeTables, TorchKernels
 
 MAX_HEAD_DIM = 256
 
@@ -50,6 +51,11 @@ class TritonKernels(TorchKernels):
         if gate_up.dim() != 2 or gate_up.stride(1) != 1:
             return super().silu_mul(gate_up)
         return elementwise.silu_mul(gate_up)
+
+    def stage_decode_rows(
+        self, static: DecodeRows, step: DecodeRows, size: int, pad_block: int, block_size: int
+    ) -> None:
+        graph_rows.stage_decode_rows(static, step, size, pad_block, block_size)
 
     def greedy_tokens(self, x: torch.Tensor, invalid: int) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:

@@ -10,9 +10,9 @@ its time; a replay launches them all at once. Steps in order:
    mismatch turns graphs off with a warning instead of giving wrong tokens).
 2. `run` (each step): a step whose rows are all single tokens and whose batch fits a size copies its
    inputs (token ids, positions, slots, block table, lengths) into the first rows of the static
-   buffers, points the padding rows at the scratch block, replays, and returns the first rows of the
-   static output. Anything else (prompt chunks, forced tokens, more rows than the largest size)
-   returns None and runs eagerly.
+   buffers and points the padding rows at the scratch block (the kernel set's `stage_decode_rows`:
+   one launch on CUDA), replays, and returns the first rows of the static output. Anything else
+   (prompt chunks, forced tokens, more rows than the largest size) returns None and runs eagerly.
 
 Padding rows must not write into a real block: they read and write the scratch block, one block
 past the KV manager's pool that no sequence is ever given (`ModelRunner` allocates it).
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from weft.kernels import RaggedBatch
+from weft.kernels import DecodeRows, RaggedBatch
 from weft.model.attention import AttentionMetadata
 from weft.model.llama import KVCache, LlamaForCausalLM
 
@@ -91,7 +91,7 @@ class DecodeGraphs:
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)  # [Bmax]
         self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)  # [Bmax]
-        # Every row starts as a padding row (`_pad_rows`): the scratch block's first slot, length 1.
+        # Every row starts as a padding row (`stage_decode_rows`): the scratch block's first slot, length 1.
         scratch_slot = scratch_block * block_size
         self.slot_mapping = torch.full((max_size,), scratch_slot, dtype=torch.int64, device=device)  # [Bmax]
         self.block_table = torch.full((max_size, max_blocks), scratch_block, dtype=torch.int32, device=device)
@@ -102,6 +102,8 @@ class DecodeGraphs:
         if window_scratch is not None:
             self.window = WindowBuffers.full(window_scratch, block_size, max_blocks, max_size, device)
         self.replays: dict[int, Forward] = {}
+        tables = (self.slot_mapping, self.block_table, self.seq_lens)
+        self.rows = DecodeRows(self.input_ids, self.positions, *tables)  # what `run` fills
 
     def capture(self, capture: Capture, pool: Any = None, progress: bool = False) -> CaptureReport:
         """Capture every size, largest first; raises RuntimeError if a replay differs from eager."""
@@ -131,27 +133,15 @@ class DecodeGraphs:
         size = next((s for s in self.sizes if s >= num_rows), None)
         if size is None:
             return None
-        width = batch.block_table.shape[1]
-        self.input_ids[:num_rows].copy_(input_ids)
-        self.positions[:num_rows].copy_(positions)
-        self.slot_mapping[:num_rows].copy_(meta.slot_mapping)
-        self.block_table[:num_rows, :width].copy_(batch.block_table)
-        self.seq_lens[:num_rows].copy_(batch.seq_lens)
+        kernels = self.model.kernels
+        step = DecodeRows(input_ids, positions, meta.slot_mapping, batch.block_table, batch.seq_lens)
+        kernels.stage_decode_rows(self.rows, step, size, self.scratch_block, self.block_size)
         if self.window is not None:
-            self.window.load(meta.sliding, num_rows)
-        self._pad_rows(num_rows, size)
+            sliding = meta.sliding
+            assert sliding is not None and sliding.ragged is not None, "a window pool's step, no tables"
+            own = DecodeRows(None, None, sliding.slot_mapping, sliding.ragged.block_table, None)
+            kernels.stage_decode_rows(self.window.rows, own, size, self.window.scratch, self.block_size)
         return self.replays[size]()[:num_rows]
-
-    def _pad_rows(self, first: int, end: int) -> None:
-        """Rows first..end-1 decode one token into the scratch block's first slot and read only it."""
-        if first == end:  # the batch fills the size: no padding rows (three launches saved)
-            return
-        self.slot_mapping[first:end] = self.scratch_block * self.block_size
-        self.block_table[first:end, 0] = self.scratch_block
-        self.seq_lens[first:end] = 1
-        if self.window is not None:
-            self.window.slots[first:end] = self.window.scratch * self.block_size
-            self.window.table[first:end, 0] = self.window.scratch
 
     def _forward(self, size: int) -> Forward:
         batch = RaggedBatch(self.block_table[:size], self.seq_lens[:size], self.query_start[: size + 1], 1)
@@ -182,11 +172,9 @@ class WindowBuffers:
         table = torch.full((max_size, max_blocks), scratch, dtype=torch.int32, device=device)
         return WindowBuffers(scratch, slots, table)
 
-    def load(self, sliding: AttentionMetadata | None, num_rows: int) -> None:
-        """This step's rows from its sliding-window metadata."""
-        assert sliding is not None and sliding.ragged is not None, "a window pool's step without its tables"
-        self.slots[:num_rows].copy_(sliding.slot_mapping)
-        self.table[:num_rows, : sliding.ragged.block_table.shape[1]].copy_(sliding.ragged.block_table)
+    @property
+    def rows(self) -> DecodeRows:
+        return DecodeRows(None, None, self.slots, self.table, None)
 
 
 def _memory_in_use(device: torch.device) -> int:

@@ -1,7 +1,8 @@
-"""Logprobs and greedy tokens in Triton (weft/cuda/logprobs.py, greedy.py): the chosen token's
-logprob and rank and the top n by logprob then id, equal to `TorchKernels.row_logprobs`, on logits
-that tie, hold NaN or -inf, rows given their own normalizer, and rows of one slice or several. On a
-CUDA GPU where there is one, else in Triton's interpreter."""
+"""The Triton kernels around a decode step, against `TorchKernels`: logprobs (weft/cuda/logprobs.py:
+the chosen token's logprob and rank and the top n by logprob then id, on logits that tie, hold NaN
+or -inf, rows given their own normalizer, rows of one slice or several), greedy tokens (greedy.py)
+and a replayed graph's inputs (graph_rows.py). On a CUDA GPU where there is one, else in Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -80,3 +81,38 @@ def test_greedy_tokens_are_the_first_largest_or_invalid():
     assert expected.tolist()[:4] == [7, 2 * BLOCK + 2, -1, -1]
     assert torch.equal(greedy_tokens(x.to(DEVICE), -1).cpu(), expected)
     assert torch.equal(TRITON_KERNELS.greedy_tokens(x.to(DEVICE), -1).cpu(), expected)
+
+
+FIELDS = ("ids", "positions", "slots", "table", "lengths")
+
+
+@pytest.mark.parametrize(("num_rows", "size", "window"), [(3, 8, False), (8, 8, False), (2, 4, True)])
+def test_decode_graph_rows_staged_in_one_launch(num_rows, size, window):
+    """weft/cuda/graph_rows.py against `TorchKernels.stage_decode_rows`: the step's rows copied into
+    the static buffers' first rows (a block table narrower than theirs), the rest padding rows on
+    the scratch block, and no entry past either touched."""
+    from weft.kernels import DecodeRows
+
+    gen = torch.Generator().manual_seed(num_rows + size)
+
+    def rows(count: int, width: int) -> DecodeRows:
+        tensors = {name: torch.randint(0, 1000, (count,), generator=gen) for name in FIELDS}
+        tensors["table"] = torch.randint(0, 1000, (count, width), generator=gen, dtype=torch.int32)
+        tensors["lengths"] = tensors["lengths"].int()
+        if window:  # the sliding-window pool's rows: slots and table only
+            tensors["ids"] = tensors["positions"] = tensors["lengths"] = None
+        return DecodeRows(**tensors)
+
+    def on_device(r: DecodeRows) -> DecodeRows:
+        return DecodeRows(*(None if (t := getattr(r, f)) is None else t.clone().to(DEVICE) for f in FIELDS))
+
+    step, static = rows(num_rows, 5), rows(16, 12)
+    expected, got = on_device(static), on_device(static)
+    REFERENCE.stage_decode_rows(expected, on_device(step), size, 7, 16)
+    TRITON_KERNELS.stage_decode_rows(got, on_device(step), size, 7, 16)
+    for field in FIELDS:
+        mine, theirs = getattr(got, field), getattr(expected, field)
+        assert (mine is None) == (theirs is None)
+        assert mine is None or torch.equal(mine.cpu(), theirs.cpu()), field
+    assert (expected.slots[num_rows:size] == 7 * 16).all()
+    assert torch.equal(expected.slots[size:].cpu(), static.slots[size:])
