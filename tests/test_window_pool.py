@@ -167,12 +167,14 @@ def test_decode_graphs_read_the_window_pool():
     import torch
 
     from weft.engine.graphs import DecodeGraphs
+    from weft.kernels import TorchKernels
     from weft.model.attention import build_attention_metadata
 
     seen = []
 
     class Model:  # what a replay hands the model, recorded
         attention = type("Backend", (), {"window": WINDOW})()
+        kernels = TorchKernels()  # which stages the step's rows into the graph's buffers
 
         def __call__(self, input_ids, positions, kv_caches, meta):
             seen.append(meta)
