@@ -51,7 +51,7 @@ PLANES = {"q8_0": (0, 8, 16), "q4_0": (1, 8, 16), "q5_0": (2, 8, 16), "q4_k": (3
 
 
 @triton.jit
-def _f16(ptr, offsets, mask):
+def f16(ptr, offsets, mask):
     """float16 values at byte `offsets` (even) of the uint8 `ptr`, widened to float32."""
     return tl.load((ptr + offsets).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
@@ -73,16 +73,9 @@ def _q4_k(w_ptr, rows, chunk):
     lane = 32 * j[:, None] + tl.arange(0, 32)[None, :]  # [4, 32]
     base = rows + chunk * 144  # [N]
     q = tl.load(w_ptr + base[:, None, None] + 16 + lane[None, :, :]).to(tl.int32)  # [N, 4, 32]
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
-    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
-    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    s_lo, o_lo, s_hi, o_hi = sub_block_scales(w_ptr, base, rows >= 0)
     feature = 64 * j[:, None] + tl.arange(0, 32)[None, :]  # [4, 32]
-    return (
-        q & 15, d * sc_lo, -dmin * min_lo, feature,
-        q & 0xF0, d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
-        j >= 0,
-    )  # fmt: skip
+    return q & 15, s_lo, o_lo, feature, q & 0xF0, s_hi * 0.0625, o_hi, feature + 32, j >= 0
 
 
 @triton.jit
@@ -95,16 +88,25 @@ def _q5_k(w_ptr, rows, chunk):
     q = tl.load(w_ptr + base[:, None, None] + 48 + (32 * j[:, None] + lane[None, :])[None, :, :]).to(tl.int32)
     bits = tl.load(w_ptr + base[:, None, None] + 16 + lane[None, None, :]).to(tl.int32)  # [N, 1, 32]
     bits = bits >> (2 * j)[None, :, None]  # [N, 4, 32]: bit 0 the low nibble's, bit 1 the high's
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
-    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
-    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    s_lo, o_lo, s_hi, o_hi = sub_block_scales(w_ptr, base, rows >= 0)
     feature = 64 * j[:, None] + lane[None, :]  # [4, 32]
     return (
-        (q & 15) | ((bits & 1) << 4), d * sc_lo, -dmin * min_lo, feature,
-        (q & 0xF0) | ((bits & 2) << 7), d * sc_hi * 0.0625, -dmin * min_hi, feature + 32,
+        (q & 15) | ((bits & 1) << 4), s_lo, o_lo, feature,
+        (q & 0xF0) | ((bits & 2) << 7), s_hi * 0.0625, o_hi, feature + 32,
         j >= 0,
     )  # fmt: skip
+
+
+@triton.jit
+def sub_block_scales(w_ptr, base, ok):
+    """Q4_K's and Q5_K's d * scale and -dmin * min of sub-blocks 2 j and 2 j + 1, j < 4 ([N, 4]
+    each, the super-blocks at byte offsets `base` [N]; d, dmin, then the 12 bytes of scales)."""
+    j = tl.arange(0, 4)
+    d = f16(w_ptr, base, ok)[:, None]  # [N, 1]
+    dmin = f16(w_ptr, base + 2, ok)[:, None]
+    sc_lo, min_lo = q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
+    sc_hi, min_hi = q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
+    return d * sc_lo, -dmin * min_lo, d * sc_hi, -dmin * min_hi
 
 
 @triton.jit
@@ -118,8 +120,8 @@ def _q2_k(w_ptr, rows, chunk):
     lane = tl.arange(0, 16)[None, :]
     base = rows + chunk * 84  # [N]
     byte = tl.load(w_ptr + base[:, None, None] + (16 + 16 * quarter[:, None] + lane)[None, :, :]).to(tl.int32)
-    d = _f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 82, rows >= 0)[:, None]
+    d = f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
+    dmin = f16(w_ptr, base + 82, rows >= 0)[:, None]
     at = base[:, None] + (8 * (quarter // 2) + 2 * j + quarter % 2)[None, :]  # [N, 8]: the low plane's
     packed_lo = tl.load(w_ptr + at).to(tl.int32)
     packed_hi = tl.load(w_ptr + at + 4).to(tl.int32)
@@ -150,11 +152,7 @@ def _iq4_xs(w_ptr, rows, chunk):
     lane = tl.arange(0, 16)[None, :]
     base = rows + chunk * 136  # [N]
     byte = tl.load(w_ptr + base[:, None, None] + (8 + 16 * g[:, None] + lane)[None, :, :]).to(tl.int32)
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    high = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.int16))).to(tl.int32)[:, None]  # [N, 1]
-    low = tl.load(w_ptr + base[:, None] + 4 + (g // 2)[None, :]).to(tl.int32)  # [N, 8]
-    scale = ((low >> (4 * (g % 2))[None, :]) & 15) | (((high >> (2 * g)[None, :]) & 3) << 4)
-    dl = d * (scale - 32).to(tl.float32)  # [N, 8]
+    dl = iq4_xs_scales(w_ptr, base, rows >= 0, g)  # [N, 8]
     feature = 32 * g[:, None] + lane  # [8, 16]
     return (
         iq4_level(byte & 15), dl, -128.0 * dl, feature,
@@ -164,7 +162,19 @@ def _iq4_xs(w_ptr, rows, chunk):
 
 
 @triton.jit
-def _q4_k_scale_min(scales, s):
+def iq4_xs_scales(w_ptr, base, ok, g):
+    """d * (the 6-bit scale - 32) of sub-blocks g ([S], any of 0-7) of the IQ4_XS super-blocks at
+    byte offsets `base` [N]: [N, S]. Sub-block g's scale: its 4 bits of scales_l[g // 2] (byte 4 on),
+    and bits 2 g of the 16-bit scales_h (byte 2) above them."""
+    d = f16(w_ptr, base, ok)[:, None]  # [N, 1]
+    high = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.int16))).to(tl.int32)[:, None]  # [N, 1]
+    low = tl.load(w_ptr + base[:, None] + 4 + (g // 2)[None, :]).to(tl.int32)  # [N, S]
+    scale = ((low >> (4 * (g % 2))[None, :]) & 15) | (((high >> (2 * g)[None, :]) & 3) << 4)
+    return d * (scale - 32).to(tl.float32)
+
+
+@triton.jit
+def q4_k_scale_min(scales, s):
     """The 6-bit scale and min of sub-blocks s ([1, S]) from the 12 bytes at `scales` ([N, 1]):
     bytes s and s + 4 (s < 4), or packed from bytes s + 4, s - 4 and s (s >= 4)."""
     first = s < 4
@@ -191,7 +201,7 @@ def _q6_k(w_ptr, rows, chunk):
     high_at = 128 + 32 * h[:, None] + 16 * (r % 2)[:, None] + lane  # [8, 16]
     high = tl.load(w_ptr + base[:, None, None] + high_at[None, :, :]).to(tl.int32)
     high = high << (4 - 2 * (r // 2))[None, :, None]  # the pairs at bits 4-5 (low plane), 8-9 (high)
-    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    d = f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
     at = base[:, None] + 192 + (8 * h + r)[None, :]  # [N, 8]: the low plane's scale; the high's is 4 on
     sc_lo = d * tl.load(w_ptr + at).to(tl.int8, bitcast=True).to(tl.float32)
     sc_hi = d * tl.load(w_ptr + at + 4).to(tl.int8, bitcast=True).to(tl.float32)
@@ -223,9 +233,9 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         size, qs = 24, 8
     at = rows[:, None] + (block * size)[None, :]  # [N, 8] byte offsets of the blocks
     mask = ok[None, :] & (rows >= 0)[:, None]
-    d = _f16(w_ptr, at, mask)  # [N, 8]
+    d = f16(w_ptr, at, mask)  # [N, 8]
     if KIND >= 5:  # Q4_1, Q5_1: + m
-        m = _f16(w_ptr, at + 2, mask)
+        m = f16(w_ptr, at + 2, mask)
     elif KIND == 0:  # the zero point: 128 (q + 128), 8, 16
         m = -128.0 * d
     elif KIND == 1:

@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from weft.cuda import split_k
-from weft.cuda.block_gemv import _f16, _q4_k_scale_min, decode_plan
+from weft.cuda.block_gemv import decode_plan, f16, sub_block_scales
 
 HIGH_NIBBLES = tl.constexpr(-252645136)  # 0xF0F0F0F0 as int32
 ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUND - ROUND is v rounded to nearest even
@@ -109,7 +109,7 @@ def _legacy_words(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
     size = 34 if KIND == 0 else 18
     at = rows[:, None] + (block * size)[None, :]  # [N, 8] byte offsets of the blocks
     mask = ok[None, :] & (rows >= 0)[:, None]
-    d = _f16(w_ptr, at, mask)  # [N, 8]
+    d = f16(w_ptr, at, mask)  # [N, 8]
     halves = at[:, :, None] + 2 + 4 * w[None, None, :]  # [N, 8, 4]: each word's first byte
     feature = (32 * g[:, None, None] + 4 * w[None, :, None]) + tl.arange(0, 4)[None, None, :]  # [8, 4, 4]
     if KIND == 0:  # int8: the low plane's bytes 2-17, the high's 18-33
@@ -159,15 +159,11 @@ def _q5_k_words(w_ptr, rows, chunk):
 
 @triton.jit
 def _sub_block_scales(w_ptr, base, ok):
-    """Q4_K's and Q5_K's d * scale and -dmin * min of sub-blocks 2 j and 2 j + 1 ([N, 4] each, the
-    super-blocks at byte offsets `base` [N]), and the low nibbles' features [4, 8, 4]."""
+    """`block_gemv.sub_block_scales`, and the low nibbles' features [4, 8, 4] of the words."""
+    s_lo, o_lo, s_hi, o_hi = sub_block_scales(w_ptr, base, ok)
     j = tl.arange(0, 4)
-    d = _f16(w_ptr, base, ok)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, ok)[:, None]
-    sc_lo, min_lo = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :])  # [N, 4] each
-    sc_hi, min_hi = _q4_k_scale_min(w_ptr + base[:, None] + 4, 2 * j[None, :] + 1)
     feature = (64 * j[:, None, None] + 4 * tl.arange(0, 8)[None, :, None]) + tl.arange(0, 4)[None, None, :]
-    return d * sc_lo, -dmin * min_lo, d * sc_hi, -dmin * min_hi, feature
+    return s_lo, o_lo, s_hi, o_hi, feature
 
 
 @triton.jit
@@ -186,7 +182,7 @@ def _q6_k_words(w_ptr, rows, chunk):
     shift = (2 * (r // 2))[None, :, None]
     q_lo = (low & 0x0F0F0F0F) | ((high << (4 - shift)) & 0x30303030)  # bytes 0-63
     q_hi = ((low >> 4) & 0x0F0F0F0F) | ((high >> shift) & 0x30303030)
-    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    d = f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
     at = base[:, None] + 192 + (8 * h + r)[None, :]  # [N, 8]: the low plane's scales; the high's 4 on
     sc_lo = d * tl.load(w_ptr + at).to(tl.int8, bitcast=True).to(tl.float32)
     sc_hi = d * tl.load(w_ptr + at + 4).to(tl.int8, bitcast=True).to(tl.float32)

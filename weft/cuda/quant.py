@@ -45,12 +45,6 @@ GEMV_ROWS = 4  # up to this many rows, the matrix-vector kernels; more, `tl.dot`
 
 
 @triton.jit
-def _f16(ptr, offsets, mask):
-    """float16 values at byte `offsets` (even) of the uint8 `ptr`, widened to float32."""
-    return tl.load((ptr + offsets).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
     """Q8_0, Q4_0, Q5_0, Q4_1, Q5_1: eight 32-wide blocks; plane columns c = 16 g + i of block g hold
     its features i (low plane) and 16 + i (high plane)."""
@@ -71,7 +65,7 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         size = 24
     base = rows[:, None] + (block * size)[None, :]  # [N, P] byte offsets of the columns' blocks
     mask = tl.broadcast_to(ok[None, :], base.shape)
-    d = _f16(w_ptr, base, mask)  # [N, P]: each column's block scale (the loads of a block coincide)
+    d = block_gemv.f16(w_ptr, base, mask)  # [N, P]: each column's block scale (the loads of a block coincide)
     if KIND == 0:
         lo = tl.load(w_ptr + base + 2 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
         hi = tl.load(w_ptr + base + 18 + inner[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
@@ -82,7 +76,7 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         w_hi = d * ((byte >> 4) - 8).to(tl.float32)
     elif KIND == 5:  # Q4_1: d * q + m, m at byte 2
         byte = tl.load(w_ptr + base + 4 + inner[None, :], mask=mask, other=0).to(tl.int32)
-        m = _f16(w_ptr, base + 2, mask)
+        m = block_gemv.f16(w_ptr, base + 2, mask)
         w_lo = d * (byte & 15).to(tl.float32) + m
         w_hi = d * (byte >> 4).to(tl.float32) + m
     else:  # Q5_0 / Q5_1: the fifth bit of feature j is bit j of the little-endian uint32 qh
@@ -98,7 +92,7 @@ def _legacy(w_ptr, rows, chunk, num_blocks, KIND: tl.constexpr):
         if KIND == 2:
             w_lo, w_hi = d * (q_lo - 16).to(tl.float32), d * (q_hi - 16).to(tl.float32)
         else:
-            m = _f16(w_ptr, base + 2, mask)
+            m = block_gemv.f16(w_ptr, base + 2, mask)
             w_lo, w_hi = d * q_lo.to(tl.float32) + m, d * q_hi.to(tl.float32) + m
     feature = group * 32 + inner
     return w_lo, w_hi, feature, feature + 16, ok
@@ -109,8 +103,8 @@ def _q4_k(w_ptr, rows, chunk):
     """Q4_K: 144 bytes (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles); byte
     32 j + l holds feature 64 j + l (low, sub-block 2 j) and 64 j + 32 + l (high, 2 j + 1)."""
     base = rows + chunk * 144  # [N]
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    d = block_gemv.f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = block_gemv.f16(w_ptr, base + 2, rows >= 0)[:, None]
     cols = tl.arange(0, 128)
     nibbles = tl.load(w_ptr + base[:, None] + 16 + cols[None, :]).to(tl.int32)  # [N, P]
     sub = 2 * (cols // 32)  # [P] the low nibbles' sub-block
@@ -126,8 +120,8 @@ def _q5_k(w_ptr, rows, chunk):
     128 bytes of nibbles); the fifth bit of feature 64 j + l is bit 2 j of byte l, of 64 j + 32 + l
     bit 2 j + 1."""
     base = rows + chunk * 176  # [N]
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 2, rows >= 0)[:, None]
+    d = block_gemv.f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
+    dmin = block_gemv.f16(w_ptr, base + 2, rows >= 0)[:, None]
     cols = tl.arange(0, 128)
     nibbles = tl.load(w_ptr + base[:, None] + 48 + cols[None, :]).to(tl.int32)  # [N, P]
     bits = tl.load(w_ptr + base[:, None] + 16 + (cols % 32)[None, :]).to(tl.int32)
@@ -146,8 +140,8 @@ def _q2_k(w_ptr, rows, chunk):
     2 j of byte b hold feature 128 (b // 32) + 32 j + b % 32, whose 16-feature group's scale and
     min are byte 8 (b // 32) + 2 j + (b % 32) // 16. The low plane holds j = 0, 1, the high 2, 3."""
     base = rows + chunk * 84  # [N]
-    d = _f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
-    dmin = _f16(w_ptr, base + 82, rows >= 0)[:, None]
+    d = block_gemv.f16(w_ptr, base + 80, rows >= 0)[:, None]  # [N, 1]
+    dmin = block_gemv.f16(w_ptr, base + 82, rows >= 0)[:, None]
     cols = tl.arange(0, 128)
     b, j = cols % 64, cols // 64
     byte = tl.load(w_ptr + base[:, None] + 16 + b[None, :]).to(tl.int32)  # [N, P]
@@ -165,14 +159,10 @@ def _iq4_xs(w_ptr, rows, chunk):
     32 g + 16 + j (high) of sub-block g, whose 6-bit scale is scales_l[g // 2] >> 4 (g % 2) | the
     bits 2 g of scales_h << 4, less 32."""
     base = rows + chunk * 136  # [N]
-    d = _f16(w_ptr, base, rows >= 0)[:, None]  # [N, 1]
     cols = tl.arange(0, 128)
     g = cols // 16
     byte = tl.load(w_ptr + base[:, None] + 8 + cols[None, :]).to(tl.int32)  # [N, P]
-    high = tl.load((w_ptr + base + 2).to(tl.pointer_type(tl.int16))).to(tl.int32)[:, None]  # [N, 1]
-    low = tl.load(w_ptr + base[:, None] + 4 + (g // 2)[None, :]).to(tl.int32)  # [N, P]
-    scale = ((low >> (4 * (g % 2))[None, :]) & 15) | (((high >> (2 * g)[None, :]) & 3) << 4)
-    dl = d * (scale - 32).to(tl.float32)  # [N, P]
+    dl = block_gemv.iq4_xs_scales(w_ptr, base, rows >= 0, g)  # [N, P]
     lo = dl * (block_gemv.iq4_level(byte & 15) - 128).to(tl.float32)
     hi = dl * (block_gemv.iq4_level(byte >> 4) - 128).to(tl.float32)
     feature = 32 * g + cols % 16
@@ -189,15 +179,8 @@ def _q2_k_plane(w_ptr, base, q, group, d, dmin):
 @triton.jit
 def _q4_k_plane(w_ptr, base, q, sub, d, dmin):
     """One plane of Q4_K weights: q [N, P] times each column's sub-block (`sub` [P]) scale, less its
-    min. The 6-bit scale and min of sub-block s: bytes s and s + 4 of the 12 (s < 4), or packed
-    from bytes s + 4, s - 4 and s (s >= 4)."""
-    scales = w_ptr + base[:, None] + 4  # [N, 1]: the 12 bytes of scales and mins
-    first = (sub < 4)[None, :]
-    a = tl.load(scales + sub[None, :]).to(tl.int32)  # [N, P] byte s
-    b = tl.load(scales + sub[None, :] + 4).to(tl.int32)  # byte s + 4
-    c = tl.load(scales + tl.where(sub < 4, sub, sub - 4)[None, :]).to(tl.int32)  # byte s - 4 (s >= 4)
-    scale = tl.where(first, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
-    low = tl.where(first, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    min (`block_gemv.q4_k_scale_min`)."""
+    scale, low = block_gemv.q4_k_scale_min(w_ptr + base[:, None] + 4, sub[None, :])  # [N, P] each
     return (d * scale) * q.to(tl.float32) - dmin * low
 
 
@@ -207,7 +190,7 @@ def _q6_k(w_ptr, rows, chunk):
     byte 64 h + r holds feature 128 h + r (low) and 128 h + 64 + r (high), each with two bits of
     byte 128 + 32 h + r % 32 and a scale per 16 features."""
     base = rows + chunk * 210  # [N]
-    d = _f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
+    d = block_gemv.f16(w_ptr, base + 208, rows >= 0)[:, None]  # [N, 1]
     cols = tl.arange(0, 128)
     half = cols // 64
     r = cols % 64
