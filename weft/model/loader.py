@@ -390,12 +390,7 @@ def _expect_blocks(
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in state:
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(weight, QuantizedRows) and _rewrites_for(weight.kind, kernels.block_kinds):
-            weight = weight.rewritten()
-        multiplied = kernels.block_kinds
-        if isinstance(weight, MixedRows) and any(_rewrites_for(k, multiplied) for k in weight.kinds):
-            rewrite = (p.rewritten() if _rewrites_for(p.kind, multiplied) else p for p in weight.parts)
-            weight = MixedRows(tuple(rewrite))  # a Q2_K+Q3_K fusion as Q2_K+Q6_K
+        weight = _as_multiplied(weight, kernels.block_kinds)
         if (
             isinstance(weight, (QuantizedRows, MixedRows))
             and isinstance(module, (Linear, Embedding))
@@ -410,6 +405,18 @@ def _expect_blocks(
         else:
             tensors[name] = dequantized(weight)
     return tensors
+
+
+def _as_multiplied(weight: Weight, multiplied: frozenset[str]) -> Weight:
+    """`weight` with its rows of a kind the kernels lack rewritten as the kind they are packed as,
+    where the kernels multiply that one: a matrix, or each part of a fusion (Q2_K+Q3_K as
+    Q2_K+Q6_K)."""
+    if isinstance(weight, QuantizedRows) and _rewrites_for(weight.kind, multiplied):
+        return weight.rewritten()
+    if isinstance(weight, MixedRows) and any(_rewrites_for(k, multiplied) for k in weight.kinds):
+        parts = (p.rewritten() if _rewrites_for(p.kind, multiplied) else p for p in weight.parts)
+        return MixedRows(tuple(parts))
+    return weight
 
 
 def _rewrites_for(kind: str, multiplied: frozenset[str]) -> bool:
